@@ -1,0 +1,76 @@
+"""Process-start activation, imported by ``slime_ascend_bootstrap.pth`` in every interpreter.
+
+Inert unless ``SLIME_ASCEND_PLUGINS`` is set: then it loads the named plugins (entry-point group
+``slime_ascend.plugins``) and runs each plugin's process-start actions once. It never parses
+argv and never imports torch, ray, megatron or slime itself; plugins register import hooks
+(:mod:`slime_ascend._import_hooks`) for work that must happen when those are imported.
+
+A failure here must not break an unrelated interpreter, so it is printed once to stderr and kept:
+:func:`activation_error` returns it, and the first hook dispatcher call raises it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+ENV = "SLIME_ASCEND_PLUGINS"
+
+_lock = threading.Lock()
+_started: set[str] = set()
+_error: BaseException | None = None
+
+
+def activate(value: str | None = None) -> list[str]:
+    """Run the process-start actions of the plugins named in ``value`` (default: the environment).
+
+    Idempotent and thread-safe: an action runs at most once per process. Returns the names of
+    the plugins whose actions ran in this call.
+    """
+    global _error
+    value = os.environ.get(ENV, "") if value is None else value
+    if not value.strip():
+        return []
+    from .plugins import registry
+
+    ran: list[str] = []
+    with _lock:
+        try:
+            selection = registry.resolve_selection(registry.parse_names(value))
+            for plugin in selection.plugins:
+                if plugin.name in _started:
+                    continue
+                for path in plugin.process_start:
+                    registry_resolve(path)()
+                _started.add(plugin.name)
+                ran.append(plugin.name)
+        except Exception as exc:  # noqa: BLE001 - reported, kept, and re-raised at first use
+            _error = exc
+            print(f"slime-ascend: activation of {ENV}={value!r} failed: {exc}", file=sys.stderr)
+    return ran
+
+
+def registry_resolve(path: str):
+    from .plugins.base import resolve
+
+    return resolve(path)
+
+
+def started() -> frozenset[str]:
+    return frozenset(_started)
+
+
+def activation_error() -> BaseException | None:
+    return _error
+
+
+def _reset_for_tests() -> None:
+    global _error
+    with _lock:
+        _started.clear()
+        _error = None
+
+
+if os.environ.get(ENV):
+    activate()

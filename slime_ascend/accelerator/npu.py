@@ -1,0 +1,132 @@
+"""The ``npu`` backend for slime's accelerator registry (``slime.utils.accelerator``).
+
+Written against torch's generic device-module API (``torch.get_device_module``): the same class
+runs on ``npu`` on Ascend and, for tests, on ``cpu`` or ``cuda`` (:func:`accelerator_class`
+with another ``device_type``). Importing this module imports neither torch_npu nor slime; the
+class is built on first use, as a subclass of slime's ``TorchAccelerator``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("slime_ascend.accelerator")
+
+NAME = "npu"
+PRIORITY = 300  # above cuda (100) and musa (200): an Ascend host with a stray CUDA torch still picks npu
+COMMUNICATION_BACKEND = "hccl"
+VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+RAY_RESOURCE = "NPU"
+
+
+def torch_npu_installed() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def load_torch_npu() -> Any:
+    """Import torch_npu (it attaches ``torch.npu``); None when it is not installed."""
+    if not torch_npu_installed():
+        return None
+    return importlib.import_module("torch_npu")
+
+
+def is_npu_available() -> bool:
+    """Availability probe: never raises, never imports torch_npu when it is not installed."""
+    try:
+        if load_torch_npu() is None:
+            return False
+        import torch
+
+        module = getattr(torch, "npu", None)
+        return bool(module is not None and module.is_available() and module.device_count() > 0)
+    except Exception as exc:  # noqa: BLE001 - a broken CANN install reads as "not available"
+        logger.warning("torch_npu is installed but unusable: %s", exc)
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def accelerator_class(device_type: str = NAME) -> type:
+    """slime ``Accelerator`` subclass for ``device_type`` (``npu``; ``cpu``/``cuda`` in tests)."""
+    import torch
+    from slime.utils.accelerator.torch_accelerator import TorchAccelerator
+
+    class AscendAccelerator(TorchAccelerator):
+        name = NAME if device_type == NAME else f"{NAME}-as-{device_type}"
+        communication_backend_name = COMMUNICATION_BACKEND if device_type == NAME else (
+            "nccl" if device_type == "cuda" else "gloo"
+        )
+
+        def __init__(self) -> None:
+            self.device_type = device_type
+            if device_type == NAME:
+                load_torch_npu()
+
+        def _module(self) -> Any:
+            module = torch.get_device_module(self.device_type)
+            if module is None:
+                raise RuntimeError(f"torch has no device module for {self.device_type!r}")
+            return module
+
+        def is_available(self) -> bool:
+            if self.device_type == NAME:
+                return is_npu_available()
+            return bool(self._module().is_available())
+
+        @property
+        def visible_devices_env(self) -> str:
+            return VISIBLE_DEVICES_ENV
+
+        def current_device(self) -> int:
+            value = self._module().current_device()
+            return int(value) if str(value).isdigit() else 0
+
+        def communication_backend(self, default: str = "nccl") -> str:
+            return self.communication_backend_name if default in ("nccl", "hccl") else default
+
+        def weight_update_backend(self, default: str = "nccl") -> str:
+            return self.communication_backend(default)
+
+        def distributed_device_id(self, index=None):
+            return None  # HCCL takes no device_id in init_process_group
+
+        def supports(self, capability: str) -> bool:
+            if capability in {"nvml_affinity", "sglang_fp8_utils", "strict_fp32_logits", "torch_compile"}:
+                return False
+            return super().supports(capability)
+
+        def ray_resource_name(self) -> str:
+            return RAY_RESOURCE
+
+        def post_import_torch(self) -> None:
+            if self.device_type == NAME:
+                load_torch_npu()
+
+    AscendAccelerator.__qualname__ = f"AscendAccelerator[{device_type}]"
+    return AscendAccelerator
+
+
+def make_accelerator() -> Any:
+    return accelerator_class(NAME)()
+
+
+def register(accelerator_module: Any) -> None:
+    """Register ``npu`` in slime's accelerator registry (``accelerator_module`` is
+    ``slime.utils.accelerator``). Idempotent."""
+    accelerator_module.register_accelerator(
+        NAME,
+        make_accelerator,
+        is_npu_available,
+        priority=PRIORITY,
+        communication_backends=(COMMUNICATION_BACKEND,),
+    )
+    logger.debug("registered the npu accelerator (priority %d, %s)", PRIORITY, COMMUNICATION_BACKEND)
+
+
+def visible_device_ids() -> list[str]:
+    value = os.environ.get(VISIBLE_DEVICES_ENV, "")
+    return [v.strip() for v in value.split(",") if v.strip()]

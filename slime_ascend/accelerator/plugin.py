@@ -1,0 +1,60 @@
+"""The ``npu`` plugin: slime on Ascend NPUs.
+
+Process start (every process, from the bootstrap): register the ``npu`` accelerator as soon as
+``slime.utils.accelerator`` is imported; make slime's Ray code ask for ``NPU`` resources; and,
+on hosts with torch_npu (or when forced with ``SLIME_ASCEND_NPU_KERNEL_PATCHES=on``), import
+MindSpeed's adaptor before Megatron, disable jit/compile fusion and fix the fc1 gather layout.
+In each train actor the megatron-init dispatcher then calls MindSpeed's ``repatch(args)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .. import _import_hooks, patch
+from ..plugins.base import Contribution, Plugin
+from . import npu
+
+logger = logging.getLogger("slime_ascend.accelerator")
+
+KERNEL_PATCHES_ENV = "SLIME_ASCEND_NPU_KERNEL_PATCHES"  # auto (default) | on | off
+KERNEL_PATCHES = ("train.disable_torch_compile", "train.fc1_gather_layout")
+
+
+def kernel_patches_enabled() -> bool:
+    mode = os.environ.get(KERNEL_PATCHES_ENV, "auto").strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{KERNEL_PATCHES_ENV}={mode!r}: use auto, on or off")
+    return mode == "on" or (mode == "auto" and npu.torch_npu_installed())
+
+
+def on_process_start() -> None:
+    _import_hooks.when_imported("slime.utils.accelerator", npu.register)
+    patch.install_when_imported("driver.ray_npu_resources")
+    if kernel_patches_enabled():
+        from ..patch.train.mindspeed_repatch import import_adaptor_before_megatron
+
+        if not import_adaptor_before_megatron():
+            logger.warning("MindSpeed adaptor not scheduled (not installed, or megatron was imported first)")
+        for patch_id in KERNEL_PATCHES:
+            patch.install_when_imported(patch_id)
+
+
+def megatron_init(args) -> None:
+    from ..patch.train.mindspeed_repatch import mindspeed_installed
+
+    if kernel_patches_enabled() and mindspeed_installed():
+        patch.install("train.mindspeed_repatch", args)
+
+
+PLUGIN = Plugin(
+    name="npu",
+    description="Ascend NPU accelerator (HCCL, Ray NPU resources, ASCEND_RT_VISIBLE_DEVICES, MindSpeed bootstrap)",
+    process_start=("slime_ascend.accelerator.plugin.on_process_start",),
+    patches=("driver.ray_npu_resources",) + KERNEL_PATCHES + ("train.mindspeed_repatch",),
+    contributions=(
+        Contribution("megatron_init", "slime_ascend.accelerator.plugin.megatron_init", order=100,
+                     note="MindSpeed repatch(args)"),
+    ),
+)

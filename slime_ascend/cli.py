@@ -1,0 +1,117 @@
+"""The ``slime-ascend`` command. Subcommands import their implementation lazily."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_plugins(ns: argparse.Namespace) -> int:
+    from .plugins import registry
+    from .plugins.slots import SLOTS
+
+    known = registry.available()
+    if ns.json:
+        print(json.dumps({
+            name: {
+                "description": p.description,
+                "requires": list(p.requires),
+                "conflicts": list(p.conflicts),
+                "contributions": [{"slot": c.slot, "order": c.order, "target": c.target} for c in p.contributions],
+                "settings": {s.key: s.default for s in p.settings},
+                "patches": list(p.patches),
+            }
+            for name, p in sorted(known.items())
+        }, indent=2))
+        return 0
+    for name, plugin in sorted(known.items()):
+        print(f"{name}: {plugin.description}")
+        if plugin.requires:
+            print(f"    requires: {', '.join(plugin.requires)}")
+        if plugin.conflicts:
+            print(f"    conflicts: {', '.join(plugin.conflicts)}")
+        for c in plugin.contributions:
+            slot = SLOTS[c.slot]
+            print(f"    hook {c.slot} ({slot.slime_arg or 'runtime patch'}, order {c.order}): {c.target}")
+        for p in plugin.patches:
+            print(f"    runtime patch: {p}")
+        if plugin.settings:
+            print(f"    settings: {', '.join(s.key for s in plugin.settings)}")
+    return 0
+
+
+def _cmd_config(ns: argparse.Namespace) -> int:
+    from . import config
+
+    generated = config.build(ns.plugins)
+    if ns.output == "-":
+        sys.stdout.write(generated.yaml_text)
+        print(generated.hint("<this file>"), file=sys.stderr)
+        return 0
+    from pathlib import Path
+
+    path = Path(ns.output)
+    if path.exists() and not ns.force:
+        print(f"error: {path} exists; pass --force to overwrite it", file=sys.stderr)
+        return 2
+    path.write_text(generated.yaml_text)
+    print(generated.hint(str(path)))
+    return 0
+
+
+def _cmd_doctor(ns: argparse.Namespace) -> int:
+    from . import doctor
+
+    lines = doctor.run(check_patches=not ns.no_patches, probe_ray=ns.ray)
+    print(doctor.format_lines(lines))
+    return 1 if any(line.status == "fail" for line in lines) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slime-ascend", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list the plugins and what each contributes")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_plugins)
+
+    p = sub.add_parser("config", help="write the YAML for slime's --custom-config-path")
+    p.add_argument("plugins", nargs="+", help="plugin names (or 'all')")
+    p.add_argument("-o", "--output", required=True, help="YAML file to write ('-' for stdout)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("doctor", help="versions, activation, and whether our patches fit this slime")
+    p.add_argument("--no-patches", action="store_true", help="skip importing slime to check patch targets")
+    p.add_argument("--ray", action="store_true", help="ask a Ray worker what it sees (starts/joins a cluster)")
+    p.set_defaults(func=_cmd_doctor)
+
+    for register in _EXTRA:
+        register(sub)
+    return parser
+
+
+_EXTRA: list = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.func(ns) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a CLI prints the reason, not a traceback, for user errors
+        from .plugins.registry import PluginError
+        from .plugins.settings import SettingsError
+
+        if isinstance(exc, (PluginError, SettingsError, ValueError, FileNotFoundError)):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""``slime-ascend doctor``: what this environment has, and whether our patches fit its slime."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import site
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from . import _bootstrap
+from .plugins.runtime import ENV
+
+PTH_NAME = "slime_ascend_bootstrap.pth"
+
+
+@dataclasses.dataclass
+class Line:
+    topic: str
+    status: str  # ok | warn | fail | info
+    detail: str
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cann_version() -> str | None:
+    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
+        home = os.environ.get(var)
+        if not home:
+            continue
+        for name in ("version.cfg", "ascend_toolkit_install.info", "compiler/version.info"):
+            path = Path(home) / name
+            if path.is_file():
+                for line in path.read_text(errors="replace").splitlines():
+                    if "version" in line.lower() and "=" in line:
+                        return line.split("=", 1)[1].strip()
+        return f"found at {home} (version file not found)"
+    return None
+
+
+def find_pth() -> list[str]:
+    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
+    return [str(Path(d) / PTH_NAME) for d in dirs if (Path(d) / PTH_NAME).is_file()]
+
+
+def versions() -> list[Line]:
+    lines = [Line("python", "info", sys.version.split()[0])]
+    torch_version = _dist_version("torch")
+    lines.append(Line("torch", "ok" if torch_version else "fail", torch_version or "not installed"))
+    npu = _dist_version("torch-npu") or _dist_version("torch_npu")
+    lines.append(Line("torch-npu", "ok" if npu else "info", npu or "not installed (CPU/GPU host)"))
+    cann = cann_version()
+    lines.append(Line("CANN", "ok" if cann else "info", cann or "not found (ASCEND_HOME_PATH unset)"))
+    from .patch import slime_version
+
+    slime = slime_version()
+    spec = importlib.util.find_spec("slime")
+    where = next(iter(spec.submodule_search_locations)) if spec and spec.submodule_search_locations else ""
+    lines.append(Line("slime", "ok" if slime not in ("absent",) else "warn",
+                      f"{slime} at {where}" if where else "not importable (install THUDM/slime from source)"))
+    for dist in ("ray", "megatron-core", "sglang", "mindspeed", "transformers"):
+        v = _dist_version(dist)
+        lines.append(Line(dist, "info", v or "not installed"))
+    return lines
+
+
+def activation() -> list[Line]:
+    value = os.environ.get(ENV)
+    pth = find_pth()
+    lines = [
+        Line("bootstrap .pth", "ok" if pth else "fail",
+             ", ".join(pth) if pth else f"{PTH_NAME} not found in site-packages: reinstall slime-ascend"),
+        Line(ENV, "ok" if value else "info", value or "unset: the bootstrap is inert in this process"),
+    ]
+    error = _bootstrap.activation_error()
+    if error is not None:
+        lines.append(Line("activation", "fail", str(error)))
+    elif value:
+        lines.append(Line("activation", "ok", f"process-start actions ran for: {', '.join(sorted(_bootstrap.started()))}"))
+    if value:
+        if os.environ.get("RAY_ADDRESS"):
+            lines.append(Line("ray workers", "warn",
+                              f"RAY_ADDRESS is set: workers of that cluster see {ENV} only if it was exported before "
+                              "`ray start` on every node (or passed as runtime_env env_vars); run "
+                              "`slime-ascend doctor --ray` to check a live cluster"))
+        else:
+            lines.append(Line("ray workers", "ok",
+                              "a local ray.init() from this environment passes it to every worker"))
+    return lines
+
+
+def ray_probe() -> Line:
+    """Ask a live Ray cluster's worker what it sees (connects to RAY_ADDRESS or starts a local one)."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        started = True
+    try:
+        @ray.remote(num_cpus=0)
+        def probe():
+            from slime_ascend import _bootstrap as b
+
+            return os.environ.get(ENV), sorted(b.started())
+
+        seen, ran = ray.get(probe.remote(), timeout=60)
+    finally:
+        if started:
+            ray.shutdown()
+    want = os.environ.get(ENV)
+    ok = (seen or "") == (want or "")
+    return Line("ray worker probe", "ok" if ok else "fail",
+                f"a worker sees {ENV}={seen!r} (driver: {want!r}); plugins started there: {ran}")
+
+
+def patch_targets() -> list[Line]:
+    from . import patch
+
+    lines = []
+    for p in patch.all_patches():
+        problems = p.verify()
+        if problems and all(pr.startswith("cannot import target") for pr in problems):
+            lines.append(Line(f"patch {p.id}", "info", f"not checkable here: {problems[0]}"))
+        elif problems:
+            lines.append(Line(f"patch {p.id}", "fail", "; ".join(problems)))
+        else:
+            lines.append(Line(f"patch {p.id}", "ok", f"target matches (checked on slime {', '.join(p.checked_on)})"))
+    return lines
+
+
+def run(check_patches: bool = True, probe_ray: bool = False) -> list[Line]:
+    lines = versions() + activation()
+    if check_patches:
+        lines += patch_targets()
+    if probe_ray:
+        lines.append(ray_probe())
+    return lines
+
+
+def format_lines(lines: list[Line]) -> str:
+    width = max(len(l.topic) for l in lines)
+    marks = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "info": "    "}
+    return "\n".join(f"[{marks[l.status]}] {l.topic:<{width}}  {l.detail}" for l in lines)

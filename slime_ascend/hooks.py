@@ -1,0 +1,164 @@
+"""One dispatcher per slime hook. slime loads these by dotted path (``slime_ascend.hooks.X``).
+
+Each dispatcher validates the enabled plugins against the real ``args`` at first use in its
+process, then runs the plugins' contributions for its slot in the declared order (see
+:mod:`slime_ascend.plugins.slots`). A plugin never sets a slime hook path itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from . import _bootstrap
+from .plugins import runtime
+from .plugins.registry import PluginError
+
+
+def _contributions(args: Any, slot: str) -> list[tuple[str, Any]]:
+    error = _bootstrap.activation_error()
+    if error is not None:
+        raise PluginError(f"slime-ascend failed to activate at process start: {error}") from error
+    state = runtime.active(args)
+    return [(plugin, contribution.load()) for plugin, contribution in state.selection.slots.get(slot, ())]
+
+
+def _exclusive(args: Any, slot: str) -> Any:
+    entries = _contributions(args, slot)
+    if not entries:
+        raise PluginError(
+            f"slime called slime_ascend.hooks for slot {slot!r}, but no enabled plugin provides it "
+            f"(enabled: {', '.join(runtime.enabled_names(args)) or 'none'}). Fix: regenerate the YAML with "
+            "`slime-ascend config` for the plugins you enable, or remove that hook path."
+        )
+    return entries[0][1]
+
+
+def _merge_metrics(into: dict[str, Any], new: dict[str, Any], plugin: str, slot: str) -> None:
+    for key, value in (new or {}).items():
+        if key in into:
+            raise PluginError(f"plugin {plugin!r} reports metric {key!r} in slot {slot!r}, which another plugin set")
+        into[key] = value
+
+
+# ---- train actor ----------------------------------------------------------------------------------
+def loss_function(args, batch, logits, sum_of_sample_mean):
+    return _exclusive(args, "loss")(args, batch, logits, sum_of_sample_mean)
+
+
+def advantage_function(args, rollout_data) -> None:
+    entries = _contributions(args, "advantage")
+    if not entries:
+        _exclusive(args, "advantage")  # raises the explanatory error
+    for _, fn in entries:
+        fn(args, rollout_data)
+    missing = [k for k in ("advantages", "returns") if rollout_data.get(k) is None]
+    if missing:
+        raise PluginError(
+            f"advantage plugins {[p for p, _ in entries]} left rollout_data without {missing}; the first "
+            "contribution in the chain must compute them"
+        )
+
+
+def tis_function(
+    args,
+    *,
+    pg_loss,
+    train_log_probs,
+    rollout_log_probs,
+    loss_masks,
+    total_lengths,
+    response_lengths,
+    **kwargs,
+):
+    metrics: dict[str, Any] = {}
+    for plugin, fn in _contributions(args, "tis"):
+        pg_loss, loss_masks, new = fn(
+            args,
+            pg_loss=pg_loss,
+            train_log_probs=train_log_probs,
+            rollout_log_probs=rollout_log_probs,
+            loss_masks=loss_masks,
+            total_lengths=total_lengths,
+            response_lengths=response_lengths,
+            **kwargs,
+        )
+        _merge_metrics(metrics, new, plugin, "tis")
+    return pg_loss, loss_masks, metrics
+
+
+def rollout_data_postprocess(args, rollout_id, rollout_data) -> None:
+    for _, fn in _contributions(args, "rollout_data_postprocess"):
+        fn(args, rollout_id, rollout_data)
+
+
+def megatron_init(args) -> None:
+    for _, fn in _contributions(args, "megatron_init"):
+        fn(args)
+
+
+def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None:
+    for _, fn in _contributions(args, "before_train_step"):
+        fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
+
+
+def quantize_params(args, megatron_name, converted_named_params, quantization_config, transform_ue8m0=True):
+    """Our formats for the weight-sync funnel. Returns None when the config is not ours."""
+    return _exclusive(args, "quantize_params")(
+        args, megatron_name, converted_named_params, quantization_config, transform_ue8m0
+    )
+
+
+# ---- rollout manager ------------------------------------------------------------------------------
+def _accepts(fn: Any, name: str) -> bool:
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+async def generate(args, sample, sampling_params, evaluation=False):
+    fn = _exclusive(args, "generate")
+    if _accepts(fn, "evaluation"):
+        return await fn(args, sample, sampling_params, evaluation=evaluation)
+    return await fn(args, sample, sampling_params)
+
+
+async def reward_model(args, sample, **kwargs):
+    return await _exclusive(args, "reward_model")(args, sample, **kwargs)
+
+
+def convert_samples_to_train_data(args, samples):
+    return _exclusive(args, "convert_samples")(args, samples)
+
+
+def rollout_sample_hook(args, sample, *, rollout_id=None, evaluation=False):
+    for _, fn in _contributions(args, "rollout_sample_hook"):
+        sample = fn(args, sample, rollout_id=rollout_id, evaluation=evaluation)
+        if sample is None:
+            return None
+    return sample
+
+
+GROUP_NORMALISED = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
+
+
+def reward_post_process(args, samples):
+    """Plugins' reward steps in order, then per-group normalisation counting each rollout once.
+
+    Replaces slime's default post-process (which it skips when this hook is set); with one sample
+    per rollout the normalisation is the same as slime's.
+    """
+    from .algorithms.reward_norm import group_normalise
+
+    raw_rewards = [sample.get_reward_value(args) for sample in samples]
+    rewards = list(raw_rewards)
+    for _, fn in _contributions(args, "reward_post_process"):
+        raw_rewards, rewards = fn(args, samples, raw_rewards, rewards)
+    if getattr(args, "advantage_estimator", None) in GROUP_NORMALISED and getattr(args, "rewards_normalization", False):
+        rewards = group_normalise(
+            rewards,
+            [getattr(s, "group_index", None) for s in samples],
+            [s.rollout_id if getattr(s, "rollout_id", None) is not None else s.index for s in samples],
+            divide_by_std=args.advantage_estimator in ("grpo", "gspo", "cispo")
+            and bool(getattr(args, "grpo_std_normalization", False)),
+        )
+    return raw_rewards, rewards

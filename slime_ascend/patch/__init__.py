@@ -1,0 +1,84 @@
+"""The runtime patch ledger.
+
+Every change slime-ascend makes to upstream code at run time is listed here, one file per patch,
+grouped by the process that runs the target (``driver/``, ``train/``, ``rollout/``,
+``engine/``). Each entry says what it changes, why, how, which upstream patch in ``patches/``
+would retire it, and on which slime versions it was checked (the patch object carries these
+fields; ``slime-ascend doctor`` prints them and checks each target against the installed slime).
+
+| id | target | retired by |
+|---|---|---|
+| driver.ray_npu_resources | `ray` in slime.ray.{placement_group,actor_group,rollout,train_actor}; InfoActor | 0002-accelerator-ray-resource-name |
+| train.disable_torch_compile | megatron.core.jit.jit_fuser; compiled helpers in slime.utils.ppo_utils | 0006-accelerator-supports-torch-compile |
+| train.fc1_gather_layout | update_weight.common.all_gather_param(s_async) and by-name imports | 0007-fc1-gather-partition-dim |
+| train.mindspeed_repatch | mindspeed.megatron_adaptor.repatch(args) after init | 0001-plugin-import-from-environment |
+| train.critic_train_iters | MegatronTrainRayActor.train_critic: K value-loss passes | 0003-critic-train-iters |
+| train.critic_advantage_function | critic's compute_advantages_and_returns keeps our GAE | 0003-critic-train-iters |
+| train.quantize_params | megatron_to_hf.quantize_params funnel -> our formats | 0005-quantizer-hook |
+| rollout.forward_metadata | RolloutManager._split_train_data_by_dp forwards segment metadata | 0004-forward-metadata-extra-batch-keys |
+
+Patches are applied (1) when their target module is imported, for process-start patches that a
+plugin registers from the bootstrap (:func:`install_when_imported`), or (2) from a dispatcher
+with the real ``args`` (:func:`install`). Each patch checks its target first and fails loudly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .. import _import_hooks
+from .base import PatchError, PatchTargetError, RuntimePatch, slime_version
+
+# id -> module that defines PATCH
+LEDGER: dict[str, str] = {
+    "driver.ray_npu_resources": "slime_ascend.patch.driver.ray_npu_resources",
+    "train.disable_torch_compile": "slime_ascend.patch.train.disable_torch_compile",
+    "train.fc1_gather_layout": "slime_ascend.patch.train.fc1_gather_layout",
+    "train.mindspeed_repatch": "slime_ascend.patch.train.mindspeed_repatch",
+}
+
+
+def get(patch_id: str) -> RuntimePatch:
+    try:
+        module = LEDGER[patch_id]
+    except KeyError:
+        raise KeyError(f"no runtime patch {patch_id!r} in the ledger; known: {', '.join(sorted(LEDGER))}") from None
+    patch = importlib.import_module(module).PATCH
+    if patch.id != patch_id:
+        raise PatchError(f"ledger entry {patch_id!r} points at {module}, which defines {patch.id!r}")
+    return patch
+
+
+def all_patches() -> list[RuntimePatch]:
+    return [get(patch_id) for patch_id in LEDGER]
+
+
+def install(patch_id: str, args: Any = None) -> RuntimePatch:
+    """Check and apply now (imports the targets)."""
+    patch = get(patch_id)
+    patch.install(args)
+    return patch
+
+
+def install_when_imported(patch_id: str) -> RuntimePatch:
+    """Apply to each target module as soon as it is imported (now for those already imported)."""
+    patch = get(patch_id)
+    for module_name in patch.target_modules:
+        _import_hooks.when_imported(
+            module_name, lambda module, name=module_name: patch.install(modules={name: module})
+        )
+    return patch
+
+
+__all__ = [
+    "LEDGER",
+    "PatchError",
+    "PatchTargetError",
+    "RuntimePatch",
+    "all_patches",
+    "get",
+    "install",
+    "install_when_imported",
+    "slime_version",
+]

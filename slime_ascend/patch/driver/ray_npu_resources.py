@@ -1,0 +1,149 @@
+"""Ray asks for ``NPU`` where slime asks for ``GPU``.
+
+slime hard-codes Ray's ``GPU`` resource: placement-group bundles, ``num_gpus=`` on the train,
+rollout and info actors, and ``ray.get_gpu_ids()`` for the local device id. On Ascend, Ray
+exposes NPUs as the ``NPU`` resource and sets ``ASCEND_RT_VISIBLE_DEVICES`` for NPU workers.
+
+How: each target module's global ``ray`` (and ``placement_group`` where imported by name) is
+replaced with :class:`NPURay`, a thin view of the ray module whose ``remote``/``options``
+translate ``num_gpus=x`` into ``resources={"NPU": x}``, whose ``get_gpu_ids`` returns the NPU
+ids, and whose ``placement_group`` rewrites ``GPU`` bundles. ``InfoActor``, decorated when
+``placement_group.py`` was imported, is re-decorated through the same view. Everything else on
+the ray module passes through untouched, and removing the patch restores the originals.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from ..base import RuntimePatch, missing_attrs, missing_source
+
+GPU = "GPU"
+NPU = "NPU"
+
+
+def translate_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``num_gpus=x`` -> ``resources={"NPU": x}`` (merged with any resources given)."""
+    options = dict(options)
+    gpus = options.pop("num_gpus", None)
+    if gpus:
+        resources = dict(options.get("resources") or {})
+        resources[NPU] = resources.get(NPU, 0) + gpus
+        options["resources"] = resources
+    return options
+
+
+def translate_bundles(bundles: list[dict[str, float]]) -> list[dict[str, float]]:
+    out = []
+    for bundle in bundles:
+        bundle = dict(bundle)
+        if GPU in bundle:
+            bundle[NPU] = bundle.get(NPU, 0) + bundle.pop(GPU)
+        out.append(bundle)
+    return out
+
+
+class _TranslatingRemote:
+    """An ActorClass / RemoteFunction whose ``options`` translate GPU requests."""
+
+    def __init__(self, wrapped: Any):
+        self._wrapped = wrapped
+
+    def options(self, **options: Any) -> Any:
+        return self._wrapped.options(**translate_options(options))
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapped.remote(*args, **kwargs)
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self._wrapped, item)
+
+
+class NPURay:
+    """The ray module as slime's Ray code should see it on Ascend."""
+
+    def __init__(self, ray_module: ModuleType):
+        self._ray = ray_module
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self._ray, item)
+
+    def remote(self, *args: Any, **options: Any) -> Any:
+        if args and len(args) == 1 and not options and callable(args[0]):
+            return _TranslatingRemote(self._ray.remote(args[0]))
+        translated = translate_options(options)
+        # a GPU-free actor class must still declare its NPU need: keep num_gpus out
+        decorator = self._ray.remote(**translated)
+        return lambda target: _TranslatingRemote(decorator(target))
+
+    def get_gpu_ids(self) -> list[Any]:
+        ids = self._ray.get_runtime_context().get_accelerator_ids().get(NPU, [])
+        return list(ids)
+
+    def cluster_resources(self) -> dict[str, float]:
+        return _as_gpu_view(self._ray.cluster_resources())
+
+    def available_resources(self) -> dict[str, float]:
+        return _as_gpu_view(self._ray.available_resources())
+
+
+def _as_gpu_view(resources: dict[str, float]) -> dict[str, float]:
+    """slime only logs ``GPU`` counts; report the NPUs under that key."""
+    resources = dict(resources)
+    resources[GPU] = resources.get(NPU, 0)
+    return resources
+
+
+def npu_placement_group(original):
+    def placement_group(bundles, *args, **kwargs):
+        return original(translate_bundles(bundles), *args, **kwargs)
+
+    placement_group.__wrapped__ = original
+    return placement_group
+
+
+# module -> what it must still contain for the translation to be complete
+EXPECTED_SOURCE = {
+    "slime.ray.placement_group": ('{"GPU": 1, "CPU": 1}', "ray.get_gpu_ids()", "@ray.remote(num_gpus=1)"),
+    "slime.ray.actor_group": ('"num_gpus": 1', "num_gpus=num_gpus_per_actor", "ray.remote(**actor_options)"),
+    "slime.ray.rollout": ("ray.remote(SGLangEngine)", "num_gpus=num_gpus"),
+    "slime.ray.train_actor": ("ray.get_gpu_ids()[0]",),
+}
+
+
+class RayNPUResources(RuntimePatch):
+    def check(self, modules: dict[str, ModuleType]) -> list[str]:
+        problems: list[str] = []
+        for name, module in modules.items():
+            problems += missing_attrs(module, ["ray"])
+            problems += missing_source(module, EXPECTED_SOURCE.get(name, ()), label=name)
+            if name == "slime.ray.placement_group":
+                problems += missing_attrs(module, ["placement_group", "InfoActor.__ray_actor_class__"])
+        return problems
+
+    def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
+        for name, module in modules.items():
+            self.wrap(module, "ray", lambda ray_module: NPURay(ray_module))
+            if name == "slime.ray.placement_group":
+                self.wrap(module, "placement_group", npu_placement_group)
+                self.wrap(module, "InfoActor", _redecorate_info_actor)
+
+
+def _redecorate_info_actor(actor_class: Any) -> Any:
+    """``@ray.remote(num_gpus=1) class InfoActor`` -> the same class asking for one NPU."""
+    import ray
+
+    return _TranslatingRemote(ray.remote(resources={NPU: 1})(actor_class.__ray_actor_class__))
+
+
+PATCH = RayNPUResources(
+    id="driver.ray_npu_resources",
+    targets=tuple(f"{m}:ray" for m in EXPECTED_SOURCE) + ("slime.ray.placement_group:placement_group",
+                                                          "slime.ray.placement_group:InfoActor"),
+    why="slime requests Ray's GPU resource and reads ray.get_gpu_ids(); Ascend NPUs are Ray's NPU resource.",
+    how="Each target module's `ray` becomes a view that maps num_gpus to resources={'NPU': n}, GPU bundles to "
+    "NPU bundles, and get_gpu_ids to the NPU accelerator ids; InfoActor is re-declared through it.",
+    upstream="patches/0002-accelerator-ray-resource-name.patch",
+    checked_on=("0.3.1",),
+)
