@@ -1,0 +1,85 @@
+"""Context-parallel (CP) zig-zag layout of response-aligned per-token vectors, as pure functions.
+
+Layout (same semantics as slime's ``cp_utils``): a sample of ``total_length`` tokens (prompt followed by
+response) is padded to ``2 * cp_size`` chunks of ``ceil(total_length / (2 * cp_size))`` tokens; CP rank r
+owns chunks r and ``2 * cp_size - 1 - r``. A response-aligned vector (log-probs, values, advantages, ...)
+has ``response_length`` entries; entry j belongs to the logit at sequence position ``prompt_length - 1 + j``
+(the logit that predicts response token j). A rank's local vector is the concatenation of the entries whose
+logit positions fall inside its two chunks, in chunk order. ``loss_masks`` stay full length in slime.
+
+Use :func:`cp_unslice` (gather), compute on the full vector, then :func:`cp_slice` (re-slice) to run a
+sequence-global algorithm such as GAE under CP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["cp_local_length", "cp_response_ranges", "cp_slice", "cp_unslice"]
+
+
+def _check(cp_rank: int | None, cp_size: int, total_length: int, response_length: int) -> None:
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if cp_rank is not None and not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must lie in [0, cp_size={cp_size}), got {cp_rank}")
+    if response_length < 0 or total_length - response_length < 1:
+        raise ValueError(
+            f"need 0 <= response_length < total_length (a prompt of at least one token); "
+            f"got total_length={total_length}, response_length={response_length}"
+        )
+
+
+def cp_response_ranges(
+    cp_rank: int, cp_size: int, total_length: int, response_length: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Half-open ranges of response indices owned by ``cp_rank`` (first chunk, second chunk).
+
+    An empty range is returned as ``(0, 0)``. With ``cp_size == 1`` the rank owns ``(0, response_length)``.
+    """
+    _check(cp_rank, cp_size, total_length, response_length)
+    if cp_size == 1:
+        return (0, response_length), (0, 0)
+    prompt_length = total_length - response_length
+    chunk = -(-total_length // (2 * cp_size))
+    first_logit, end_logit = prompt_length - 1, total_length - 1  # response logits: [P - 1, T - 1)
+    out = []
+    for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+        lo, hi = max(c * chunk, first_logit), min((c + 1) * chunk, end_logit)
+        out.append((lo - first_logit, hi - first_logit) if lo < hi else (0, 0))
+    return out[0], out[1]
+
+
+def cp_local_length(cp_rank: int, cp_size: int, total_length: int, response_length: int) -> int:
+    """Length of ``cp_rank``'s local response-aligned vector."""
+    (a0, a1), (b0, b1) = cp_response_ranges(cp_rank, cp_size, total_length, response_length)
+    return (a1 - a0) + (b1 - b0)
+
+
+def cp_slice(full: torch.Tensor, cp_rank: int, cp_size: int, total_length: int, response_length: int) -> torch.Tensor:
+    """Full response-aligned vector (first dim ``response_length``) -> ``cp_rank``'s local piece."""
+    if full.shape[0] != response_length:
+        raise ValueError(f"full has {full.shape[0]} entries on dim 0, expected response_length={response_length}")
+    (a0, a1), (b0, b1) = cp_response_ranges(cp_rank, cp_size, total_length, response_length)
+    return torch.cat([full[a0:a1], full[b0:b1]], dim=0)
+
+
+def cp_unslice(
+    pieces: Sequence[torch.Tensor], cp_size: int, total_length: int, response_length: int
+) -> torch.Tensor:
+    """Local pieces of every CP rank (index = rank) -> the full response-aligned vector."""
+    if len(pieces) != cp_size:
+        raise ValueError(f"need one piece per CP rank ({cp_size}), got {len(pieces)}")
+    _check(None, cp_size, total_length, response_length)
+    ref = pieces[0]
+    full = ref.new_zeros((response_length, *ref.shape[1:]))
+    for r, piece in enumerate(pieces):
+        (a0, a1), (b0, b1) = cp_response_ranges(r, cp_size, total_length, response_length)
+        n0, n1 = a1 - a0, b1 - b0
+        if piece.shape[0] != n0 + n1:
+            raise ValueError(f"piece of rank {r} has {piece.shape[0]} entries, expected {n0 + n1}")
+        full[a0:a1] = piece[:n0]
+        full[b0:b1] = piece[n0:]
+    return full

@@ -1,0 +1,387 @@
+"""Generalised advantage estimation for agentic RL (SAO skip-observation GAE, CompactionRL segment decay).
+
+All functions are pure torch, device-neutral and free of Python loops over tokens.
+
+Conventions (response-aligned, one 1-D tensor per sample, as in slime's ``rollout_data``):
+
+* ``loss_mask == 1`` marks an *action* token (sampled by the policy, trainable); ``0`` marks an
+  observation / tool token.
+* Skip-observation GAE treats only action tokens as time steps: the last token of one action span is
+  followed directly by the first token of the next one. This equals deleting the observation tokens and
+  running ordinary token-level GAE, bootstrapping 0 after the last action token.
+* Values at observation positions are ignored. Advantages and returns at observation positions are 0.
+* Rewards at observation positions are ignored by default (``observation_rewards="ignore"``); with
+  ``"credit_previous_action"`` they are added to the nearest preceding action token of the same sample
+  (rewards on observations that precede every action are dropped). Put terminal rewards on the last
+  action token with :func:`terminal_rewards_on_last_action`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "apply_segment_decay",
+    "cross_segment_gae",
+    "discounted_reverse_cumsum",
+    "length_adaptive_lambda",
+    "length_adaptive_lambdas",
+    "rollout_adaptive_lambdas",
+    "segment_decay_factors",
+    "skip_observation_gae",
+    "terminal_rewards_on_last_action",
+    "token_gae",
+]
+
+ObservationRewards = Literal["ignore", "credit_previous_action"]
+
+
+# ----------------------------------------------------------------------------------------------
+# discounted reverse cumulative sum
+# ----------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other floating dtype is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _reverse_scan(x: torch.Tensor, discount: Sequence[float], chunk_size: int) -> torch.Tensor:
+    """y[:, t] = x[:, t] + d * y[:, t+1] for a 2-D ``x`` and one discount per row (Python floats).
+
+    Hierarchical chunked scan: a C x C matmul inside each chunk, then the chunk heads form a scan of the
+    same kind with discount d**C, solved recursively (depth log_C T). Only non-negative powers d**k with
+    k <= C appear, so nothing overflows for d in [0, 1] however long the sequence.
+    """
+    B, T = x.shape
+    if T == 0:
+        return x.clone()
+    C = min(chunk_size, T)
+    n = -(-T // C)
+    pad = n * C - T
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    chunks = x.view(B, n, C)
+
+    uniform = all(d == discount[0] for d in discount)
+    dd = torch.tensor(discount[:1] if uniform else list(discount), dtype=x.dtype, device=x.device)  # [1] or [B]
+    idx = torch.arange(C, device=x.device)
+    diff = idx[None, :] - idx[:, None]  # diff[i, j] = j - i
+    # M[b, i, j] = d_b ** (j - i) for j >= i, else 0.   0 ** 0 == 1 keeps the diagonal for d == 0.
+    M = torch.where(diff >= 0, dd[:, None, None] ** diff.clamp(min=0).to(x.dtype), 0.0)
+    # local[b, c, i] = sum_j M[b, i, j] * chunks[b, c, j]: the scan restricted to chunk c
+    if uniform:
+        local = chunks @ M[0].transpose(0, 1)
+    else:
+        local = torch.bmm(chunks, M.transpose(1, 2))
+    if n == 1:
+        return local.reshape(B, C)[:, :T]
+
+    # y at the head of chunk c: heads_y[c] = local[c, 0] + d**C * heads_y[c + 1]
+    heads_y = _reverse_scan(local[:, :, 0].contiguous(), [d**C for d in discount], chunk_size)
+    carry = torch.nn.functional.pad(heads_y[:, 1:], (0, 1))  # y at the head of the next chunk; 0 after the end
+    # y[c, i] = local[c, i] + d ** (C - i) * carry[c]
+    pow_vec = dd[:, None] ** (C - idx).to(x.dtype)  # [1 or B, C]
+    y = local + carry[:, :, None] * pow_vec[:, None, :]
+    return y.reshape(B, n * C)[:, :T]
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if int(chunk_size) < 2:
+        raise ValueError(f"chunk_size must be >= 2, got {chunk_size}")
+
+
+def discounted_reverse_cumsum(
+    x: torch.Tensor,
+    discount: float | Sequence[float] | torch.Tensor,
+    chunk_size: int = 128,
+) -> torch.Tensor:
+    """Return y with y[..., t] = x[..., t] + discount * y[..., t+1] (and y after the end = 0).
+
+    ``x`` is 1-D ``[T]`` or 2-D ``[B, T]``; ``discount`` is a scalar or one value per row, each in [0, 1].
+    Computed in float32 (float64 inputs stay float64) and returned in ``x``'s dtype.
+    """
+    if not isinstance(x, torch.Tensor) or x.ndim not in (1, 2):
+        raise TypeError("x must be a 1-D [T] or 2-D [B, T] tensor")
+    _check_chunk_size(chunk_size)
+    squeeze = x.ndim == 1
+    x2 = x[None] if squeeze else x
+    d = [float(v) for v in torch.as_tensor(discount, dtype=torch.float64).reshape(-1).tolist()]
+    if len(d) == 1:
+        d = d * x2.shape[0]
+    if len(d) != x2.shape[0]:
+        raise ValueError(f"discount must be a scalar or have one value per row ({x2.shape[0]}), got {len(d)}")
+    if any(not 0.0 <= v <= 1.0 for v in d):
+        raise ValueError(f"discount must lie in [0, 1], got {d}")
+    y = _reverse_scan(x2.to(_compute_dtype(x.dtype)), d, chunk_size).to(x.dtype)
+    return y[0] if squeeze else y
+
+
+# ----------------------------------------------------------------------------------------------
+# lambda schedules and reward placement
+# ----------------------------------------------------------------------------------------------
+
+
+def length_adaptive_lambda(num_trainable_tokens: int, alpha: float = 1.5) -> float:
+    """VAPO/SAO length-adaptive policy lambda: ``1 - 1 / (alpha * l)`` clamped to [0, 1].
+
+    ``l`` is the number of trainable (action) tokens. The clamp only matters for tiny ``l``: ``l == 0``
+    (nothing to train, the value is irrelevant) gives 0, and ``alpha * l < 1`` gives 0 instead of a
+    negative lambda. The critic uses lambda = 1 instead.
+    """
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    n = int(num_trainable_tokens)
+    if n < 0:
+        raise ValueError(f"num_trainable_tokens must be >= 0, got {n}")
+    if n == 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - 1.0 / (alpha * n)))
+
+
+def length_adaptive_lambdas(loss_masks: Sequence[torch.Tensor], alpha: float = 1.5) -> list[float]:
+    """Per-sample :func:`length_adaptive_lambda` with ``l = loss_mask.sum()``."""
+    if len(loss_masks) == 0:
+        return []
+    counts = torch.stack([(m != 0).sum() for m in loss_masks]).tolist()
+    return [length_adaptive_lambda(c, alpha) for c in counts]
+
+
+def rollout_adaptive_lambdas(
+    rollout_ids: Sequence[Hashable], trainable_counts: Sequence[int], alpha: float = 1.5
+) -> list[float]:
+    """One length-adaptive lambda per rollout, from the rollout's total trainable tokens over all its
+    segments (CompactionRL), returned once per entry so it lines up with the segment metadata."""
+    if len(rollout_ids) != len(trainable_counts):
+        raise ValueError("rollout_ids and trainable_counts must have the same length")
+    totals: dict[Hashable, int] = {}
+    for rid, n in zip(rollout_ids, trainable_counts, strict=True):
+        totals[rid] = totals.get(rid, 0) + int(n)
+    return [length_adaptive_lambda(totals[rid], alpha) for rid in rollout_ids]
+
+
+def terminal_rewards_on_last_action(
+    scalar_rewards: Sequence[float] | torch.Tensor,
+    loss_masks: Sequence[torch.Tensor],
+    token_rewards: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Per-token reward vectors: ``token_rewards`` (e.g. ``-kl_coef * kl``, default 0) plus each sample's
+    scalar reward on its last action token. A sample without action tokens gets no terminal reward."""
+    B = len(loss_masks)
+    if len(scalar_rewards) != B:
+        raise ValueError(f"scalar_rewards has {len(scalar_rewards)} entries, loss_masks has {B}")
+    if token_rewards is not None and len(token_rewards) != B:
+        raise ValueError(f"token_rewards has {len(token_rewards)} entries, loss_masks has {B}")
+    out = []
+    for i, m in enumerate(loss_masks):
+        if token_rewards is not None:
+            if token_rewards[i].shape != m.shape:
+                raise ValueError(f"token_rewards[{i}] shape {tuple(token_rewards[i].shape)} != loss_masks shape")
+            r = token_rewards[i].clone()
+        else:
+            r = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+        mb = m != 0
+        if m.numel():
+            # last action token found without a host sync; adds 0 when the sample has no action token
+            last = m.numel() - 1 - torch.flip(mb, dims=[0]).to(torch.int8).argmax()
+            reward = torch.as_tensor(scalar_rewards[i], dtype=r.dtype, device=r.device)
+            r[last] += torch.where(mb.any(), reward, torch.zeros_like(reward))
+        out.append(r)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# skip-observation GAE
+# ----------------------------------------------------------------------------------------------
+
+
+def _per_sample_lambdas(lambd: float | Sequence[float], B: int) -> list[float]:
+    if isinstance(lambd, (int, float)):
+        lams = [float(lambd)] * B
+    else:
+        lams = [float(v) for v in lambd]
+        if len(lams) != B:
+            raise ValueError(f"lambd has {len(lams)} entries, expected one per sample ({B}) or a single float")
+    for v in lams:
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"lambd must lie in [0, 1], got {v}")
+    return lams
+
+
+def skip_observation_gae(
+    values: Sequence[torch.Tensor],
+    rewards: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    gamma: float,
+    lambd: float | Sequence[float],
+    *,
+    observation_rewards: ObservationRewards = "ignore",
+    chunk_size: int = 128,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Token-level GAE over action tokens only (SAO skip-observation GAE), batched over samples.
+
+    Args:
+        values, rewards, loss_masks: per-sample 1-D response-aligned tensors of equal length.
+        gamma: discount in [0, 1].
+        lambd: GAE lambda in [0, 1], a float or one per sample (see :func:`length_adaptive_lambdas`).
+        observation_rewards: what to do with rewards on observation tokens (see module docstring).
+        chunk_size: chunk length of the scan.
+
+    Returns:
+        ``(advantages, returns)``, per-sample tensors in ``values``' dtype; ``returns = advantages + values``
+        on action tokens; both are 0 on observation tokens.
+    """
+    B = len(values)
+    if len(rewards) != B or len(loss_masks) != B:
+        raise ValueError(
+            f"values, rewards and loss_masks need one tensor per sample; got {B}, {len(rewards)}, {len(loss_masks)}"
+        )
+    if not 0.0 <= float(gamma) <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+    if observation_rewards not in ("ignore", "credit_previous_action"):
+        raise ValueError(f"observation_rewards must be 'ignore' or 'credit_previous_action', got {observation_rewards!r}")
+    lams = _per_sample_lambdas(lambd, B)
+    _check_chunk_size(chunk_size)
+    if B == 0:
+        return [], []
+    for i in range(B):
+        if values[i].ndim != 1 or values[i].shape != rewards[i].shape or values[i].shape != loss_masks[i].shape:
+            raise ValueError(
+                f"sample {i}: values, rewards and loss_masks must be 1-D of equal length; got "
+                f"{tuple(values[i].shape)}, {tuple(rewards[i].shape)}, {tuple(loss_masks[i].shape)}"
+            )
+    out_dtype = values[0].dtype
+    device = values[0].device
+    cdtype = _compute_dtype(out_dtype)
+    lengths = [int(v.numel()) for v in values]
+
+    v_flat = torch.cat([v.to(cdtype) for v in values])
+    r_flat = torch.cat([r.to(device=device, dtype=cdtype) for r in rewards])
+    m_flat = torch.cat([m.to(device) != 0 for m in loss_masks])
+    sample_of_token = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(lengths, device=device))
+
+    act_pos = m_flat.nonzero().squeeze(1)
+    act_sample = sample_of_token[act_pos]
+    counts = torch.bincount(act_sample, minlength=B)
+    starts = torch.cumsum(counts, 0) - counts
+    act_rank = torch.arange(act_pos.numel(), device=device) - starts[act_sample]
+    L = int(counts.max()) if act_pos.numel() else 0
+
+    V = torch.zeros(B, L + 1, dtype=cdtype, device=device)  # one zero column: bootstrap 0 after the last action
+    R = torch.zeros(B, L + 1, dtype=cdtype, device=device)
+    V[act_sample, act_rank] = v_flat[act_pos]
+    if observation_rewards == "ignore":
+        R[act_sample, act_rank] = r_flat[act_pos]
+    else:
+        # every token credits the latest action at or before it in the same sample
+        seen = torch.cumsum(m_flat.to(torch.long), 0) - starts[sample_of_token]
+        keep = seen >= 1
+        R.index_put_((sample_of_token[keep], seen[keep] - 1), r_flat[keep], accumulate=True)
+
+    deltas = R[:, :-1] + gamma * V[:, 1:] - V[:, :-1]
+    A = _reverse_scan(deltas, [float(gamma) * lam for lam in lams], chunk_size)
+
+    adv_flat = torch.zeros_like(v_flat)
+    ret_flat = torch.zeros_like(v_flat)
+    a_act = A[act_sample, act_rank]
+    adv_flat[act_pos] = a_act
+    ret_flat[act_pos] = a_act + v_flat[act_pos]
+    advantages = list(adv_flat.to(out_dtype).split(lengths))
+    returns = list(ret_flat.to(out_dtype).split(lengths))
+    return advantages, returns
+
+
+def token_gae(
+    values: Sequence[torch.Tensor],
+    rewards: Sequence[torch.Tensor],
+    gamma: float,
+    lambd: float | Sequence[float],
+    *,
+    chunk_size: int = 128,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Ordinary token-level GAE over every response token (slime's ``chunked_gae`` semantics)."""
+    masks = [torch.ones(v.shape, dtype=torch.bool, device=v.device) for v in values]
+    return skip_observation_gae(values, rewards, masks, gamma, lambd, chunk_size=chunk_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# CompactionRL cross-segment decay
+# ----------------------------------------------------------------------------------------------
+
+
+def segment_decay_factors(
+    rollout_ids: Sequence[Hashable],
+    segment_indices: Sequence[int],
+    trainable_counts: Sequence[int],
+    gamma: float,
+    lambd: float | Sequence[float],
+) -> list[float]:
+    """CompactionRL factor ``(gamma * lambda) ** N_after(s)`` for every segment entry.
+
+    ``N_after(s)`` is the number of trainable tokens in the segments of the same rollout that come later
+    (larger ``segment_indices``; only the order matters). Inputs are per-segment metadata, e.g. gathered
+    from every data-parallel rank, in any order. ``lambd`` is a float or one value per entry, which must
+    be identical within a rollout (one lambda per rollout; see :func:`rollout_adaptive_lambdas`).
+    """
+    n = len(rollout_ids)
+    if len(segment_indices) != n or len(trainable_counts) != n:
+        raise ValueError(
+            "rollout_ids, segment_indices and trainable_counts must have the same length; got "
+            f"{n}, {len(segment_indices)}, {len(trainable_counts)}"
+        )
+    if not 0.0 <= float(gamma) <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+    lams = _per_sample_lambdas(lambd, n)
+    by_rollout: dict[Hashable, list[int]] = {}
+    for k, rid in enumerate(rollout_ids):
+        if int(trainable_counts[k]) < 0:
+            raise ValueError(f"trainable_counts[{k}] must be >= 0, got {trainable_counts[k]}")
+        by_rollout.setdefault(rid, []).append(k)
+    factors = [0.0] * n
+    for rid, entries in by_rollout.items():
+        lam = lams[entries[0]]
+        if any(lams[k] != lam for k in entries):
+            raise ValueError(f"rollout {rid!r}: lambd differs between its segments; use one lambda per rollout")
+        order = sorted(entries, key=lambda k: segment_indices[k])
+        seg_idx = [segment_indices[k] for k in order]
+        if len(set(seg_idx)) != len(seg_idx):
+            raise ValueError(f"rollout {rid!r}: duplicate segment index in {seg_idx}")
+        base = float(gamma) * lam
+        after = 0
+        for k in reversed(order):
+            factors[k] = 1.0 if after == 0 else (0.0 if base == 0.0 else math.pow(base, after))
+            after += int(trainable_counts[k])
+    return factors
+
+
+def apply_segment_decay(advantages: Sequence[torch.Tensor], factors: Sequence[float]) -> list[torch.Tensor]:
+    """Scale each segment's local advantages by its :func:`segment_decay_factors` entry."""
+    if len(advantages) != len(factors):
+        raise ValueError(f"advantages has {len(advantages)} entries, factors has {len(factors)}")
+    return [a * float(f) for a, f in zip(advantages, factors, strict=True)]
+
+
+def cross_segment_gae(
+    values: Sequence[torch.Tensor],
+    rewards: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    factors: Sequence[float],
+    gamma: float,
+    lambd: float | Sequence[float],
+    *,
+    observation_rewards: ObservationRewards = "ignore",
+    chunk_size: int = 128,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """CompactionRL GAE: local skip-observation GAE per segment (bootstrap 0 at the segment end), then
+    advantages scaled by ``factors``; ``returns = scaled advantages + values`` on action tokens (0 on
+    observations), as in the reference implementation."""
+    adv, _ = skip_observation_gae(
+        values, rewards, loss_masks, gamma, lambd, observation_rewards=observation_rewards, chunk_size=chunk_size
+    )
+    adv = apply_segment_decay(adv, factors)
+    ret = [torch.where(m != 0, a + v, torch.zeros_like(a)) for a, v, m in zip(adv, values, loss_masks, strict=True)]
+    return adv, ret
