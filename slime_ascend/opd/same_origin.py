@@ -1,0 +1,147 @@
+"""Same-origin check: initial per-token KL between each teacher and the student.
+
+MOPD teachers should be domain-RL experts grown from the student's own SFT checkpoint; a
+"foreign" teacher (stronger but differently distributed) raised the initial per-token KL about
+5x and caused entropy contraction / top-k collapse. This module measures the KL on a few
+student-sampled sequences and flags teachers whose KL is far above the others'.
+
+KL(S || T) is estimated on the student's sampled tokens from the two log-probs of each token,
+with ``r = pi_T / pi_S``: ``k1 = log pi_S - log pi_T`` (unbiased, can be negative per token) or
+``k3 = r - 1 - log r`` (unbiased, non-negative, lower variance; the default).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["TeacherKL", "SameOriginReport", "per_token_kl", "check_same_origin"]
+
+logger = logging.getLogger(__name__)
+
+TeacherScorer = Callable[[Sequence[Sequence[int]]], Sequence[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TeacherKL:
+    name: str
+    kl: float  # masked mean per-token KL(student || teacher)
+    ratio: float | None  # kl / median KL of the *other* teachers (None with a single teacher)
+    flagged: bool
+    tokens: int
+
+
+@dataclass
+class SameOriginReport:
+    teachers: dict[str, TeacherKL]
+    threshold_ratio: float
+    estimator: str
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def flagged(self) -> list[str]:
+        return [n for n, t in self.teachers.items() if t.flagged]
+
+    def to_dict(self) -> dict:
+        return {
+            "threshold_ratio": self.threshold_ratio,
+            "estimator": self.estimator,
+            "teachers": {n: vars(t).copy() for n, t in self.teachers.items()},
+            "flagged": self.flagged,
+            "warnings": list(self.warnings),
+        }
+
+
+def per_token_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL(S || T) estimate from sampled-token log-probs (``"k1"`` or ``"k3"``)."""
+    if student_log_probs.shape != teacher_log_probs.shape:
+        raise ValueError(
+            f"student log-probs {tuple(student_log_probs.shape)} and teacher log-probs "
+            f"{tuple(teacher_log_probs.shape)} must have the same shape"
+        )
+    log_r = teacher_log_probs.float().to(student_log_probs.device) - student_log_probs.float()
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def check_same_origin(
+    teacher_scorers: Mapping[str, TeacherScorer],
+    sequences: Sequence[Sequence[int]],
+    student_log_probs: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor] | None = None,
+    *,
+    threshold_ratio: float = 3.0,
+    max_kl: float | None = None,
+    estimator: str = "k3",
+    warn: bool = True,
+) -> SameOriginReport:
+    """Measure each teacher's initial per-token KL to the student and flag outliers.
+
+    Args:
+        teacher_scorers: per teacher, a callable taking the token sequences and returning, per
+            sequence, the teacher's log-probs of the same tokens the student log-probs cover.
+            (With a :class:`~slime_ascend.opd.pool.TeacherPool`, call ``pool.activate(name)``
+            inside the scorer.)
+        sequences: token id sequences sampled from the student.
+        student_log_probs: per sequence, the student's log-probs of those tokens.
+        loss_masks: optional per-sequence 0/1 masks over the same positions.
+        threshold_ratio: flag a teacher whose KL exceeds this multiple of the median KL of the
+            other teachers (leave-one-out, so two teachers can flag each other's outlier).
+        max_kl: optional absolute KL above which a teacher is flagged regardless of the others.
+        estimator: ``"k3"`` (default) or ``"k1"``.
+        warn: log a warning per flagged teacher.
+    """
+    if threshold_ratio <= 1.0:
+        raise ValueError(f"threshold_ratio must be > 1, got {threshold_ratio}")
+    if not teacher_scorers:
+        raise ValueError("teacher_scorers is empty")
+    if len(student_log_probs) != len(sequences):
+        raise ValueError(f"{len(student_log_probs)} student_log_probs for {len(sequences)} sequences")
+    if loss_masks is not None and len(loss_masks) != len(sequences):
+        raise ValueError(f"{len(loss_masks)} loss_masks for {len(sequences)} sequences")
+    kls: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for name, scorer in teacher_scorers.items():
+        teacher_lps = list(scorer(sequences))
+        if len(teacher_lps) != len(sequences):
+            raise ValueError(f"teacher {name!r} scorer returned {len(teacher_lps)} results for {len(sequences)} sequences")
+        total, n = 0.0, 0
+        for i, (s_lp, t_lp) in enumerate(zip(student_log_probs, teacher_lps)):
+            t_lp = torch.as_tensor(t_lp)
+            if t_lp.shape != s_lp.shape:
+                raise ValueError(
+                    f"teacher {name!r}, sequence {i}: {tuple(t_lp.shape)} log-probs vs student {tuple(s_lp.shape)}"
+                )
+            kl = per_token_kl(s_lp, t_lp, estimator)
+            mask = torch.ones_like(kl) if loss_masks is None else loss_masks[i].to(kl.device, kl.dtype)
+            total += float((kl * mask).sum())
+            n += int(mask.sum())
+        kls[name] = total / max(n, 1)
+        counts[name] = n
+    report = SameOriginReport({}, threshold_ratio, estimator)
+    for name, kl in kls.items():
+        others = [v for k, v in kls.items() if k != name]
+        ratio = None
+        if others:
+            med = statistics.median(others)
+            ratio = kl / med if med > 0 else (math.inf if kl > 0 else 1.0)
+        flagged = (ratio is not None and ratio > threshold_ratio) or (max_kl is not None and kl > max_kl)
+        report.teachers[name] = TeacherKL(name, kl, ratio, flagged, counts[name])
+        if flagged:
+            why = f"{ratio:.2f}x the median of the other teachers" if ratio is not None and ratio > threshold_ratio else f"above max_kl={max_kl}"
+            msg = (
+                f"teacher {name!r}: initial per-token KL to the student {kl:.4g} is {why}; it may not be "
+                "same-origin (MOPD saw ~5x KL from a foreign teacher, with entropy contraction)"
+            )
+            report.warnings.append(msg)
+            if warn:
+                logger.warning(msg)
+    return report

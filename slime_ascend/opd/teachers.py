@@ -1,0 +1,256 @@
+"""Teacher specifications for multi-teacher on-policy distillation (MOPD).
+
+A ``teachers`` config is a list of dicts (typically YAML), one per teacher::
+
+    teachers:
+      - name: math
+        checkpoint_dir: /ckpt/math-rl
+        domains: [math]
+        coef: 1.0                 # optional, per-teacher OPD coefficient
+        tokenizer_revision: abc1  # optional, must equal the student's when both are known
+        vocab_size: 151936        # optional, else read from checkpoint_dir/config.json
+        url: http://host:30000    # optional, an external scoring endpoint
+
+:func:`parse_teachers` validates it; errors name the teacher and the field. Compatibility with the
+student (vocabulary size, tokenizer files) is checked by :func:`check_teacher_compatible`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TeacherSpec",
+    "TeacherConfigError",
+    "TeacherMismatchError",
+    "parse_teachers",
+    "load_teachers_yaml",
+    "read_vocab_size",
+    "tokenizer_fingerprint",
+    "check_teacher_compatible",
+    "TOKENIZER_FILES",
+]
+
+#: Files hashed by :func:`tokenizer_fingerprint` (those present in the directory).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+_FIELDS = {"name", "checkpoint_dir", "domains", "coef", "tokenizer_revision", "vocab_size", "url"}
+
+
+class TeacherConfigError(ValueError):
+    """A ``teachers`` entry is malformed."""
+
+
+class TeacherMismatchError(ValueError):
+    """A teacher's vocabulary or tokenizer differs from the student's."""
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """One routed teacher: where its weights live and which domains it scores."""
+
+    name: str
+    checkpoint_dir: Path
+    domains: tuple[str, ...]
+    coef: float | None = None
+    tokenizer_revision: str | None = None
+    vocab_size: int | None = None
+    url: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def effective_coef(self, default: float = 1.0) -> float:
+        """``coef`` if set, else ``default``."""
+        return default if self.coef is None else self.coef
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, YAML/JSON/ray-serialisable form accepted back by :func:`parse_teachers`."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "checkpoint_dir": str(self.checkpoint_dir),
+            "domains": list(self.domains),
+        }
+        for key in ("coef", "tokenizer_revision", "vocab_size", "url"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+def _err(idx: int, name: str | None, fld: str, msg: str) -> TeacherConfigError:
+    who = f"teacher {name!r}" if name else f"teachers[{idx}]"
+    return TeacherConfigError(f"{who}: field {fld!r}: {msg}")
+
+
+def _parse_one(idx: int, raw: Any) -> TeacherSpec:
+    if isinstance(raw, TeacherSpec):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise TeacherConfigError(f"teachers[{idx}]: expected a mapping, got {type(raw).__name__}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise _err(idx, None, "name", "required non-empty string")
+    unknown = set(raw) - _FIELDS
+    if unknown:
+        raise _err(idx, name, sorted(unknown)[0], f"unknown field; allowed fields are {sorted(_FIELDS)}")
+    ckpt = raw.get("checkpoint_dir")
+    if not isinstance(ckpt, (str, Path)) or not str(ckpt):
+        raise _err(idx, name, "checkpoint_dir", "required path string")
+    domains = raw.get("domains")
+    if isinstance(domains, str):
+        domains = [domains]
+    if not isinstance(domains, (list, tuple)) or not domains:
+        raise _err(idx, name, "domains", "required non-empty list of domain labels")
+    for d in domains:
+        if not isinstance(d, str) or not d:
+            raise _err(idx, name, "domains", f"domain labels must be non-empty strings, got {d!r}")
+    if len(set(domains)) != len(domains):
+        raise _err(idx, name, "domains", f"duplicate domain labels in {list(domains)}")
+    coef = raw.get("coef")
+    if coef is not None:
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)):
+            raise _err(idx, name, "coef", f"must be a number, got {coef!r}")
+        if not coef >= 0:
+            raise _err(idx, name, "coef", f"must be >= 0, got {coef}")
+        coef = float(coef)
+    rev = raw.get("tokenizer_revision")
+    if rev is not None and (not isinstance(rev, str) or not rev):
+        raise _err(idx, name, "tokenizer_revision", f"must be a non-empty string, got {rev!r}")
+    vocab = raw.get("vocab_size")
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0):
+        raise _err(idx, name, "vocab_size", f"must be a positive integer, got {vocab!r}")
+    url = raw.get("url")
+    if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
+        raise _err(idx, name, "url", f"must be an http(s) URL, got {url!r}")
+    return TeacherSpec(
+        name=name,
+        checkpoint_dir=Path(ckpt),
+        domains=tuple(domains),
+        coef=coef,
+        tokenizer_revision=rev,
+        vocab_size=vocab,
+        url=url,
+    )
+
+
+def parse_teachers(raw: Sequence[Mapping[str, Any] | TeacherSpec] | Mapping[str, Any]) -> list[TeacherSpec]:
+    """Validate a ``teachers`` list (or a mapping with a ``teachers`` key) into specs.
+
+    Checks: required fields and types, unique names, and that each domain label belongs to exactly
+    one teacher (MOPD routes, it never averages teachers).
+    """
+    if isinstance(raw, Mapping):
+        if "teachers" not in raw:
+            raise TeacherConfigError("config mapping has no 'teachers' key; give a list of teacher dicts")
+        raw = raw["teachers"]
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Iterable):
+        raise TeacherConfigError(f"'teachers' must be a list of mappings, got {type(raw).__name__}")
+    specs = [_parse_one(i, r) for i, r in enumerate(raw)]
+    if not specs:
+        raise TeacherConfigError("'teachers' is empty; configure at least one teacher")
+    seen: dict[str, int] = {}
+    owner: dict[str, str] = {}
+    for i, s in enumerate(specs):
+        if s.name in seen:
+            raise _err(i, s.name, "name", f"duplicate teacher name (also teachers[{seen[s.name]}])")
+        seen[s.name] = i
+        for d in s.domains:
+            if d in owner:
+                raise _err(i, s.name, "domains", f"domain {d!r} is already routed to teacher {owner[d]!r}")
+            owner[d] = s.name
+    return specs
+
+
+def load_teachers_yaml(path: str | Path) -> list[TeacherSpec]:
+    """Read a YAML file holding a ``teachers`` list (or a mapping with that key)."""
+    import yaml  # lazy: only config loading needs it
+
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    return parse_teachers(data)
+
+
+def read_vocab_size(model_dir: str | Path) -> int | None:
+    """``vocab_size`` from ``model_dir/config.json`` (or its ``text_config``); None if absent."""
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.is_file():
+        return None
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    vocab = cfg.get("vocab_size")
+    if vocab is None and isinstance(cfg.get("text_config"), Mapping):
+        vocab = cfg["text_config"].get("vocab_size")
+    return int(vocab) if vocab is not None else None
+
+
+def tokenizer_fingerprint(model_dir: str | Path) -> str | None:
+    """sha256 over the tokenizer files present in ``model_dir`` (name + bytes); None if none."""
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    found = False
+    for fname in TOKENIZER_FILES:
+        p = d / fname
+        if p.is_file():
+            found = True
+            h.update(fname.encode())
+            h.update(b"\0")
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            h.update(b"\0")
+    return h.hexdigest() if found else None
+
+
+def check_teacher_compatible(
+    teacher: TeacherSpec,
+    *,
+    student_vocab_size: int | None = None,
+    student_tokenizer_revision: str | None = None,
+    student_dir: str | Path | None = None,
+) -> None:
+    """Raise :class:`TeacherMismatchError` when the teacher cannot score the student's tokens.
+
+    Compared when both sides are known: vocab size (teacher: ``vocab_size`` field, else its
+    ``config.json``; student: ``student_vocab_size``, else ``student_dir/config.json``),
+    tokenizer revision strings, and the tokenizer file fingerprint of both directories.
+    A missing checkpoint directory is not a mismatch (the pool reports it as unavailable).
+    """
+    t_vocab = teacher.vocab_size
+    if t_vocab is None and teacher.checkpoint_dir.is_dir():
+        t_vocab = read_vocab_size(teacher.checkpoint_dir)
+    s_vocab = student_vocab_size
+    if s_vocab is None and student_dir is not None:
+        s_vocab = read_vocab_size(student_dir)
+    if t_vocab is not None and s_vocab is not None and t_vocab != s_vocab:
+        raise TeacherMismatchError(
+            f"teacher {teacher.name!r} ({teacher.checkpoint_dir}): vocab_size {t_vocab} != student vocab_size "
+            f"{s_vocab}; a teacher must share the student's tokenizer"
+        )
+    if (
+        teacher.tokenizer_revision is not None
+        and student_tokenizer_revision is not None
+        and teacher.tokenizer_revision != student_tokenizer_revision
+    ):
+        raise TeacherMismatchError(
+            f"teacher {teacher.name!r}: tokenizer_revision {teacher.tokenizer_revision!r} != student "
+            f"{student_tokenizer_revision!r}"
+        )
+    if student_dir is not None and teacher.checkpoint_dir.is_dir():
+        t_fp = tokenizer_fingerprint(teacher.checkpoint_dir)
+        s_fp = tokenizer_fingerprint(student_dir)
+        if t_fp is not None and s_fp is not None and t_fp != s_fp:
+            raise TeacherMismatchError(
+                f"teacher {teacher.name!r} ({teacher.checkpoint_dir}): tokenizer files differ from the "
+                f"student's ({student_dir}); fingerprints {t_fp[:12]} != {s_fp[:12]}"
+            )
