@@ -1,0 +1,727 @@
+"""Reference rollout engine: SGLang's ``/generate`` semantics on a torch + transformers CPU model.
+
+The engine is transport-free (dicts in, dicts out); :mod:`slime_ascend.rollout.http_api` serves it
+over HTTP with SGLang's endpoint names so slime can attach it via ``--rollout-external-engine-addrs``.
+
+Semantics mirrored from SGLang (checked against the installed ``sglang`` sources):
+
+* ``temperature < 1e-6`` means greedy (SGLang rewrites it to ``temperature=1, top_k=1``).
+* ``output_token_logprobs`` are ``log_softmax(logits / T)`` over the full vocabulary, before top-p /
+  top-k / min-p filtering; when greedy (``top_k == 1``) ``T`` is 1. ``return_original_logprob``
+  (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``) reports ``T = 1`` log-probs always.
+* ``input_token_logprobs`` are raw (``T = 1``) log-probs of ``input_ids[logprob_start_len:]``; the
+  first entry's log-prob is ``None``. ``logprob_start_len = -1`` (default) returns none.
+* ``finish_reason``: ``{"type": "stop", "matched": id_or_str}``, ``{"type": "length", "length": n}``,
+  or ``{"type": "abort", "message": ...}``.
+* ``/pause_generation`` with ``mode="abort"`` (default) aborts in-flight requests (partial output,
+  ``finish_reason.type == "abort"``) and holds new ones until ``/continue_generation``;
+  ``"in_place"`` / ``"retract"`` park in-flight requests between decode steps instead.
+* A weight update waits for in-flight requests unless the engine is paused.
+
+Deviations: ``output_ids`` always include a matched stop token (only ``text`` is trimmed);
+``update_weights_from_disk`` without ``weight_version`` increments a numeric version (SGLang keeps it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_ascend.rollout import reference_model
+
+__all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "parse_sampling_params"]
+
+_GREEDY_EPS = 1e-6
+_DEFAULT_MAX_NEW_TOKENS = 128
+
+# sampling_params keys SGLang accepts that this engine honours.
+_SUPPORTED_SAMPLING_KEYS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "sampling_seed",
+    "custom_params",
+    "stream_interval",
+}
+# SGLang keys accepted only at their neutral value (anything else is a 400: not implemented here).
+_NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "beam_width": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "stop_regex": None,
+    "watermark": None,
+}
+
+# Top-level /generate keys honoured, and keys accepted only when falsy/neutral.
+_SUPPORTED_REQUEST_KEYS = {
+    "input_ids",
+    "text",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "return_text_in_logprobs",
+    "rid",
+    "top_logprobs_num",
+}
+_NEUTRAL_REQUEST_KEYS = {
+    "stream",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "input_embeds",
+    "return_routed_experts",
+    "lora_path",
+    "custom_logit_processor",
+    "token_ids_logprob",
+    "session_params",
+    "return_hidden_states",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "data_parallel_rank",
+    "log_metrics",
+    "priority",
+}
+
+
+class RequestError(ValueError):
+    """A client error: the HTTP layer answers it with ``status`` and ``{"error": message}``."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return (isinstance(x, int | float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingConfig:
+    """Validated sampling parameters of one request (SGLang names and defaults)."""
+
+    max_new_tokens: int = _DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_strs: list[str] = field(default_factory=list)
+    stop_token_ids: set[int] = field(default_factory=set)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+    return_top_p_token_ids: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+
+def parse_sampling_params(params: Any, vocab_size: int) -> SamplingConfig:
+    """Validate a ``sampling_params`` dict into a :class:`SamplingConfig`; raise :class:`RequestError`."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise RequestError(f"sampling_params must be a JSON object, got {type(params).__name__}")
+    unknown = sorted(set(params) - _SUPPORTED_SAMPLING_KEYS - set(_NEUTRAL_SAMPLING_VALUES))
+    if unknown:
+        raise RequestError(f"unknown sampling_params keys {unknown}")
+    for key, neutral in _NEUTRAL_SAMPLING_VALUES.items():
+        value = params.get(key)
+        if value is not None and value != neutral:
+            raise RequestError(
+                f"sampling_params.{key}={value!r} is not supported by the reference engine (only {neutral!r})"
+            )
+    cfg = SamplingConfig()
+
+    def number(key: str, default: float) -> float:
+        value = params.get(key)
+        if value is None:
+            return default
+        if not _is_number(value) or not math.isfinite(value):
+            raise RequestError(f"sampling_params.{key} must be a finite number, got {value!r}")
+        return float(value)
+
+    def integer(key: str, default: int | None) -> int | None:
+        value = params.get(key)
+        if value is None:
+            return default
+        if not _is_int(value):
+            raise RequestError(f"sampling_params.{key} must be an integer, got {value!r}")
+        return value
+
+    def boolean(key: str, default: bool) -> bool:
+        value = params.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise RequestError(f"sampling_params.{key} must be true or false, got {value!r}")
+        return value
+
+    cfg.max_new_tokens = integer("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
+    if cfg.max_new_tokens < 0:
+        raise RequestError(f"sampling_params.max_new_tokens must be >= 0, got {cfg.max_new_tokens}")
+    cfg.temperature = number("temperature", 1.0)
+    if cfg.temperature < 0:
+        raise RequestError(f"sampling_params.temperature must be >= 0, got {cfg.temperature}")
+    cfg.top_p = number("top_p", 1.0)
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise RequestError(f"sampling_params.top_p must be in (0, 1], got {cfg.top_p}")
+    cfg.top_k = integer("top_k", -1)
+    if cfg.top_k != -1 and cfg.top_k < 1:
+        raise RequestError(f"sampling_params.top_k must be -1 (disabled) or >= 1, got {cfg.top_k}")
+    cfg.min_p = number("min_p", 0.0)
+    if not 0.0 <= cfg.min_p <= 1.0:
+        raise RequestError(f"sampling_params.min_p must be in [0, 1], got {cfg.min_p}")
+    if cfg.temperature < _GREEDY_EPS:  # SGLang: greedy == temperature 1 with top_k 1
+        cfg.temperature, cfg.top_k = 1.0, 1
+
+    stop = params.get("stop")
+    if stop is None:
+        cfg.stop_strs = []
+    elif isinstance(stop, str):
+        cfg.stop_strs = [stop] if stop else []
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        cfg.stop_strs = [s for s in stop if s]
+    else:
+        raise RequestError(f"sampling_params.stop must be a string or a list of strings, got {stop!r}")
+
+    stop_ids = params.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+            raise RequestError(f"sampling_params.stop_token_ids must be a list of integers, got {stop_ids!r}")
+        bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"sampling_params.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        cfg.stop_token_ids = set(stop_ids)
+
+    cfg.ignore_eos = boolean("ignore_eos", False)
+    cfg.skip_special_tokens = boolean("skip_special_tokens", True)
+    cfg.spaces_between_special_tokens = boolean("spaces_between_special_tokens", True)
+    cfg.no_stop_trim = boolean("no_stop_trim", False)
+    seed = params.get("sampling_seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
+        raise RequestError(f"sampling_params.sampling_seed must be a 64-bit integer, got {seed!r}")
+    cfg.sampling_seed = seed
+    integer("stream_interval", None)
+
+    custom = params.get("custom_params")
+    if custom is not None:
+        if not isinstance(custom, dict):
+            raise RequestError(f"sampling_params.custom_params must be an object, got {custom!r}")
+        cfg.return_top_p_token_ids = bool(custom.get("return_top_p_token_ids", False))
+    return cfg
+
+
+@dataclass
+class _Request:
+    """One sequence being generated (a batch request holds several)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingConfig
+    return_logprob: bool
+    logprob_start_len: int
+    return_text_in_logprobs: bool
+    abort_message: str | None = None
+
+
+class _Sequence:
+    """Running state of one sequence: KV cache and the last step's logits."""
+
+    def __init__(self) -> None:
+        self.past: Any = None
+        self.next_logits: torch.Tensor | None = None
+
+
+def _choose_token(
+    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator, original_logprob: bool
+) -> tuple[int, float, list[int] | None]:
+    """Pick the next token from float32 ``logits [V]``; return (token, reported log-prob, kept top-p ids)."""
+    if cfg.greedy:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(logits))
+        kept = [token] if cfg.return_top_p_token_ids else None
+        return token, float(logprobs[token]), kept
+    scaled_logprobs = torch.log_softmax(logits / cfg.temperature, dim=-1)
+    probs = scaled_logprobs.exp()
+    sorted_probs, sorted_ids = torch.sort(probs, descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if cfg.top_k > 0:
+        keep[cfg.top_k :] = False
+    if cfg.top_p < 1.0:  # SGLang's rule: drop a token when the mass strictly before it exceeds top_p
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep &= before <= cfg.top_p
+    if cfg.min_p > 0.0:
+        keep &= sorted_probs >= cfg.min_p * sorted_probs[0]
+    keep[0] = True
+    filtered = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    choice = int(torch.multinomial(filtered / filtered.sum(), 1, generator=generator))
+    token = int(sorted_ids[choice])
+    kept = sorted_ids[keep].tolist() if cfg.return_top_p_token_ids else None
+    logprob = float(torch.log_softmax(logits, dim=-1)[token]) if original_logprob else float(scaled_logprobs[token])
+    return token, logprob, kept
+
+
+class ReferenceEngine:
+    """A CPU rollout engine with SGLang's request/response semantics (see the module docstring).
+
+    Args:
+        model_path: HF checkpoint directory, or None for the tiny random Qwen3.
+        dtype: model dtype (float32 makes reported log-probs match :func:`score_tokens` tightly).
+        seed: seeds the tiny random model and the per-request seeds of unseeded requests.
+        return_original_logprob: report temperature-1 log-probs (default: env
+            ``SGLANG_RETURN_ORIGINAL_LOGPROB``).
+        weight_version: initial version string (SGLang's default is ``"default"``).
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        dtype: torch.dtype | str = torch.float32,
+        seed: int = 0,
+        return_original_logprob: bool | None = None,
+        weight_version: str = "default",
+    ) -> None:
+        self.model_path = None if model_path is None else str(model_path)
+        self.dtype = reference_model._resolve_dtype(dtype)
+        self.seed = seed
+        self.model = reference_model.load_model(self.model_path, self.dtype, seed=seed)
+        self.tokenizer = reference_model.load_tokenizer(self.model_path)
+        if return_original_logprob is None:
+            return_original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true")
+        self.return_original_logprob = bool(return_original_logprob)
+        self.weight_version = str(weight_version)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
+        self.eos_token_ids = self._eos_ids()
+        # transformers >= 5.2x names the KV cache argument/output ``cache``; older ones ``past_key_values``.
+        forward_params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+
+        self._compute_lock = threading.Lock()  # one forward step at a time; weight swaps take it too
+        self._state = threading.Condition()  # guards everything below
+        self._paused: str | None = None  # None or the pause mode
+        self._updating = False
+        self._running: dict[str, _Request] = {}
+        self._num_waiting = 0
+        self._seed_rng = random.Random(seed)
+
+    # ------------------------------------------------------------------ info
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if eos is None:
+                continue
+            ids.update(eos if isinstance(eos, list | tuple) else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return {int(i) for i in ids}
+
+    def server_info(self) -> dict[str, Any]:
+        """What ``/server_info`` reports (the fields slime's external-engine discovery reads)."""
+        with self._state:
+            running, waiting = len(self._running), self._num_waiting
+        return {
+            "engine": "slime_ascend.reference",
+            "model_path": self.model_path or "tiny-random-qwen3",
+            "tokenizer_path": self.model_path,
+            "served_model_name": self.model_path or "tiny-random-qwen3",
+            "weight_version": self.weight_version,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": "cpu",
+            "random_seed": self.seed,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "tp_size": 1,
+            "pp_size": 1,
+            "dp_size": 1,
+            "ep_size": 1,
+            "enable_memory_saver": False,
+            "disaggregation_mode": "null",
+            "skip_tokenizer_init": self.tokenizer is None,
+            "paused": self._paused is not None,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path or "tiny-random-qwen3",
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(self.model.config, "model_type", None),
+            "architectures": getattr(self.model.config, "architectures", None),
+        }
+
+    def loads(self) -> dict[str, Any]:
+        with self._state:
+            running, waiting = len(self._running), self._num_waiting
+        return {
+            "loads": [
+                {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting}
+            ]
+        }
+
+    # ------------------------------------------------------------------ control
+    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """SGLang ``/pause_generation``: hold new requests; ``abort`` also aborts in-flight ones."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise RequestError(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
+        with self._state:
+            self._paused = mode
+            if mode == "abort":
+                for req in self._running.values():
+                    req.abort_message = "Aborted by pause_generation"
+                self._state.notify_all()
+                self._state.wait_for(lambda: not self._running, timeout=60.0)
+            self._state.notify_all()
+        return {"success": True, "message": f"paused (mode={mode})"}
+
+    def continue_generation(self) -> dict[str, Any]:
+        with self._state:
+            self._paused = None
+            self._state.notify_all()
+        return {"success": True, "message": "continued"}
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict[str, Any]:
+        """SGLang ``/abort_request``: abort one request id (prefix match for batch ids) or all."""
+        with self._state:
+            hits = [r for k, r in self._running.items() if abort_all or (rid is not None and (k == rid or k.startswith(f"{rid}_")))]
+            for req in hits:
+                req.abort_message = "Aborted by abort_request"
+            self._state.notify_all()
+        return {"success": True, "num_aborted": len(hits)}
+
+    def flush_cache(self) -> dict[str, Any]:
+        return {"success": True, "message": "the reference engine keeps no cross-request cache"}
+
+    def health_generate(self) -> bool:
+        """One forward step on a single token (not blocked by pause)."""
+        with self._compute_lock, torch.no_grad():
+            logits = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False).logits
+        return bool(torch.isfinite(logits.float()).all())
+
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, load_format: str | None = None, **_: Any
+    ) -> dict[str, Any]:
+        """Reload weights from an HF safetensors dir of the same architecture, then set/bump the version.
+
+        Raises :class:`RequestError` on a bad path or a different architecture; the model is left unchanged.
+        """
+        if not isinstance(model_path, str) or not model_path:
+            raise RequestError("model_path must be a non-empty string naming an HF checkpoint directory")
+        if weight_version is not None and not isinstance(weight_version, str | int):
+            raise RequestError(f"weight_version must be a string, got {weight_version!r}")
+        if load_format not in (None, "auto", "safetensors"):
+            raise RequestError(f"load_format={load_format!r} is not supported (use 'auto' or 'safetensors')")
+        if not Path(model_path).is_dir():
+            raise RequestError(f"model_path {model_path!r} is not a directory")
+        try:
+            reference_model.check_same_architecture(self.model, model_path)
+            state = reference_model.load_state_dict_from_dir(model_path, self.dtype)
+        except (ValueError, OSError) as exc:
+            raise RequestError(str(exc)) from exc
+        with self._state:  # like SGLang: wait for in-flight requests unless paused
+            self._updating = True
+            try:
+                if self._paused is None:
+                    self._state.wait_for(lambda: not self._running)
+            except BaseException:
+                self._updating = False
+                raise
+        try:
+            with self._compute_lock:
+                try:
+                    reference_model.apply_state_dict(self.model, state, source=model_path)
+                except ValueError as exc:
+                    raise RequestError(str(exc)) from exc
+                self.model_path = model_path
+                if weight_version is not None:
+                    self.weight_version = str(weight_version)
+                elif self.weight_version.isdigit():
+                    self.weight_version = str(int(self.weight_version) + 1)
+                else:
+                    self.weight_version = "1"
+        finally:
+            with self._state:
+                self._updating = False
+                self._state.notify_all()
+        return {"success": True, "message": f"loaded weights from {model_path}", "num_paused_requests": 0}
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, payload: Any) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang ``/generate``: one response dict, or a list of them for a batched request."""
+        requests_, batched = self._parse_generate(payload)
+        outputs = [self._run(req) for req in requests_]
+        return outputs if batched else outputs[0]
+
+    def _parse_generate(self, payload: Any) -> tuple[list[_Request], bool]:
+        if not isinstance(payload, dict):
+            raise RequestError(f"request body must be a JSON object, got {type(payload).__name__}")
+        unknown = sorted(set(payload) - _SUPPORTED_REQUEST_KEYS - _NEUTRAL_REQUEST_KEYS)
+        if unknown:
+            raise RequestError(f"unknown /generate keys {unknown}")
+        for key in _NEUTRAL_REQUEST_KEYS:
+            if payload.get(key):
+                raise RequestError(f"/generate field {key!r} is not supported by the reference engine")
+        if payload.get("top_logprobs_num"):
+            raise RequestError("top_logprobs_num > 0 is not supported by the reference engine")
+
+        has_ids, has_text = payload.get("input_ids") is not None, payload.get("text") is not None
+        if has_ids == has_text:
+            raise RequestError("give exactly one of 'input_ids' or 'text'")
+        if has_ids:
+            ids = payload["input_ids"]
+            if not isinstance(ids, list) or not ids:
+                raise RequestError("input_ids must be a non-empty list of token ids or a list of such lists")
+            batched = isinstance(ids[0], list)
+            prompts = ids if batched else [ids]
+            for i, prompt in enumerate(prompts):
+                if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
+                    raise RequestError(f"input_ids[{i}] must be a non-empty list of integers" if batched else "input_ids must be a non-empty list of integers")
+                bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise RequestError(f"input_ids contain out-of-vocabulary ids {bad[:5]} (vocab size {self.vocab_size})")
+        else:
+            text = payload["text"]
+            batched = isinstance(text, list)
+            texts = text if batched else [text]
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise RequestError("text must be a string or a non-empty list of strings")
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer; send input_ids instead of text")
+            prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            if any(not p for p in prompts):
+                raise RequestError("text tokenizes to an empty prompt")
+        n = len(prompts)
+
+        def per_item(key: str, default: Any) -> list[Any]:
+            value = payload.get(key, default)
+            if isinstance(value, list):  # per-prompt values are only valid for a batch, one per prompt
+                if not batched or len(value) != n:
+                    raise RequestError(f"{key} given as a list must be a batch request with one entry per prompt ({n})")
+                return value
+            return [value] * n
+
+        samplings = [parse_sampling_params(p, self.vocab_size) for p in per_item("sampling_params", None)]
+        return_logprobs = per_item("return_logprob", False)
+        start_lens = per_item("logprob_start_len", -1)
+        rids = per_item("rid", None)
+        text_in_lp = payload.get("return_text_in_logprobs", False)
+        if not isinstance(text_in_lp, bool):
+            raise RequestError("return_text_in_logprobs must be true or false")
+        base = uuid.uuid4().hex
+        requests_: list[_Request] = []
+        for i in range(n):
+            if not isinstance(return_logprobs[i], bool):
+                raise RequestError(f"return_logprob must be true or false, got {return_logprobs[i]!r}")
+            start = start_lens[i] if start_lens[i] is not None else -1
+            if not _is_int(start) or start < -1:
+                raise RequestError(f"logprob_start_len must be an integer >= -1, got {start!r}")
+            if start > len(prompts[i]):
+                raise RequestError(f"logprob_start_len={start} is higher than the number of input tokens {len(prompts[i])}")
+            if len(prompts[i]) >= self.context_length:
+                raise RequestError(f"prompt has {len(prompts[i])} tokens; the context length is {self.context_length}")
+            if samplings[i].stop_strs and self.tokenizer is None:
+                raise RequestError("sampling_params.stop needs a tokenizer; this engine has none (use stop_token_ids)")
+            rid = rids[i]
+            if rid is not None and not isinstance(rid, str):
+                raise RequestError(f"rid must be a string, got {rid!r}")
+            rid = rid or (f"{base}_{i}" if batched else base)
+            requests_.append(
+                _Request(
+                    rid=rid,
+                    input_ids=list(prompts[i]),
+                    sampling=samplings[i],
+                    return_logprob=return_logprobs[i],
+                    logprob_start_len=start if return_logprobs[i] else -1,
+                    return_text_in_logprobs=text_in_lp,
+                )
+            )
+        return requests_, batched
+
+    @contextlib.contextmanager
+    def _admitted(self, req: _Request) -> Iterator[None]:
+        with self._state:
+            self._num_waiting += 1
+            try:
+                self._state.wait_for(lambda: self._paused is None and not self._updating)
+            finally:
+                self._num_waiting -= 1
+            self._running[req.rid] = req
+        try:
+            yield
+        finally:
+            with self._state:
+                self._running.pop(req.rid, None)
+                self._state.notify_all()
+
+    def _check_step(self, req: _Request) -> str | None:
+        """Between decode steps: park while paused in place, return an abort message if aborted."""
+        with self._state:
+            self._state.wait_for(lambda: req.abort_message is not None or self._paused in (None, "abort"))
+            return req.abort_message
+
+    def _forward(self, seq: _Sequence, ids: list[int]) -> torch.Tensor:
+        """Feed ``ids`` after the cached prefix; returns float32 logits ``[len(ids), V]``."""
+        with self._compute_lock, torch.no_grad():
+            out = self.model(
+                input_ids=torch.tensor([ids], dtype=torch.long), **{self._cache_kwarg: seq.past}, use_cache=True
+            )
+        seq.past = out.get(self._cache_kwarg)
+        logits = out.logits[0].float()
+        seq.next_logits = logits[-1]
+        return logits
+
+    def _token_text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _run(self, req: _Request) -> dict[str, Any]:
+        started = time.perf_counter()
+        cfg = req.sampling
+        seed = cfg.sampling_seed
+        if seed is None:
+            with self._state:
+                seed = self._seed_rng.getrandbits(63)
+        generator = torch.Generator().manual_seed(seed % (2**63))
+        max_new = min(cfg.max_new_tokens, self.context_length - len(req.input_ids))
+        out_ids: list[int] = []
+        out_lps: list[float] = []
+        kept_ids: list[int] = []
+        kept_offsets: list[int] = [0]
+        input_lps: list[list[Any]] | None = None
+        finish: dict[str, Any] = {"type": "length", "length": max_new}
+        trim_text_to: int | None = None
+        stop_trim_token = False
+
+        with self._admitted(req):
+            seq = _Sequence()
+            need_prefill = max_new > 0 or (req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids))
+            abort = self._check_step(req)
+            if abort is None and need_prefill:
+                logits = self._forward(seq, req.input_ids)
+                if req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids):
+                    start = req.logprob_start_len
+                    targets = torch.tensor(req.input_ids[start + 1 :], dtype=torch.long)
+                    lps = torch.log_softmax(logits[start:-1], dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                    values: list[float | None] = [None] + lps.tolist()
+                    input_lps = [
+                        [v, t, self._token_text(t) if req.return_text_in_logprobs else None]
+                        for v, t in zip(values, req.input_ids[start:], strict=True)
+                    ]
+            for step in range(max_new):
+                abort = abort or self._check_step(req)
+                if abort is not None:
+                    break
+                if step > 0:
+                    self._forward(seq, [out_ids[-1]])
+                token, logprob, kept = _choose_token(seq.next_logits, cfg, generator, self.return_original_logprob)
+                out_ids.append(token)
+                out_lps.append(logprob)
+                if kept is not None:
+                    kept_ids.extend(kept)
+                    kept_offsets.append(len(kept_ids))
+                if (not cfg.ignore_eos and token in self.eos_token_ids) or token in cfg.stop_token_ids:
+                    finish = {"type": "stop", "matched": token}
+                    stop_trim_token = not cfg.no_stop_trim
+                    break
+                if cfg.stop_strs:
+                    decoded = self._decode(out_ids, cfg)
+                    hit = min(((decoded.find(s), s) for s in cfg.stop_strs if s in decoded), default=None)
+                    if hit is not None:
+                        finish = {"type": "stop", "matched": hit[1]}
+                        if not cfg.no_stop_trim:
+                            trim_text_to = hit[0]
+                        break
+            if abort is not None:
+                finish = {"type": "abort", "message": abort}
+
+        text_ids = out_ids[:-1] if stop_trim_token else out_ids
+        text = self._decode(text_ids, cfg) if self.tokenizer is not None else ""
+        if trim_text_to is not None:
+            text = text[:trim_text_to]
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(out_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.perf_counter() - started,
+        }
+        if req.return_logprob:
+            meta["input_token_logprobs"] = input_lps or []
+            meta["output_token_logprobs"] = [
+                [lp, t, self._token_text(t) if req.return_text_in_logprobs else None]
+                for lp, t in zip(out_lps, out_ids, strict=True)
+            ]
+        if cfg.return_top_p_token_ids:
+            meta["top_p_token_ids"] = kept_ids
+            meta["top_p_token_offsets"] = kept_offsets
+        return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    def _decode(self, ids: list[int], cfg: SamplingConfig) -> str:
+        if self.tokenizer is None or not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=cfg.skip_special_tokens)
+
+    # ------------------------------------------------------------------ serving
+    @contextlib.contextmanager
+    def start_in_thread(self, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+        """Serve this engine over HTTP from a daemon thread; yields the bound base URL ``http://host:port``."""
+        from slime_ascend.rollout.http_api import make_server
+
+        server = make_server(self, host=host, port=port)
+        thread = threading.Thread(target=server.serve_forever, name="reference-engine-http", daemon=True)
+        thread.start()
+        try:
+            bound_host, bound_port = server.server_address[:2]
+            yield f"http://{bound_host}:{bound_port}"
+        finally:
+            with self._state:  # release anyone parked on pause so the server can stop
+                self._paused = None
+                for req in self._running.values():
+                    req.abort_message = "engine shutting down"
+                self._state.notify_all()
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=10)

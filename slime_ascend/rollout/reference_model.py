@@ -1,0 +1,290 @@
+"""Model side of the reference rollout engine: load a Hugging Face causal LM on CPU and score tokens.
+
+* :func:`load_model` builds a tiny random Qwen3 (no download) or loads an HF directory from
+  safetensors only; quantized checkpoints in our formats go through
+  ``slime_ascend.quant.load_state_dict_dequantized``.
+* :func:`load_state_dict_from_dir` / :func:`check_same_architecture` back the engine's
+  ``/update_weights_from_disk``.
+* :func:`score_tokens` is the plain full-sequence forward pass that defines the log-prob contract:
+  the engine's reported log-probs must equal it within float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TINY_QWEN3_KWARGS",
+    "build_byte_tokenizer",
+    "check_same_architecture",
+    "is_quantized_checkpoint",
+    "load_model",
+    "load_state_dict_from_dir",
+    "load_tokenizer",
+    "save_model",
+    "score_tokens",
+    "tiny_qwen3_config",
+]
+
+TINY_QWEN3_KWARGS: dict[str, Any] = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+# config.json fields that must agree for weights of one checkpoint to load into a model built from another.
+_ARCH_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+_OUR_QUANT_METHODS = ("fp8", "compressed-tensors", "w8a8", "ascend")
+
+
+def tiny_qwen3_config(**overrides: Any):
+    """The default tiny Qwen3 config (vocab 1024, hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16)."""
+    from transformers import Qwen3Config
+
+    kwargs = dict(TINY_QWEN3_KWARGS)
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.replace("torch.", ""), None)
+        if isinstance(resolved, torch.dtype):
+            return resolved
+    raise TypeError(f"dtype must be a torch.dtype or its name (e.g. 'float32'), got {dtype!r}")
+
+
+def is_quantized_checkpoint(model_dir: str | Path) -> bool:
+    """True when ``model_dir`` holds one of our quantized formats.
+
+    That is: a ``quantization_config`` in config.json (FP8 block, compressed-tensors INT8/INT4) or an
+    Ascend ``quant_model_description.json``.
+    """
+    model_dir = Path(model_dir)
+    if (model_dir / "quant_model_description.json").is_file():
+        return True
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        return False
+    config = json.loads(config_path.read_text())
+    quant = config.get("quantization_config")
+    if not quant:
+        return False
+    method = str(quant.get("quant_method", "")).lower()
+    return any(m in method for m in _OUR_QUANT_METHODS)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+        if bins:
+            raise ValueError(
+                f"model_dir {str(model_dir)!r} holds only pickle weights ({', '.join(bins[:3])}); the reference "
+                "engine loads safetensors only. Convert with `save_pretrained(..., safe_serialization=True)`."
+            )
+        raise ValueError(f"model_dir {str(model_dir)!r} contains no *.safetensors weight files.")
+    return files
+
+
+def load_state_dict_from_dir(model_dir: str | Path, dtype: torch.dtype | str = torch.float32) -> dict[str, torch.Tensor]:
+    """All weights of an HF checkpoint directory as ``{name: tensor}`` in ``dtype``.
+
+    Reads ``*.safetensors`` only (pickle ``.bin`` files are refused). Quantized checkpoints of our
+    formats are dequantized by ``slime_ascend.quant.load_state_dict_dequantized``.
+    """
+    model_dir = Path(model_dir)
+    dtype = _resolve_dtype(dtype)
+    if not model_dir.is_dir():
+        raise ValueError(f"model_path {str(model_dir)!r} is not a directory.")
+    if is_quantized_checkpoint(model_dir):
+        try:
+            from slime_ascend.quant import load_state_dict_dequantized
+        except ImportError as exc:  # pragma: no cover - depends on the quant package being present
+            raise ValueError(
+                f"{str(model_dir)!r} is a quantized checkpoint but slime_ascend.quant.load_state_dict_dequantized "
+                f"is not available: {exc}"
+            ) from exc
+        state = load_state_dict_dequantized(str(model_dir), dtype)
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(model_dir):
+        for name, tensor in load_file(str(path), device="cpu").items():
+            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return state
+
+
+def check_same_architecture(model: torch.nn.Module, model_dir: str | Path) -> None:
+    """Raise ValueError unless ``model_dir``'s config.json (when present) matches ``model``'s config."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return
+    new = json.loads(config_path.read_text())
+    old = model.config.to_dict()
+    diffs = [
+        f"{field}: loaded={old.get(field)!r} new={new.get(field)!r}"
+        for field in _ARCH_FIELDS
+        if field in new and field in old and new[field] != old[field]
+    ]
+    if diffs:
+        raise ValueError(
+            f"update_weights_from_disk needs the same architecture as the loaded model; {str(model_dir)!r} differs "
+            f"({'; '.join(diffs)}). Restart the engine with --model pointing at the new architecture."
+        )
+
+
+def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Copy ``state`` into ``model`` in place; names and shapes must match exactly (tied weights may be absent)."""
+    own = model.state_dict()
+    tied: set[str] = set()
+    if getattr(model.config, "tie_word_embeddings", False):
+        tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in own if k not in state and k not in tied]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {source} do not match the loaded architecture: missing={missing[:5]} "
+            f"(total {len(missing)}), unexpected={unexpected[:5]} (total {len(unexpected)})."
+        )
+    bad_shapes = [f"{k}: {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in state if state[k].shape != own[k].shape]
+    if bad_shapes:
+        raise ValueError(f"weights in {source} have wrong shapes: {'; '.join(bad_shapes[:5])}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            own[name].copy_(tensor.to(own[name].dtype))
+
+
+def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = torch.float32, seed: int = 0):
+    """Load a causal LM for CPU inference, in eval mode.
+
+    ``model_dir=None`` builds the tiny random Qwen3 of :func:`tiny_qwen3_config` with weights drawn
+    from ``torch.manual_seed(seed)`` (no download). Otherwise ``model_dir`` must be an HF directory
+    with config.json and safetensors weights.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = _resolve_dtype(dtype)
+    if model_dir is None:
+        config = tiny_qwen3_config()
+        rng_state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        finally:
+            torch.random.set_rng_state(rng_state)
+        model = model.to(dtype)
+        model.name_or_path = "tiny-random-qwen3"
+        return model.eval()
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"model_dir {str(model_dir)!r} has no config.json; pass an HF checkpoint directory.")
+    if is_quantized_checkpoint(model_dir):
+        config = AutoConfig.from_pretrained(str(model_dir))
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        apply_state_dict(model, load_state_dict_from_dir(model_dir, dtype), source=str(model_dir))
+    else:
+        _safetensors_files(model_dir)  # refuse .bin-only directories with a clear message
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True)
+    model.name_or_path = str(model_dir)
+    return model.eval()
+
+
+def load_tokenizer(model_dir: str | Path | None):
+    """The HF tokenizer saved in ``model_dir``, or None when there is none (or ``model_dir`` is None)."""
+    if model_dir is None:
+        return None
+    model_dir = Path(model_dir)
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def save_model(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path:
+    """Save ``model`` (and ``tokenizer``) as an HF safetensors directory; returns the directory."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def build_byte_tokenizer(vocab_size: int = 1024):
+    """A small offline byte-level BPE tokenizer (no merges) sized to ``vocab_size``.
+
+    Ids 0-2 are ``<pad>``, ``<s>``, ``</s>`` (special), 3-258 the 256 byte symbols, and the rest
+    ``<t_N>`` filler tokens, so any id of the tiny model decodes to text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 3 + 256:
+        raise ValueError(f"vocab_size must be at least 259 for a byte-level tokenizer, got {vocab_size}")
+    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda s: ord(s))
+    specials = ["<pad>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for sym in byte_symbols:
+        vocab[sym] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fillers = [f"<t_{i}>" for i in range(len(vocab), vocab_size)]
+    fast.add_tokens(fillers)
+    if len(fast) != vocab_size:
+        raise RuntimeError(f"byte tokenizer has {len(fast)} tokens, expected {vocab_size}")
+    return fast
+
+
+@torch.no_grad()
+def score_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs of ``token_ids[1:]`` from one full-sequence forward pass (no KV cache).
+
+    Returns a float32 tensor of length ``len(token_ids) - 1``: entry ``i`` is
+    ``log_softmax(logits[i] / temperature)[token_ids[i + 1]]``, the training-side log-prob.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+    if ids.shape[1] < 2:
+        return torch.zeros(0, dtype=torch.float32)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    device = next(model.parameters()).device
+    logits = model(input_ids=ids.to(device), use_cache=False).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, ids[0, 1:].to(device).unsqueeze(-1)).squeeze(-1).cpu()
