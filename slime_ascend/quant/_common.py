@@ -1,0 +1,32 @@
+"""Shared helpers: argument checks and row-chunk sizing."""
+
+from __future__ import annotations
+
+import torch
+
+# Transient fp32 staging per chunk (elements). 2^20 fp32 = 4 MiB: stays in cache on CPU and
+# bounds the extra memory on accelerators regardless of the weight's size.
+DEFAULT_CHUNK_ELEMS = 1 << 20
+
+
+def check_float_weight(weight: torch.Tensor, name: str, ndims: tuple[int, ...] = (2, 3)) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point() or weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{name}: expected a bf16/fp16/fp32 weight, got dtype {weight.dtype}")
+    if weight.dim() not in ndims:
+        raise ValueError(f"{name}: expected a tensor with {' or '.join(map(str, ndims))} dims, got shape "
+                         f"{tuple(weight.shape)}")
+
+
+def raise_if_not_finite(ok: torch.Tensor, name: str) -> None:
+    """`ok` is a 0-d bool tensor accumulated over chunks (one host sync per tensor)."""
+    if not bool(ok):
+        raise ValueError(f"{name}: weight contains NaN or inf; refusing to quantise it "
+                         f"(fix the checkpoint / training step that produced it)")
+
+
+def rows_per_chunk(cols: int, chunk_elems: int, multiple: int = 1) -> int:
+    rows = max(1, chunk_elems // max(1, cols))
+    rows = max(multiple, rows // multiple * multiple)
+    return rows

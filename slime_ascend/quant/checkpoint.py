@@ -1,0 +1,355 @@
+"""Offline conversion of an HF safetensors checkpoint, bit-exact verification, dequantised loading.
+
+Only safetensors are read (never torch.load / pickle). The converter streams one tensor at a
+time through `quantize_named_params` (the same function weight sync calls), so an online
+sync of the same BF16 weights reproduces the offline files bit for bit; `verify_*` checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .hf_config import (
+    ASCEND_DESCRIPTION_FILE, ASCEND_FLOAT, ASCEND_W8A8_DYNAMIC, ascend_quant_description,
+    quantization_config_for, read_checkpoint_quant_config, spec_from_quantization_config,
+)
+from .name_policy import module_of
+from .params import SpecLike, as_spec, dequantize_named_params, quantize_named_params
+from .schemes import INT8_W8A8, QuantSpec
+
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+_WEIGHT_FILES_SKIP = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
+_INDEX_SUFFIX = ".safetensors.index.json"
+
+
+# ----------------------------------------------------------------------------- reading
+class CheckpointReader:
+    """Name -> tensor access over every `*.safetensors` file in a directory (lazy, mmap)."""
+
+    def __init__(self, path: str | os.PathLike[str], device: str = "cpu") -> None:
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise ValueError(f"checkpoint path {self.path!r} is not a directory")
+        files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"{self.path}: no *.safetensors files (only safetensors checkpoints are "
+                             f"supported; convert .bin/.pt files with a trusted tool first)")
+        self.device = device
+        self._handles: dict[str, Any] = {}
+        self.file_of: dict[str, str] = {}
+        for fname in files:
+            h = safe_open(os.path.join(self.path, fname), framework="pt", device=device)
+            self._handles[fname] = h
+            for k in h.keys():
+                if k in self.file_of:
+                    raise ValueError(f"{self.path}: tensor {k!r} is in both {self.file_of[k]} and {fname}")
+                self.file_of[k] = fname
+
+    def keys(self) -> list[str]:
+        return list(self.file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.file_of:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        return self._handles[self.file_of[name]].get_tensor(name)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for fname, h in self._handles.items():
+            for k in h.keys():
+                yield k, h.get_tensor(k)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- writing
+class _ShardWriter:
+    def __init__(self, out_dir: str, prefix: str, max_bytes: int) -> None:
+        self.out_dir, self.prefix, self.max_bytes = out_dir, prefix, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[dict[str, torch.Tensor] | list[str]] = []
+        self.tmp_names: list[str] = []
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = t.detach().to("cpu").contiguous()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        tmp = os.path.join(self.out_dir, f".{self.prefix}-part{len(self.tmp_names):05d}.tmp")
+        save_file(self.pending, tmp, metadata={"format": "pt"})
+        self.tmp_names.append(tmp)
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> dict[str, str]:
+        if self.pending or not self.tmp_names:
+            self._flush()
+        n = len(self.tmp_names)
+        weight_map: dict[str, str] = {}
+        for i, (tmp, names) in enumerate(zip(self.tmp_names, self.shards)):
+            final = f"{self.prefix}.safetensors" if n == 1 else f"{self.prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp, os.path.join(self.out_dir, final))
+            for k in names:
+                weight_map[k] = final
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(self.out_dir, f"{self.prefix}{_INDEX_SUFFIX}"), "w") as f:
+            json.dump(index, f, indent=2)
+        return weight_map
+
+
+@dataclass
+class ConvertReport:
+    fmt: str
+    out_dir: str
+    quantized: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+
+def convert_checkpoint(
+    hf_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    fmt: SpecLike,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    device: str = "cpu",
+    overwrite: bool = False,
+) -> ConvertReport:
+    """Quantise an HF BF16 safetensors checkpoint into `fmt` ('fp8-block', 'int8-w8a8',
+    'int8-ct', 'int4-group' or a QuantSpec).
+
+    Writes quantised safetensors shards (`model-*.safetensors`, or msModelSlim's
+    `quant_model_weights*.safetensors` for Ascend) with an index, config.json with
+    `quantization_config` (removed for Ascend, which gets `quant_model_description.json`),
+    and copies every other non-weight file (tokenizer, generation config, chat template).
+    """
+    src, dst = os.fspath(hf_dir), os.fspath(out_dir)
+    spec = as_spec(fmt)
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ValueError("out_dir must differ from hf_dir")
+    cfg_path = os.path.join(src, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ValueError(f"{src}: no config.json; expected an HF checkpoint directory")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    if read_checkpoint_quant_config(src):
+        raise ValueError(f"{src}: checkpoint is already quantised; convert from the BF16 checkpoint")
+    if os.path.exists(dst) and os.listdir(dst) and not overwrite:
+        raise ValueError(f"out_dir {dst!r} exists and is not empty; pass overwrite=True or pick another dir")
+    os.makedirs(dst, exist_ok=True)
+
+    report = ConvertReport(fmt=spec.fmt, out_dir=dst)
+    prefix = "quant_model_weights" if spec.fmt == INT8_W8A8 else "model"
+    writer = _ShardWriter(dst, prefix, max_shard_bytes)
+    types: dict[str, str] = {}
+    not_converted: list[str] = []
+    with CheckpointReader(src, device=device) as reader:
+        for name in reader.keys():
+            t = reader.get(name)
+            outs = quantize_named_params([(name, t)], spec)
+            if len(outs) == 1 and outs[0][1] is t:
+                report.kept.append(name)
+                types[name] = ASCEND_FLOAT
+                if name.endswith(".weight") and t.dim() >= 2:
+                    not_converted.append(module_of(name))
+            else:
+                report.quantized.append(name)
+                for out_name, _ in outs:
+                    types[out_name] = ASCEND_W8A8_DYNAMIC
+            for out_name, out_t in outs:
+                writer.add(out_name, out_t)
+            del t, outs
+    writer.close()
+
+    if spec.fmt == INT8_W8A8:
+        config.pop("quantization_config", None)
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"].pop("quantization_config", None)
+        with open(os.path.join(dst, ASCEND_DESCRIPTION_FILE), "w") as f:
+            json.dump(ascend_quant_description(types), f, indent=2)
+    else:
+        config["quantization_config"] = quantization_config_for(spec, not_converted)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+    for fname in sorted(os.listdir(src)):
+        p = os.path.join(src, fname)
+        if (not os.path.isfile(p) or fname == "config.json" or fname.endswith(_INDEX_SUFFIX)
+                or fname.endswith(_WEIGHT_FILES_SKIP) or fname == ASCEND_DESCRIPTION_FILE):
+            continue
+        shutil.copyfile(p, os.path.join(dst, fname))
+    report.files = sorted(os.listdir(dst))
+    return report
+
+
+# ----------------------------------------------------------------------------- verification
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().to("cpu").contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.reshape(-1).view(torch.uint8)
+
+
+def tensors_bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(_bits(a), _bits(b))
+
+
+@dataclass
+class TensorCheck:
+    name: str
+    ok: bool
+    reason: str = ""
+    differing_bytes: int = 0
+
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    checked: int
+    mismatches: list[TensorCheck] = field(default_factory=list)
+    missing_in_checkpoint: list[str] = field(default_factory=list)
+    not_synced: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        head = "OK" if self.ok else "FAIL"
+        lines = [f"{head}: {self.checked} tensors checked, {len(self.mismatches)} mismatched, "
+                 f"{len(self.missing_in_checkpoint)} missing in checkpoint, {len(self.not_synced)} not synced"]
+        lines += [f"  {m.name}: {m.reason}" for m in self.mismatches[:20]]
+        lines += [f"  missing: {n}" for n in self.missing_in_checkpoint[:20]]
+        return "\n".join(lines)
+
+
+def _check(name: str, got: torch.Tensor, ref: torch.Tensor) -> TensorCheck:
+    if got.dtype != ref.dtype:
+        return TensorCheck(name, False, f"dtype {got.dtype} != checkpoint {ref.dtype}")
+    if tuple(got.shape) != tuple(ref.shape):
+        return TensorCheck(name, False, f"shape {tuple(got.shape)} != checkpoint {tuple(ref.shape)}")
+    a, b = _bits(got), _bits(ref)
+    n = int((a != b).sum())
+    return TensorCheck(name, n == 0, "" if n == 0 else f"{n} bytes differ", n)
+
+
+def verify_tensor(
+    ckpt: str | os.PathLike[str] | CheckpointReader, name: str, tensor: torch.Tensor
+) -> TensorCheck:
+    """Compare one synced tensor with the same-named tensor of an offline checkpoint, bit for bit."""
+    reader = ckpt if isinstance(ckpt, CheckpointReader) else CheckpointReader(ckpt)
+    if name not in reader:
+        return TensorCheck(name, False, "not in checkpoint")
+    return _check(name, tensor, reader.get(name))
+
+
+def verify_named_tensors(
+    ckpt: str | os.PathLike[str] | CheckpointReader, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> VerifyReport:
+    """Bit-exact check of (name, tensor) pairs (e.g. one sync bucket) against a checkpoint."""
+    reader = ckpt if isinstance(ckpt, CheckpointReader) else CheckpointReader(ckpt)
+    report = VerifyReport(ok=True, checked=0)
+    for name, t in named_tensors:
+        if name not in reader:
+            report.missing_in_checkpoint.append(name)
+            continue
+        c = _check(name, t, reader.get(name))
+        report.checked += 1
+        if not c.ok:
+            report.mismatches.append(c)
+    report.ok = not report.mismatches and not report.missing_in_checkpoint
+    return report
+
+
+def verify_against_checkpoint(
+    quant_dir: str | os.PathLike[str],
+    source: str | os.PathLike[str] | Iterable[tuple[str, torch.Tensor]],
+    fmt: SpecLike | None = None,
+    *,
+    require_all: bool = True,
+) -> VerifyReport:
+    """Quantise `source` (an HF BF16 checkpoint dir, or (name, tensor) pairs as weight sync
+    sees them) online with the checkpoint's own spec and compare with `quant_dir` bit for bit.
+
+    `fmt` defaults to the spec read from `quant_dir` (config.json / Ascend description).
+    With `require_all`, checkpoint tensors that the source never produced are reported in
+    `not_synced` and fail the check.
+    """
+    qdir = os.fspath(quant_dir)
+    if fmt is None:
+        spec = spec_from_quantization_config(read_checkpoint_quant_config(qdir))
+        if spec is None:
+            raise ValueError(f"{qdir}: cannot detect a quantisation format; pass fmt")
+    else:
+        spec = as_spec(fmt)
+    reader = CheckpointReader(qdir)
+    if isinstance(source, (str, os.PathLike)):
+        src_reader = CheckpointReader(source)
+        pairs: Iterable[tuple[str, torch.Tensor]] = src_reader.items()
+    else:
+        pairs = source
+    report = VerifyReport(ok=True, checked=0)
+    seen: set[str] = set()
+    for name, t in pairs:
+        for out_name, out_t in quantize_named_params([(name, t)], spec):
+            seen.add(out_name)
+            if out_name not in reader:
+                report.missing_in_checkpoint.append(out_name)
+                continue
+            c = _check(out_name, out_t, reader.get(out_name))
+            report.checked += 1
+            if not c.ok:
+                report.mismatches.append(c)
+    if require_all:
+        report.not_synced = sorted(set(reader.keys()) - seen)
+    report.ok = not report.mismatches and not report.missing_in_checkpoint and not report.not_synced
+    return report
+
+
+# ----------------------------------------------------------------------------- dequantised loading
+def load_state_dict_dequantized(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Read a checkpoint in any of our formats (or an unquantised one) and return dense weights
+    under the original HF names; floating tensors are cast to `dtype`."""
+    p = os.fspath(path)
+    qcfg = read_checkpoint_quant_config(p)
+    spec = spec_from_quantization_config(qcfg) if qcfg else None
+    if qcfg and spec is None:
+        raise ValueError(f"{p}: unsupported quantization config {qcfg.get('quant_method', qcfg.get('model_quant_type'))!r}")
+    with CheckpointReader(p, device=device) as reader:
+        named = dict(reader.items())
+    if spec is None:
+        return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in named.items()}
+    return dequantize_named_params(named, spec, dtype)
+
+
+def quant_spec_of(path: str | os.PathLike[str]) -> QuantSpec | None:
+    """The QuantSpec a quantised checkpoint was written with (None if unquantised/unknown)."""
+    return spec_from_quantization_config(read_checkpoint_quant_config(path))
+
+
+__all__ = [
+    "CheckpointReader", "ConvertReport", "TensorCheck", "VerifyReport", "convert_checkpoint",
+    "load_state_dict_dequantized", "quant_spec_of", "tensors_bit_equal", "verify_against_checkpoint",
+    "verify_named_tensors", "verify_tensor",
+]
+

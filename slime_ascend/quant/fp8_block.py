@@ -1,0 +1,112 @@
+"""FP8 (e4m3fn) block-wise quantisation with fp32 `weight_scale_inv` per block.
+
+Numerics (see `FP8BlockScheme`): s = max(amax, 1e-12) / 448 in fp32, q = clamp(x / s, ±448)
+cast round-to-nearest-even; W ≈ fp32(q) · s per block. Shapes need not be multiples of
+the block (edge blocks are partial); 3-D inputs are stacked experts [E, N, K], each
+quantised as its own matrix. Work is done in row chunks of whole row-blocks so the fp32
+staging stays bounded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import DEFAULT_CHUNK_ELEMS, check_float_weight, raise_if_not_finite, rows_per_chunk
+from .schemes import FP8BlockScheme
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def fp8_scale_shape(shape: torch.Size | tuple[int, ...], block_size: tuple[int, int]) -> tuple[int, ...]:
+    *lead, n, k = shape
+    return (*lead, math.ceil(n / block_size[0]), math.ceil(k / block_size[1]))
+
+
+def quantize_fp8_block(
+    weight: torch.Tensor,
+    scheme: FP8BlockScheme = FP8BlockScheme(),
+    *,
+    name: str = "weight",
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (q float8_e4m3fn, same shape as `weight`; scale_inv fp32 [.., ceil(N/bn), ceil(K/bk)])."""
+    check_float_weight(weight, name)
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    s = torch.empty(fp8_scale_shape(weight.shape, scheme.block_size), dtype=torch.float32, device=weight.device)
+    ok = torch.ones((), dtype=torch.bool, device=weight.device)
+    if weight.dim() == 2:
+        ok = _quantize_2d(weight, q, s, scheme, chunk_elems, ok)
+    else:
+        for e in range(weight.shape[0]):
+            ok = _quantize_2d(weight[e], q[e], s[e], scheme, chunk_elems, ok)
+    raise_if_not_finite(ok, name)
+    return q, s
+
+
+def _quantize_2d(
+    w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, scheme: FP8BlockScheme, chunk_elems: int,
+    ok: torch.Tensor,
+) -> torch.Tensor:
+    bn, bk = scheme.block_size
+    n, k = w.shape
+    if n == 0 or k == 0:
+        return ok
+    kb = math.ceil(k / bk)
+    pad_k = kb * bk - k
+    step = min(rows_per_chunk(k, chunk_elems, bn), math.ceil(n / bn) * bn)
+    buf = torch.empty(step * k, dtype=torch.float32, device=w.device)
+    fmax = scheme.fp8_max
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        rows = r1 - r0
+        x = w[r0:r1]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        full = rows // bn
+        tail = rows - full * bn
+        nbr = full + (1 if tail else 0)
+        # per (row-block, column) amax, reduced over the block's rows in the weight dtype (exact)
+        col_amax = torch.empty((nbr, k), dtype=w.dtype, device=w.device)
+        if full:
+            mn, mx = torch.aminmax(x[: full * bn].view(full, bn, k), dim=1)
+            torch.maximum(mx, mn.neg_(), out=col_amax[:full])
+        if tail:
+            mn, mx = torch.aminmax(x[full * bn :], dim=0)
+            torch.maximum(mx, mn.neg_(), out=col_amax[full])
+        ca = col_amax.float()
+        if pad_k:
+            ca = torch.nn.functional.pad(ca, (0, pad_k))
+        scale = ca.view(nbr, kb, bk).amax(dim=-1).clamp_(min=scheme.amax_floor).div_(fmax)
+        ok = ok & torch.isfinite(scale).all()
+        s_out[r0 // bn : r0 // bn + nbr].copy_(scale)
+        scale_cols = scale.repeat_interleave(bk, dim=1)[:, :k] if bk > 1 else scale[:, :k]
+        y = buf[: rows * k].view(rows, k)
+        if full:
+            torch.div(x[: full * bn].view(full, bn, k), scale_cols[:full].unsqueeze(1),
+                      out=y[: full * bn].view(full, bn, k))
+        if tail:
+            torch.div(x[full * bn :], scale_cols[full], out=y[full * bn :])
+        y.clamp_(-fmax, fmax)
+        q_out[r0:r1].copy_(y)
+    return ok
+
+
+def dequantize_fp8_block(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """fp32(q) · scale_inv broadcast per block, computed in fp32 and cast to `dtype`."""
+    if q.dtype != FP8_DTYPE:
+        raise TypeError(f"q must be float8_e4m3fn, got {q.dtype}")
+    expected = fp8_scale_shape(q.shape, block_size)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(q.shape)} "
+                         f"with block_size {tuple(block_size)} (expected {expected})")
+    n, k = q.shape[-2:]
+    s = scale_inv.float().repeat_interleave(block_size[0], dim=-2)[..., :n, :]
+    s = s.repeat_interleave(block_size[1], dim=-1)[..., :k]
+    return (q.float() * s).to(dtype)

@@ -1,0 +1,169 @@
+"""Integer quantisation (INT8 per channel, INT4 per group) from one code path.
+
+`quantize_int` implements `IntScheme` (see its docstring for the exact steps) on row
+chunks: the weight is viewed as [rows, K] (leading dims, e.g. stacked experts, are
+flattened into rows; groups never cross rows). `pack_int4` / `unpack_int4` are the
+compressed-tensors `pack-quantized` layout: 8 values per int32, element j of a word in
+bits 4j..4j+3 (low first), stored as value + 8.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import NamedTuple
+
+import torch
+
+from ._common import DEFAULT_CHUNK_ELEMS, check_float_weight, raise_if_not_finite, rows_per_chunk
+from .schemes import IntScheme
+
+
+class IntQuantized(NamedTuple):
+    q: torch.Tensor  # int8, same shape as the weight, values in [qmin, qmax]
+    scale: torch.Tensor  # [..., N, G] in the scheme's store dtype (G = 1 per channel)
+    zero_point: torch.Tensor | None  # int8 [..., N, G], asymmetric only
+
+
+def _group(scheme: IntScheme, k: int, name: str) -> int:
+    g = k if scheme.group_size is None else scheme.group_size
+    if k % g:
+        raise ValueError(f"{name}: in_features {k} is not a multiple of group_size {g}; "
+                         f"pick a group_size that divides it")
+    return g
+
+
+def quantize_int(
+    weight: torch.Tensor,
+    scheme: IntScheme,
+    *,
+    name: str = "weight",
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> IntQuantized:
+    """Quantise a [N, K] or [E, N, K] float weight with `scheme`."""
+    check_float_weight(weight, name)
+    *lead, n, k = weight.shape
+    g = _group(scheme, k, name) if k else 1
+    ngroups = k // g if k else 0
+    round_dtype = scheme.scale_round_dtype or weight.dtype
+    store_dtype = scheme.scale_store_dtype or round_dtype
+    dev = weight.device
+    q = torch.empty(weight.shape, dtype=torch.int8, device=dev)
+    scale = torch.empty((*lead, n, ngroups), dtype=store_dtype, device=dev)
+    zp = None if scheme.symmetric else torch.empty((*lead, n, ngroups), dtype=torch.int8, device=dev)
+    m = math.prod(lead) * n
+    if m == 0 or k == 0:
+        return IntQuantized(q, scale, zp)
+    w2 = weight.reshape(m, k)
+    q2, s2 = q.view(m, k), scale.view(m, ngroups)
+    z2 = None if zp is None else zp.view(m, ngroups)
+    eps = scheme.eps
+    if eps is None:
+        eps = torch.finfo(round_dtype).eps if scheme.zero_rule == "eps" else torch.finfo(weight.dtype).smallest_normal
+    step = rows_per_chunk(k, chunk_elems)
+    buf = torch.empty(min(step, m) * k, dtype=torch.float32, device=dev)
+    ok = torch.ones((), dtype=torch.bool, device=dev)
+    qmin, qmax = float(scheme.qmin), float(scheme.qmax)
+    for r0 in range(0, m, step):
+        r1 = min(m, r0 + step)
+        rows = r1 - r0
+        x = w2[r0:r1]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        xg = x.view(rows, ngroups, g)
+        mn, mx = torch.aminmax(xg, dim=-1)
+        mn, mx = mn.float(), mx.float()
+        if scheme.symmetric:
+            raw = torch.maximum(mx.abs_(), mn.abs()).div_(scheme.sym_divisor)
+        else:
+            mn.clamp_(max=0.0)
+            raw = mx.clamp_(min=0.0).sub_(mn).div_(qmax - qmin)
+        if scheme.zero_rule == "clamp":
+            raw.clamp_(min=eps)
+        s = raw.to(round_dtype).float()
+        if scheme.zero_rule == "eps":
+            s = torch.where(s == 0, torch.tensor(eps, dtype=torch.float32, device=dev), s)
+            s = s.to(round_dtype).float()
+        ok = ok & torch.isfinite(s).all()
+        s2[r0:r1].copy_(s)
+        safe = torch.where(s == 0, torch.ones_like(s), s) if scheme.zero_rule == "zero" else s
+        y = buf[: rows * k].view(rows, ngroups, g)
+        if scheme.reciprocal:
+            torch.mul(xg, torch.reciprocal(safe).unsqueeze_(-1), out=y)
+        else:
+            torch.div(xg, safe.unsqueeze(-1), out=y)
+        if scheme.symmetric:
+            y.round_()
+        else:
+            if scheme.zp_after_round:
+                z = mn.div_(safe).round_().neg_().add_(qmin).clamp_(qmin, qmax)
+                y.round_().add_(z.unsqueeze(-1))
+            else:
+                z = mn.div_(safe).neg_().add_(qmin).round_().clamp_(qmin, qmax)
+                y.add_(z.unsqueeze(-1)).round_()
+            z2[r0:r1].copy_(z)
+        y.clamp_(qmin, qmax)
+        q2[r0:r1].copy_(y.view(rows, k))
+    raise_if_not_finite(ok, name)
+    return IntQuantized(q, scale, zp)
+
+
+def dequantize_int(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """(q - zp) · scale per group, computed in fp32, cast to `dtype`.
+
+    `scale` is [..., N, G]; the group size is K / G.
+    """
+    *lead, n, k = q.shape
+    ngroups = scale.shape[-1]
+    if tuple(scale.shape[:-1]) != (*lead, n) or (ngroups and k % ngroups):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit q shape {tuple(q.shape)}")
+    x = q.float()
+    if zero_point is not None:
+        x = x.view(*lead, n, ngroups, k // ngroups) - zero_point.float().unsqueeze(-1)
+    else:
+        x = x.view(*lead, n, ngroups, k // ngroups)
+    return (x * scale.float().unsqueeze(-1)).view(q.shape).to(dtype)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """Pack int8 values in [-8, 7] along the last dim: [..., C] -> int32 [..., ceil(C/8)]."""
+    if values.dtype != torch.int8:
+        raise TypeError(f"pack_int4 expects int8 values, got {values.dtype}")
+    *lead, c = values.shape
+    words = math.ceil(c / 8)
+    u = (values.to(torch.int16) + 8).to(torch.uint8)
+    if words * 8 != c:
+        u = torch.nn.functional.pad(u, (0, words * 8 - c))  # padding nibbles are 0
+    u = u.reshape(*lead, words * 4, 2)
+    byte = u[..., 0] | (u[..., 1] << 4)
+    if sys.byteorder == "little":
+        return byte.contiguous().view(torch.int32).reshape(*lead, words)
+    b = byte.reshape(*lead, words, 4).to(torch.int64)  # big-endian hosts: assemble words arithmetically
+    word = (b << torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=values.device)).sum(-1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Inverse of `pack_int4`: int32 [..., W] -> int8 [..., cols]."""
+    if packed.dtype != torch.int32:
+        raise TypeError(f"unpack_int4 expects int32, got {packed.dtype}")
+    *lead, words = packed.shape
+    if cols > words * 8:
+        raise ValueError(f"cols {cols} exceeds the {words * 8} values packed in {words} words")
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nib = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return (nib.reshape(*lead, words * 8)[..., :cols] - 8).to(torch.int8)
+
+
+def pack_int4_zero_point(zp: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors packs zero points along the output dim: [..., N, G] -> [..., ceil(N/8), G]."""
+    return pack_int4(zp.transpose(-1, -2)).transpose(-1, -2).contiguous()
+
+
+def unpack_int4_zero_point(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    return unpack_int4(packed.transpose(-1, -2).contiguous(), rows).transpose(-1, -2).contiguous()
