@@ -199,6 +199,15 @@ class TeacherLoader(ABC):
     def release(self, spec: TeacherSpec) -> None:
         """Called after ``spec`` stopped being resident (default: nothing to do)."""
 
+    def take_garbage(self) -> Any:
+        """Memory left over by the last ``activate`` (old weights, used staging buffers), or None.
+
+        The pool frees it on its background thread, before the next prefetch, so that
+        deallocating hundreds of MiB (or unpinning host memory) stays out of the switch stall.
+        """
+        garbage, self._garbage = getattr(self, "_garbage", None), None
+        return garbage
+
     def discard(self, staged: Staged) -> None:
         """Drop a staged teacher that will not be activated (default: let GC free it)."""
         staged.payload = None
@@ -257,16 +266,19 @@ class TorchModuleLoader(TeacherLoader):
     def activate(self, spec: TeacherSpec, staged: Staged) -> int:
         state = staged.payload
         if self.mode == "assign":
+            old = list(self.model.state_dict().values())  # freed later, off the stall path
             if self.device.type != "cpu":
                 state = {k: v.to(self.device, non_blocking=self.pin) for k, v in state.items()}
             self.model.load_state_dict(state, strict=self.strict, assign=True)
             _synchronize(self.device)
             resident = staged.host_bytes if self.device.type == "cpu" else 0
+            self._garbage = [old, staged.payload if self.device.type != "cpu" else None]
         else:
             with torch.no_grad():
                 self.model.load_state_dict(state, strict=self.strict)
             _synchronize(self.device)
             resident = 0
+            self._garbage = staged.payload
         staged.payload = None
         return resident
 
@@ -313,6 +325,7 @@ class WeightDictLoader(TeacherLoader):
             for k, t in self.targets().items():
                 t.copy_(state[k], non_blocking=self.pin)
         _synchronize(self.device)
+        self._garbage = state
         staged.payload = None
         return 0
 
@@ -664,6 +677,10 @@ class TeacherPool:
                 raise TeacherLoadError(name, spec.checkpoint_dir, f"activation failed: {e}") from e
             if prev is not None:
                 self.loader.release(self.specs[prev])
+            garbage = self.loader.take_garbage()
+            if garbage is not None:
+                self._executor.submit(_drop, garbage)  # runs before the next prefetch (one worker)
+                del garbage
             self._active = name
             self._set_resident_bytes(resident_bytes)
             stall = time.perf_counter() - t0
@@ -724,6 +741,11 @@ class TeacherPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _drop(garbage: Any) -> None:
+    if isinstance(garbage, (list, dict)):
+        garbage.clear()
 
 
 # --------------------------------------------------------------------------------------------

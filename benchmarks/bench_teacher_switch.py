@@ -1,0 +1,155 @@
+"""Teacher switch stall with background prefetch vs a cold load (CPU, TeacherPool).
+
+Three teachers (>= 256 MiB of fp32 weights each; 32 MiB with --quick) are written as safetensors
+to a temporary directory on local disk and deleted at the end. One in-process model is driven by
+:class:`TorchModuleLoader` (CPU: ``load_state_dict(assign=True)``).
+
+* cold: ``pool.activate(t)`` with nothing prefetched = safetensors read + hand-over. The files were
+  just written, so the read is served from the page cache (dropping it needs root); a read from
+  disk would only make the cold path slower, so the ratio below is conservative.
+* prefetched: while the resident teacher "scores" (real forward passes on it, sharing the two
+  CPU cores with the prefetch thread, for max(``score_factor`` x the median cold-load time,
+  ``min_score_s`` = 0.5 s; real teacher scoring of a rollout batch takes far longer), the next
+  teacher is staged in the background; the stall is the time spent inside ``pool.activate``,
+  including any wait for a prefetch still in flight.
+
+Repeats are interleaved (cold, prefetched, cold, ...); medians are compared.
+Target: prefetched stall <= 10% of the cold-load time. Also reported: peak RSS growth sampled with
+psutil (includes the safetensors mmap pages touched while reading) and the pool's own peak host
+bytes counter (resident + prefetched teacher tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from slime_ascend.opd.pool import TeacherPool, TorchModuleLoader  # noqa: E402
+
+NAME = "teacher_switch"
+TARGET = 0.10
+
+
+def _model(width: int, layers: int) -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+
+def _write_teachers(root: Path, n: int, width: int, layers: int) -> list[dict]:
+    from safetensors.torch import save_file
+
+    specs = []
+    for i in range(n):
+        d = root / f"teacher{i}"
+        d.mkdir()
+        torch.manual_seed(i)
+        state = {k: v.contiguous() for k, v in _model(width, layers).state_dict().items()}
+        save_file(state, str(d / "model.safetensors"))
+        del state
+        specs.append({"name": f"teacher{i}", "checkpoint_dir": str(d), "domains": [f"d{i}"]})
+    return specs
+
+
+class _RssSampler:
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc = psutil.Process(os.getpid())
+        self.base = self.proc.memory_info().rss
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.005)
+
+    def __enter__(self) -> _RssSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def _score(model: torch.nn.Module, width: int, seconds: float) -> int:
+    x = torch.randn(8, width)
+    n = 0
+    end = time.perf_counter() + seconds
+    with torch.no_grad():
+        while time.perf_counter() < end:
+            model(x)
+            n += 1
+    return n
+
+
+def run(quick: bool = False, repeats: int | None = None, score_factor: float = 2.0, min_score_s: float = 0.5) -> list[dict]:
+    width, layers = (1024, 8) if quick else (2048, 16)  # 32 MiB / 256 MiB of fp32 per teacher
+    repeats = repeats or (3 if quick else 5)
+    teacher_bytes = width * width * layers * 4
+    root = Path(tempfile.mkdtemp(prefix="bench_teacher_switch_", dir=os.environ.get("BENCH_TMPDIR")))
+    try:
+        specs = _write_teachers(root, 3, width, layers)
+        names = [s["name"] for s in specs]
+        model = _model(width, layers)
+        cold: list[float] = []
+        warm: list[float] = []
+        kinds: list[str] = []
+        with _RssSampler() as rss, TeacherPool(specs, TorchModuleLoader(model)) as pool:
+            # warm-up: read every teacher once (first reads of freshly written files are erratic),
+            # and calibrate the scoring window from these cold loads
+            calib = [pool.activate(n).stall_s for n in names + names[:1]]
+            order = iter(names[1:] + names * (2 * repeats + 2))
+            score_s = max(min_score_s, score_factor * statistics.median(calib))
+            for _ in range(repeats):
+                c = pool.activate(next(order))
+                assert c.prefetch == "miss"
+                cold.append(c.stall_s)
+                nxt = next(order)
+                pool.prefetch(nxt)
+                _score(model, width, score_s)
+                w = pool.activate(nxt)
+                warm.append(w.stall_s)
+                kinds.append(w.prefetch)
+                score_s = max(min_score_s, score_factor * statistics.median(cold))
+            m = pool.metrics()
+        cold_med, warm_med = statistics.median(cold), statistics.median(warm)
+        ratio = warm_med / cold_med
+        peak_rss_mib = (rss.peak - rss.base) / 2**20
+        detail = (
+            f"teacher={teacher_bytes / 2**20:.0f}MiB cold_median={cold_med * 1e3:.1f}ms "
+            f"prefetched_median={warm_med * 1e3:.2f}ms (cold {[round(x * 1e3, 1) for x in cold]}, "
+            f"prefetched {[round(x * 1e3, 2) for x in warm]}, kinds {kinds}) "
+            f"pool_peak_host={m['peak_host_bytes'] / 2**20:.0f}MiB peak_rss_growth={peak_rss_mib:.0f}MiB "
+            f"switches={int(m['switches'])} hits={int(m['prefetch_hits'])} late={int(m['prefetch_late'])} "
+            f"score_window={score_s * 1e3:.0f}ms cold reads from page cache"
+        )
+        return [{"name": NAME, "ratio": ratio, "target": f"<={TARGET}", "passed": ratio <= TARGET, "detail": detail}]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="32 MiB teachers instead of 256 MiB")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    for row in run(quick=args.quick, repeats=args.repeats):
+        print(row["detail"])
+        print(f"RESULT {row['name']} ratio={row['ratio']:.3f} target={row['target']} {'PASS' if row['passed'] else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()
