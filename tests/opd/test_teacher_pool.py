@@ -291,3 +291,24 @@ def test_service_and_ray_actor_class(teachers):
     pytest.importorskip("ray", reason="ray not installed")
     actor_cls = make_teacher_pool_actor(num_cpus=0)
     assert hasattr(actor_cls, "remote")
+
+
+def test_copy_mode_keeps_parameters_and_old_weights_are_freed_in_background(teachers):
+    import weakref
+
+    specs, dirs, student = teachers
+    model = tiny_model()
+    ptr = model[0].weight.data_ptr()
+    with TeacherPool(specs, TorchModuleLoader(model, mode="copy"), student_dir=student) as pool:
+        pool.activate("math")
+        assert model[0].weight.data_ptr() == ptr  # copy_ into the resident parameters
+        assert torch.equal(model[0].weight.detach(), weights_of(dirs["math"])["0.weight"])
+    assert TorchModuleLoader(tiny_model()).pin is False  # CPU: never pinned
+    model = tiny_model()
+    with TeacherPool(specs, TorchModuleLoader(model), student_dir=student) as pool:  # CPU assign
+        pool.activate("math")
+        old = weakref.ref(model[0].weight)
+        pool.activate("code")
+        pool._executor.submit(lambda: None).result(5)  # drain the background queue
+        assert old() is None
+        assert torch.equal(model[0].weight.detach(), weights_of(dirs["code"])["0.weight"])
