@@ -1,0 +1,394 @@
+"""Engine of ``slime-ascend check``: numeric train/rollout contracts measured on a small causal LM.
+
+What it does, in order:
+    1. Builds a tiny random Qwen3 causal LM (vocab 1024, hidden 64, 2 layers; no download) or loads
+       ``model_dir`` (safetensors only, local files only).
+    2. Feeds fixed random token IDs and computes per-token log-probs of those same IDs (next-token,
+       log-softmax in fp32) along numeric paths: ``fp32`` (reference, the "trainer"), ``bf16`` (whole
+       model cast to bfloat16), ``int8`` (fp32 model whose Linear weights, lm_head excluded, are
+       fake-quantised to symmetric per-output-channel INT8).
+    3. For each non-reference path (the "rollout"), Δ = logp_fp32 - logp_path: mismatch statistics
+       (:mod:`slime_ascend.algorithms.mismatch`) and the DIS (GLM-5 preset) / IcePop (beta 2) masked
+       fractions.
+    4. Checks deterministic top-k (:mod:`slime_ascend.algorithms.topk`) on tie-heavy scores: repeat
+       calls, 1 vs N threads, a stable-sort reference, index replay, and ``device`` vs CPU.
+
+Thresholds (:data:`DEFAULT_THRESHOLDS`) were calibrated on the tiny model (initializer_range 0.1, so
+log-probs have a std of ~0.8 rather than the near-uniform 0.17 of the default 0.02), seeds 0-2, on CPU:
+    bf16:  |Δ| mean 0.008-0.009, p99 0.030-0.034, max 0.05; DIS/IcePop masked 0.
+    int8:  |Δ| mean 0.013-0.015, max 0.07; DIS/IcePop masked 0.
+Bounds are ~3x the worst measurement for means/p99s; masked fractions allow 1% (DIS, GLM-5 band
+(0.8, 1.28) needs |Δ| >= 0.22) and 0.1% (IcePop, |Δ| >= 0.69; Ring-1T reports 1-2 per mille on real
+models). A real model (``model_dir``) can differ; pass ``thresholds=`` to override.
+
+The INT8 fake quantiser here is a local stand-in (scale = amax/127 in fp32, round half to even,
+clamp ±127, all-zero rows stay zero); it will be switched to :mod:`slime_ascend.quant`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from slime_ascend.algorithms.masks import DIS_PRESETS, dis_mask, icepop_weights
+from slime_ascend.algorithms.mismatch import mismatch_stats
+from slime_ascend.algorithms.topk import deterministic_topk_indices, replay_topk_indices
+
+__all__ = [
+    "DEFAULT_THRESHOLDS",
+    "INJECTIONS",
+    "ContractResult",
+    "CheckReport",
+    "run_check",
+    "format_table",
+    "fake_quant_int8_per_channel",
+]
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+
+#: Upper bounds per path: statistic name -> bound (see module docstring for how they were chosen).
+DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
+    "bf16": {"logratio_abs_mean": 0.03, "logratio_abs_p99": 0.1, "dis_masked_frac": 0.01, "icepop_masked_frac": 0.001},
+    "int8": {"logratio_abs_mean": 0.05, "logratio_abs_p99": 0.2, "dis_masked_frac": 0.01, "icepop_masked_frac": 0.001},
+}
+
+#: Deliberate faults for self-tests of the checker: each must turn some contract to FAIL.
+#:   logprob_noise: add N(0, 0.5²) to the bf16 path's log-probs.
+#:   logprob_nan:   put a NaN into the bf16 path's log-probs.
+#:   topk_unstable: top-k under test breaks ties by *highest* index on every other call.
+INJECTIONS = ("logprob_noise", "logprob_nan", "topk_unstable")
+
+_TINY = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)
+_DIS_PRESET = "glm5"
+_ICEPOP_BETA = 2.0
+
+
+@dataclass
+class ContractResult:
+    """One named contract: ``value`` compared against ``threshold`` (a human-readable rule)."""
+
+    name: str
+    status: str
+    value: Any
+    threshold: str
+    detail: str = ""
+
+
+@dataclass
+class CheckReport:
+    contracts: list[ContractResult] = field(default_factory=list)
+    stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """True iff no contract FAILed (SKIPs allowed)."""
+        return all(c.status != FAIL for c in self.contracts)
+
+    def contract(self, name: str) -> ContractResult:
+        for c in self.contracts:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_safe(
+            {"passed": self.passed, "contracts": [asdict(c) for c in self.contracts], "stats": self.stats, "meta": self.meta}
+        )
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float):
+        if math.isnan(x):
+            return None
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    if isinstance(x, Mapping):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def fake_quant_int8_per_channel(weight: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-output-channel INT8 fake quant of a [out, in] weight (returned in its dtype)."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe).clamp(-127, 127)  # torch.round: half to even
+    return torch.where(scale > 0, q * scale, torch.zeros_like(w)).to(weight.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# model and log-probs
+
+
+def _build_model(model_dir: str | None, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
+    if model_dir is None:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(Qwen3Config(**_TINY))
+        return model.float().eval(), {"model": "tiny-random-qwen3", **{k: _TINY[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")}}
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model_dir {model_dir!r} is not a directory")
+    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
+        raise ValueError(f"model_dir {model_dir!r} has no *.safetensors file (pickle checkpoints are not loaded)")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, use_safetensors=True, local_files_only=True, dtype=torch.float32
+    )
+    return model.eval(), {"model": os.path.abspath(model_dir), "vocab_size": int(model.config.vocab_size)}
+
+
+def _token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """log p(ids[:, t] | ids[:, :t]) for t >= 1, shape [B, T-1], fp32."""
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def _int8_model(model: torch.nn.Module) -> torch.nn.Module:
+    q = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, mod in q.named_modules():
+            if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
+                mod.weight.copy_(fake_quant_int8_per_channel(mod.weight))
+    return q
+
+
+# --------------------------------------------------------------------------------------------------
+# contracts
+
+
+def _bound(name: str, value: float, bound: float, detail: str = "") -> ContractResult:
+    ok = value is not None and math.isfinite(value) and value <= bound
+    return ContractResult(name, PASS if ok else FAIL, value, f"<= {bound:g}", detail)
+
+
+def _unstable_topk() -> Callable[[torch.Tensor, int], torch.Tensor]:
+    calls = [0]
+
+    def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] % 2:
+            return deterministic_topk_indices(scores, k)
+        length = scores.shape[-1]
+        rev = deterministic_topk_indices(scores.flip(-1), k)  # lowest index of the flipped = highest here
+        idx = torch.where(rev >= 0, length - 1 - rev, rev)
+        key = torch.where(idx >= 0, idx, torch.full_like(idx, length))
+        key = key.sort(-1).values
+        return torch.where(key == length, torch.full_like(key, -1), key)
+
+    return topk
+
+
+def _stable_sort_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Independent reference (specs §5 implementation A): stable descending sort, first k, ascending."""
+    length = scores.shape[-1]
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    valid = scores.gather(-1, order) != float("-inf")
+    key = torch.where(valid, order, torch.full_like(order, length)).sort(-1).values
+    out = torch.where(key == length, torch.full_like(key, -1), key)
+    if k > length:
+        pad = torch.full((*scores.shape[:-1], k - length), -1, dtype=torch.long, device=scores.device)
+        out = torch.cat([out, pad], dim=-1)
+    return out
+
+
+def _topk_contracts(device: torch.device, seed: int, topk_fn, rows: int, length: int, k: int) -> list[ContractResult]:
+    g = torch.Generator().manual_seed(seed + 1)
+    # bf16-rounded Gaussian scores (many ties near the threshold) with a causal-like -inf tail.
+    scores = torch.randn(rows, length, generator=g).to(torch.bfloat16).float()
+    for r in range(rows):
+        scores[r, length - r * (length // (2 * rows)) :] = float("-inf")
+    scores[0, :] = 0.0  # a row of nothing but ties
+    out: list[ContractResult] = []
+
+    first = topk_fn(scores, k)
+    repeats = [topk_fn(scores, k) for _ in range(4)]
+    same = all(torch.equal(first, r) for r in repeats)
+    out.append(ContractResult("topk.repeat_identical", PASS if same else FAIL, same, "== across 5 calls"))
+
+    before = torch.get_num_threads()
+    n_many = max(2, before)
+    try:
+        torch.set_num_threads(1)
+        one = topk_fn(scores, k)
+        torch.set_num_threads(n_many)
+        many = topk_fn(scores, k)
+    finally:
+        torch.set_num_threads(before)
+    same = torch.equal(one, many)
+    out.append(ContractResult("topk.threads_identical", PASS if same else FAIL, same, f"== at 1 and {n_many} threads"))
+
+    ref = _stable_sort_topk(scores, k)
+    same = torch.equal(first, ref) and torch.equal(many, ref)
+    out.append(ContractResult("topk.matches_stable_sort", PASS if same else FAIL, same, "== stable-sort reference"))
+
+    try:
+        replayed = replay_topk_indices(first, k, length)
+        same, detail = torch.equal(replayed, first), ""
+    except ValueError as e:
+        same, detail = False, str(e)
+    out.append(ContractResult("topk.replay_roundtrip", PASS if same else FAIL, same, "== after validation", detail))
+
+    if device.type == "cpu":
+        out.append(ContractResult("topk.device_matches_cpu", SKIP, None, "== CPU result", "device is cpu"))
+    else:
+        dev = topk_fn(scores.to(device), k).cpu()
+        same = torch.equal(dev, first)
+        out.append(ContractResult("topk.device_matches_cpu", PASS if same else FAIL, same, "== CPU result", str(device)))
+    return out
+
+
+def run_check(
+    model_dir: str | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    out_json: str | None = None,
+    plot: str | None = None,
+    *,
+    batch: int = 4,
+    seq_len: int = 64,
+    thresholds: Mapping[str, Mapping[str, float]] | None = None,
+    inject: str | None = None,
+    topk_shape: tuple[int, int, int] = (8, 8192, 512),
+) -> CheckReport:
+    """Run all contracts; optionally write JSON (``out_json``) and a log-ratio histogram PNG (``plot``).
+
+    Args:
+        model_dir: local HF model directory with safetensors weights; None builds the tiny random model.
+        device: torch device string for the model and the device top-k comparison.
+        seed: seeds model init, token IDs and top-k scores (caller's RNG state is left untouched).
+        batch, seq_len: token-ID batch shape.
+        thresholds: per-path overrides merged into :data:`DEFAULT_THRESHOLDS`.
+        inject: one of :data:`INJECTIONS` (tests only).
+        topk_shape: (rows, L, k) of the top-k determinism case.
+    """
+    if inject is not None and inject not in INJECTIONS:
+        raise ValueError(f"inject must be None or one of {INJECTIONS}, got {inject!r}")
+    if batch < 1 or seq_len < 2:
+        raise ValueError(f"need batch >= 1 and seq_len >= 2, got batch={batch}, seq_len={seq_len}")
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    limits = {p: dict(v) for p, v in DEFAULT_THRESHOLDS.items()}
+    for p, v in (thresholds or {}).items():
+        if p not in limits:
+            raise ValueError(f"thresholds has unknown path {p!r}; known: {sorted(limits)}")
+        limits[p].update(v)
+
+    model, meta = _build_model(model_dir, seed)
+    vocab = int(meta["vocab_size"])
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(seed)).to(dev)
+
+    paths: dict[str, torch.Tensor] = {}
+    paths["fp32"] = _token_logprobs(model.to(dev), ids)
+    paths["bf16"] = _token_logprobs(copy.deepcopy(model).to(dev, torch.bfloat16), ids)
+    paths["int8"] = _token_logprobs(_int8_model(model).to(dev), ids)
+    if inject == "logprob_noise":
+        g = torch.Generator().manual_seed(seed + 2)
+        paths["bf16"] = paths["bf16"] + 0.5 * torch.randn(paths["bf16"].shape, generator=g).to(dev)
+    elif inject == "logprob_nan":
+        paths["bf16"] = paths["bf16"].clone()
+        paths["bf16"][0, 0] = float("nan")
+
+    report = CheckReport(meta={**meta, "device": str(dev), "seed": seed, "batch": batch, "seq_len": seq_len,
+                               "torch": torch.__version__, "inject": inject,
+                               "dis_band": list(DIS_PRESETS[_DIS_PRESET]), "icepop_beta": _ICEPOP_BETA,
+                               "int8_fake_quant": "local amax/127 per-channel (to be replaced by slime_ascend.quant)"})
+    bad = [p for p, t in paths.items() if not bool(torch.isfinite(t).all())]
+    report.contracts.append(ContractResult("logprobs.finite", FAIL if bad else PASS, not bad, "all paths finite",
+                                           f"non-finite: {bad}" if bad else ""))
+
+    ref = paths["fp32"]
+    deltas: dict[str, torch.Tensor] = {}
+    for path in ("bf16", "int8"):
+        lp = paths[path]
+        train = [r.cpu() for r in ref]
+        roll = [r.cpu() for r in lp]
+        masks = [torch.ones_like(r, dtype=torch.bool) for r in train]
+        dis_keep = [dis_mask(a, b, *DIS_PRESETS[_DIS_PRESET]) for a, b in zip(train, roll)]
+        ice_keep = [icepop_weights(a, b, _ICEPOP_BETA)[1] for a, b in zip(train, roll)]
+        stats = mismatch_stats(train, roll, masks, dis_keep)
+        stats["dis_masked_frac"] = stats.pop("masked_frac")
+        stats["icepop_masked_frac"] = mismatch_stats(train, roll, masks, ice_keep)["masked_frac"]
+        report.stats[path] = stats
+        deltas[path] = (ref - lp).flatten().cpu()
+        for stat, bound in limits[path].items():
+            report.contracts.append(_bound(f"{path}_vs_fp32.{stat}", stats[stat], bound))
+
+    rows, length, k = topk_shape
+    topk_fn = _unstable_topk() if inject == "topk_unstable" else deterministic_topk_indices
+    report.contracts.extend(_topk_contracts(dev, seed, topk_fn, rows, length, k))
+    report.meta["topk_shape"] = list(topk_shape)
+    report.meta["elapsed_s"] = round(time.perf_counter() - t0, 3)
+
+    if out_json is not None:
+        with open(out_json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2, allow_nan=False)
+    if plot is not None:
+        _plot(deltas, plot)
+    return report
+
+
+def _plot(deltas: Mapping[str, torch.Tensor], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, d in deltas.items():
+        d = d[torch.isfinite(d)]
+        ax.hist(d.numpy(), bins=80, histtype="step", label=f"fp32 - {name}")
+    ax.set_xlabel("log-ratio  logp_train(fp32) - logp_rollout(path)")
+    ax.set_ylabel("tokens")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_table(report: CheckReport) -> str:
+    """Plain-text table: one row per contract, then a one-line verdict."""
+    rows = [("contract", "status", "value", "threshold")]
+    for c in report.contracts:
+        if isinstance(c.value, float):
+            val = f"{c.value:.3g}"
+        else:
+            val = "-" if c.value is None else str(c.value)
+        rows.append((c.name, c.status, val, c.threshold))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    n_fail = sum(c.status == FAIL for c in report.contracts)
+    verdict = "ALL PASS" if n_fail == 0 else f"{n_fail} FAIL"
+    lines.append(f"{verdict} ({report.meta.get('model', '?')}, device={report.meta.get('device', '?')}, "
+                 f"{report.meta.get('elapsed_s', '?')}s)")
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""`slime-ascend check` engine: contracts reported, JSON/PNG written, injected faults detected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from slime_ascend.contracts.check import (  # noqa: E402
+    DEFAULT_THRESHOLDS,
+    INJECTIONS,
+    fake_quant_int8_per_channel,
+    format_table,
+    run_check,
+)
+
+SMALL_TOPK = (4, 2048, 128)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    d = tmp_path_factory.mktemp("check")
+    rng_before = torch.get_rng_state()
+    report = run_check(out_json=str(d / "r.json"), plot=str(d / "r.png"), topk_shape=SMALL_TOPK)
+    assert torch.equal(rng_before, torch.get_rng_state())  # caller's RNG untouched
+    return report, d
+
+
+def test_clean_run_passes_with_named_contracts(clean) -> None:
+    report, _ = clean
+    names = {c.name for c in report.contracts}
+    for path, bounds in DEFAULT_THRESHOLDS.items():
+        for stat in bounds:
+            assert f"{path}_vs_fp32.{stat}" in names
+    for name in ("logprobs.finite", "topk.repeat_identical", "topk.threads_identical",
+                 "topk.matches_stable_sort", "topk.replay_roundtrip", "topk.device_matches_cpu"):
+        assert name in names
+    assert report.passed, format_table(report)
+    assert report.contract("topk.device_matches_cpu").status == "SKIP"
+    assert {"bf16", "int8"} <= report.stats.keys()
+    assert report.stats["bf16"]["tokens"] == 4 * 63
+    assert 0 < report.stats["bf16"]["logratio_abs_mean"] < 0.03
+
+
+def test_json_and_plot_written(clean) -> None:
+    report, d = clean
+    data = json.loads((d / "r.json").read_text())
+    assert data["passed"] is True
+    assert [c["name"] for c in data["contracts"]] == [c.name for c in report.contracts]
+    assert {c["status"] for c in data["contracts"]} <= {"PASS", "FAIL", "SKIP"}
+    assert (d / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_format_table(clean) -> None:
+    report, _ = clean
+    text = format_table(report)
+    assert "bf16_vs_fp32.logratio_abs_mean" in text and "<= 0.03" in text
+    assert text.splitlines()[-1].startswith("ALL PASS")
+
+
+def test_same_seed_same_numbers(clean) -> None:
+    report, _ = clean
+    again = run_check(topk_shape=SMALL_TOPK)
+    assert again.stats == report.stats
+
+
+@pytest.mark.parametrize(
+    "inject, must_fail",
+    [
+        ("logprob_noise", "bf16_vs_fp32.logratio_abs_mean"),
+        ("logprob_nan", "logprobs.finite"),
+        ("topk_unstable", "topk.repeat_identical"),
+    ],
+)
+def test_injected_fault_is_reported(inject: str, must_fail: str) -> None:
+    assert inject in INJECTIONS
+    report = run_check(inject=inject, topk_shape=SMALL_TOPK)
+    assert not report.passed
+    assert report.contract(must_fail).status == "FAIL"
+    assert "FAIL" in format_table(report).splitlines()[-1]
+
+
+def test_tight_threshold_fails() -> None:
+    report = run_check(thresholds={"int8": {"logratio_abs_mean": 1e-9}}, topk_shape=SMALL_TOPK)
+    assert report.contract("int8_vs_fp32.logratio_abs_mean").status == "FAIL"
+    assert report.contract("bf16_vs_fp32.logratio_abs_mean").status == "PASS"
+
+
+def test_model_dir_safetensors_only(tmp_path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.05)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    report = run_check(model_dir=str(tmp_path / "m"), topk_shape=SMALL_TOPK, seq_len=16)
+    assert report.meta["vocab_size"] == 256 and report.passed
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="safetensors"):
+        run_check(model_dir=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="not a directory"):
+        run_check(model_dir=str(tmp_path / "missing"))
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="inject"):
+        run_check(inject="bogus")
+    with pytest.raises(ValueError, match="unknown path"):
+        run_check(thresholds={"fp8": {}})
+
+
+def test_fake_quant_matches_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 9, generator=g)
+    w[1] = 0.0
+    w[2, 3] = -w[2].abs().max() * 2  # the row's amax maps to exactly -127
+    w[3] = torch.tensor([1.0, 0.5 / 127 * 1, 1.5 / 127, 2.5 / 127, 0, 0, 0, 0, 0])  # half-way cases
+    got = fake_quant_int8_per_channel(w)
+    for i in range(w.shape[0]):
+        amax = float(w[i].abs().max())
+        scale = torch.tensor(amax, dtype=torch.float32) / 127.0
+        for j in range(w.shape[1]):
+            if amax == 0:
+                expect = 0.0
+            else:
+                q = round(float(torch.tensor(float(w[i, j])) / scale))  # Python round: half to even
+                expect = float(max(-127, min(127, q)) * scale)
+            assert float(got[i, j]) == expect
+    assert float(got[2, 3]) == float(w[2, 3])
+    with pytest.raises(ValueError):
+        fake_quant_int8_per_channel(torch.zeros(3))
