@@ -387,7 +387,9 @@ class SGLangEngineLoader(TeacherLoader):
         for url in self.urls:
             resp = self._post(f"{url}/update_weights_from_disk", payload, self.timeout_s)
             if not resp.get("success", False):
-                raise RuntimeError(f"{url}/update_weights_from_disk refused {payload['model_path']}: {resp.get('message', resp)}")
+                raise RuntimeError(
+                    f"{url}/update_weights_from_disk refused {payload['model_path']}: {resp.get('message', resp)}"
+                )
         return 0
 
 

@@ -136,7 +136,10 @@ def check_same_origin(
         flagged = (ratio is not None and ratio > threshold_ratio) or (max_kl is not None and kl > max_kl)
         report.teachers[name] = TeacherKL(name, kl, ratio, flagged, counts[name])
         if flagged:
-            why = f"{ratio:.2f}x the median of the other teachers" if ratio is not None and ratio > threshold_ratio else f"above max_kl={max_kl}"
+            if ratio is not None and ratio > threshold_ratio:
+                why = f"{ratio:.2f}x the median of the other teachers"
+            else:
+                why = f"above max_kl={max_kl}"
             msg = (
                 f"teacher {name!r}: initial per-token KL to the student {kl:.4g} is {why}; it may not be "
                 "same-origin (MOPD saw ~5x KL from a foreign teacher, with entropy contraction)"
