@@ -57,6 +57,8 @@ class _TranslatingRemote:
         return self._wrapped.remote(*args, **kwargs)
 
     def __getattr__(self, item: str) -> Any:
+        if item == "_wrapped":
+            raise AttributeError(item)
         return getattr(self._wrapped, item)
 
 
@@ -67,7 +69,14 @@ class NPURay:
         self._ray = ray_module
 
     def __getattr__(self, item: str) -> Any:
+        if item == "_ray":
+            raise AttributeError(item)
         return getattr(self._ray, item)
+
+    def __reduce__(self):
+        # Ray may pickle a function whose globals hold this view; rebuild it around the
+        # receiving process's own ray module.
+        return (_npu_ray, ())
 
     def remote(self, *args: Any, **options: Any) -> Any:
         if args and len(args) == 1 and not options and callable(args[0]):
@@ -86,6 +95,12 @@ class NPURay:
 
     def available_resources(self) -> dict[str, float]:
         return _as_gpu_view(self._ray.available_resources())
+
+
+def _npu_ray() -> NPURay:
+    import ray
+
+    return NPURay(ray)
 
 
 def _as_gpu_view(resources: dict[str, float]) -> dict[str, float]:
@@ -119,7 +134,7 @@ class RayNPUResources(RuntimePatch):
             problems += missing_attrs(module, ["ray"])
             problems += missing_source(module, EXPECTED_SOURCE.get(name, ()), label=name)
             if name == "slime.ray.placement_group":
-                problems += missing_attrs(module, ["placement_group", "InfoActor.__ray_actor_class__"])
+                problems += missing_attrs(module, ["placement_group", "InfoActor.options"])
         return problems
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
@@ -130,11 +145,30 @@ class RayNPUResources(RuntimePatch):
                 self.wrap(module, "InfoActor", _redecorate_info_actor)
 
 
+class _NPUDefaults(_TranslatingRemote):
+    """An ActorClass declared with ``num_gpus=n``, asking for ``n`` NPUs instead.
+
+    The class itself is not re-declared (Ray pickles it by reference to its module), so every
+    ``options``/``remote`` call carries the NPU request explicitly.
+    """
+
+    def __init__(self, wrapped: Any, gpus: float):
+        super().__init__(wrapped)
+        self._defaults = {"num_gpus": 0, "resources": {NPU: gpus}}
+
+    def options(self, **options: Any) -> Any:
+        translated = translate_options(options)
+        merged = {**self._defaults, **translated}
+        merged["resources"] = {**self._defaults["resources"], **translated.get("resources", {})}
+        return self._wrapped.options(**merged)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.options().remote(*args, **kwargs)
+
+
 def _redecorate_info_actor(actor_class: Any) -> Any:
     """``@ray.remote(num_gpus=1) class InfoActor`` -> the same class asking for one NPU."""
-    import ray
-
-    return _TranslatingRemote(ray.remote(resources={NPU: 1})(actor_class.__ray_actor_class__))
+    return _NPUDefaults(actor_class, 1)
 
 
 PATCH = RayNPUResources(
