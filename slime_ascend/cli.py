@@ -25,6 +25,8 @@ def _cmd_plugins(ns: argparse.Namespace) -> int:
             for name, p in sorted(known.items())
         }, indent=2))
         return 0
+    for name, why in sorted(registry.broken().items()):
+        print(f"{name}: BROKEN: {why}")
     for name, plugin in sorted(known.items()):
         print(f"{name}: {plugin.description}")
         if plugin.requires:

@@ -136,8 +136,16 @@ def patch_targets() -> list[Line]:
     return lines
 
 
+def plugins() -> list[Line]:
+    from .plugins import registry
+
+    lines = [Line("plugins", "ok", ", ".join(sorted(registry.available())) or "none installed")]
+    lines += [Line(f"plugin {name}", "fail", why) for name, why in sorted(registry.broken().items())]
+    return lines
+
+
 def run(check_patches: bool = True, probe_ray: bool = False) -> list[Line]:
-    lines = versions() + activation()
+    lines = versions() + activation() + plugins()
     if check_patches:
         lines += patch_targets()
     if probe_ray:

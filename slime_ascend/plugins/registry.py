@@ -24,6 +24,7 @@ class PluginError(RuntimeError):
 
 _lock = threading.Lock()
 _cache: dict[str, Plugin] | None = None
+_broken: dict[str, str] = {}  # entry-point name -> why it could not be loaded
 _extra: dict[str, Plugin] = {}
 
 
@@ -45,16 +46,30 @@ def available() -> dict[str, Plugin]:
         if _cache is None:
             found: dict[str, Plugin] = {}
             for ep in entry_points(group=GROUP):
-                plugin = ep.load()
+                # A plugin that fails to load is reported (broken()) and refused by name; it does
+                # not take the others down.
+                try:
+                    plugin = ep.load()
+                except Exception as exc:  # noqa: BLE001
+                    _broken[ep.name] = f"entry point {ep.value} failed to load: {type(exc).__name__}: {exc}"
+                    continue
                 if not isinstance(plugin, Plugin):
-                    raise PluginError(f"entry point {ep.name!r} ({ep.value}) is not a slime_ascend Plugin")
-                if plugin.name != ep.name:
-                    raise PluginError(f"entry point {ep.name!r} loads a plugin named {plugin.name!r}")
-                if plugin.name in found:
-                    raise PluginError(f"two installed distributions provide the plugin {plugin.name!r}")
-                found[plugin.name] = plugin
+                    _broken[ep.name] = f"entry point {ep.value} is not a slime_ascend Plugin"
+                elif plugin.name != ep.name:
+                    _broken[ep.name] = f"entry point {ep.value} loads a plugin named {plugin.name!r}"
+                elif plugin.name in found:
+                    _broken[ep.name] = "two installed distributions provide this plugin"
+                    found.pop(plugin.name)
+                else:
+                    found[plugin.name] = plugin
             _cache = found
         return {**_cache, **_extra}
+
+
+def broken() -> dict[str, str]:
+    """Installed plugins that could not be loaded, with the reason."""
+    available()
+    return dict(_broken)
 
 
 def parse_names(text: str | Iterable[str] | None) -> list[str]:
@@ -98,6 +113,8 @@ def resolve_selection(names: Iterable[str], known: dict[str, Plugin] | None = No
     def add(name: str, why: str) -> None:
         if name in ordered:
             return
+        if name not in known and name in _broken:
+            raise PluginError(f"plugin {name!r} ({why}) is installed but broken: {_broken[name]}")
         if name not in known:
             raise PluginError(
                 f"unknown plugin {name!r} ({why}). Known plugins: {', '.join(sorted(known)) or 'none'}. "
