@@ -142,7 +142,9 @@ def test_schedule_prefetches_next_and_stages_each_teacher_once(teachers):
         assert seen == [("chat", "chat", "math"), ("math", "math", "code"), ("code", "code", None)]
         assert [c[0] for c in loader.calls] == ["chat", "math", "code"]
         m = pool.metrics()
-        assert m["switches"] == 3 and m["prefetch_hits"] == 2 and m["max_prefetched"] == 1
+        # every switch was served by a prefetch (the first may still be in flight: "late")
+        assert m["switches"] == 3 and m["cold_loads"] == 0 and m["prefetch_hits"] >= 2
+        assert m["prefetch_hits"] + m["prefetch_late"] == 3 and m["max_prefetched"] == 1
 
 
 def test_memory_bound_one_prefetched(teachers):
