@@ -22,7 +22,7 @@ PROMPT = [1, 17, 250, 3, 999, 42]
 
 @pytest.fixture(scope="module")
 def engine():
-    return ReferenceEngine()
+    return ReferenceEngine(return_original_logprob=False)
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +228,7 @@ def test_input_logprobs_with_start_len(url, engine):
 
 
 def test_update_weights_from_disk_changes_outputs_and_version(tmp_path):
-    engine = ReferenceEngine()
+    engine = ReferenceEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         sp = {"temperature": 0, "max_new_tokens": 6}
         before = gen(url, sampling_params=sp)
@@ -253,7 +253,7 @@ def test_update_weights_from_disk_changes_outputs_and_version(tmp_path):
 
 
 def test_update_weights_rejects_other_architecture_and_keeps_model(tmp_path):
-    engine = ReferenceEngine()
+    engine = ReferenceEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         before = gen(url, sampling_params={"temperature": 0, "max_new_tokens": 4})
         from transformers import AutoModelForCausalLM
@@ -300,7 +300,7 @@ LONG = {"input_ids": [1, 2], "sampling_params": {"temperature": 1.0, "max_new_to
 
 
 def test_pause_aborts_inflight_and_holds_new_requests():
-    engine = ReferenceEngine()
+    engine = ReferenceEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         running, running_box = _post_in_thread(url, LONG)
         _wait_running(url, 1)
@@ -321,9 +321,9 @@ def test_pause_aborts_inflight_and_holds_new_requests():
 
 
 def test_in_place_pause_parks_then_resumes(tmp_path):
-    engine = ReferenceEngine()
+    engine = ReferenceEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
-        payload = {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 1500}}
+        payload = {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 800}}
         running, box = _post_in_thread(url, payload)
         _wait_running(url, 1)
         assert requests.post(f"{url}/pause_generation", json={"mode": "in_place"}).status_code == 200
@@ -337,12 +337,12 @@ def test_in_place_pause_parks_then_resumes(tmp_path):
         requests.post(f"{url}/continue_generation", json={})
         running.join(timeout=300)
         meta = box["response"]["meta_info"]
-        assert meta["finish_reason"] == {"type": "length", "length": 1500}
+        assert meta["finish_reason"] == {"type": "length", "length": 800}
         assert meta["weight_version"] == "3"
 
 
 def test_abort_request_all():
-    engine = ReferenceEngine()
+    engine = ReferenceEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         running, box = _post_in_thread(url, LONG)
         _wait_running(url, 1)
@@ -563,3 +563,18 @@ def test_real_fp8_block_checkpoint_loads_close_to_source(tmp_path):
     for name, w in source.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], w, atol=float(w.abs().max()) / 8, rtol=0.0)
     torch.testing.assert_close(score_tokens(loaded, PROMPT), score_tokens(source, PROMPT), atol=0.05, rtol=0.0)
+
+
+def test_concurrent_requests_match_sequential(url):
+    """Interleaved decode steps of concurrent requests do not mix KV caches or generators."""
+    payloads = [
+        {"input_ids": PROMPT[: 2 + i], "sampling_params": {"temperature": 0.9, "max_new_tokens": 5, "sampling_seed": i}, "return_logprob": True}
+        for i in range(4)
+    ]
+    sequential = [requests.post(f"{url}/generate", json=p, timeout=120).json() for p in payloads]
+    threads = [_post_in_thread(url, p) for p in payloads]
+    for thread, _ in threads:
+        thread.join(timeout=120)
+    for (_, box), seq in zip(threads, sequential, strict=True):
+        assert box["response"]["output_ids"] == seq["output_ids"]
+        assert box["response"]["meta_info"]["output_token_logprobs"] == seq["meta_info"]["output_token_logprobs"]
