@@ -86,7 +86,7 @@ def _reverse_scan(x: torch.Tensor, discount: Sequence[float], chunk_size: int) -
     carry = torch.nn.functional.pad(heads_y[:, 1:], (0, 1))  # y at the head of the next chunk; 0 after the end
     # y[c, i] = local[c, i] + d ** (C - i) * carry[c]
     pow_vec = dd[:, None] ** (C - idx).to(x.dtype)  # [1 or B, C]
-    y = local + carry[:, :, None] * pow_vec[:, None, :]
+    y = torch.addcmul(local, carry[:, :, None], pow_vec[:, None, :])
     return y.reshape(B, n * C)[:, :T]
 
 
@@ -212,6 +212,7 @@ def _per_sample_lambdas(lambd: float | Sequence[float], B: int) -> list[float]:
     return lams
 
 
+@torch.no_grad()
 def skip_observation_gae(
     values: Sequence[torch.Tensor],
     rewards: Sequence[torch.Tensor],
@@ -233,7 +234,7 @@ def skip_observation_gae(
 
     Returns:
         ``(advantages, returns)``, per-sample tensors in ``values``' dtype; ``returns = advantages + values``
-        on action tokens; both are 0 on observation tokens.
+        on action tokens; both are 0 on observation tokens. Computed without autograd (targets), like slime.
     """
     B = len(values)
     if len(rewards) != B or len(loss_masks) != B:
@@ -243,7 +244,9 @@ def skip_observation_gae(
     if not 0.0 <= float(gamma) <= 1.0:
         raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
     if observation_rewards not in ("ignore", "credit_previous_action"):
-        raise ValueError(f"observation_rewards must be 'ignore' or 'credit_previous_action', got {observation_rewards!r}")
+        raise ValueError(
+            f"observation_rewards must be 'ignore' or 'credit_previous_action', got {observation_rewards!r}"
+        )
     lams = _per_sample_lambdas(lambd, B)
     _check_chunk_size(chunk_size)
     if B == 0:
@@ -259,37 +262,53 @@ def skip_observation_gae(
     cdtype = _compute_dtype(out_dtype)
     lengths = [int(v.numel()) for v in values]
 
-    v_flat = torch.cat([v.to(cdtype) for v in values])
-    r_flat = torch.cat([r.to(device=device, dtype=cdtype) for r in rewards])
-    m_flat = torch.cat([m.to(device) != 0 for m in loss_masks])
-    sample_of_token = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(lengths, device=device))
+    def flat(xs: Sequence[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:
+        xs = [x.to(device=device, dtype=dtype) if dtype is not None else x.to(device) for x in xs]
+        return xs[0] if B == 1 else torch.cat(xs)
 
+    v_flat = flat(values, cdtype)
+    r_flat = flat(rewards, cdtype)
+    m_flat = flat(loss_masks, None) != 0
     act_pos = m_flat.nonzero().squeeze(1)
-    act_sample = sample_of_token[act_pos]
-    counts = torch.bincount(act_sample, minlength=B)
-    starts = torch.cumsum(counts, 0) - counts
-    act_rank = torch.arange(act_pos.numel(), device=device) - starts[act_sample]
-    L = int(counts.max()) if act_pos.numel() else 0
+    n_act = act_pos.numel()
 
-    V = torch.zeros(B, L + 1, dtype=cdtype, device=device)  # one zero column: bootstrap 0 after the last action
-    R = torch.zeros(B, L + 1, dtype=cdtype, device=device)
-    V[act_sample, act_rank] = v_flat[act_pos]
+    # per-sample action counts from one cumulative sum (no per-token sample ids needed)
+    lengths_t = torch.tensor(lengths, device=device)
+    ends = torch.cumsum(lengths_t, 0)
+    cs0 = torch.nn.functional.pad(torch.cumsum(m_flat, 0), (1, 0))
+    starts = cs0[ends - lengths_t]  # compacted index of each sample's first action
+    counts = cs0[ends] - starts
+    L = n_act if B == 1 else (int(counts.max()) if n_act else 0)
+
+    # Compacted actions go to a [B, L + 1] buffer; the extra zero column bootstraps 0 after the last action.
+    # dest = flat index of each action (in compacted order) in that buffer.
+    if B == 1:
+        dest: torch.Tensor | slice = slice(0, n_act)
+    else:
+        offsets = torch.arange(B, device=device) * (L + 1) - starts
+        dest = torch.arange(n_act, device=device) + torch.repeat_interleave(offsets, counts, output_size=n_act)
+    v_act = v_flat[act_pos]
+    V = torch.zeros(B * (L + 1), dtype=cdtype, device=device)
+    R = torch.zeros(B * (L + 1), dtype=cdtype, device=device)
+    V[dest] = v_act
     if observation_rewards == "ignore":
-        R[act_sample, act_rank] = r_flat[act_pos]
+        R[dest] = r_flat[act_pos]
     else:
         # every token credits the latest action at or before it in the same sample
-        seen = torch.cumsum(m_flat.to(torch.long), 0) - starts[sample_of_token]
+        sample_of_token = torch.repeat_interleave(torch.arange(B, device=device), lengths_t, output_size=len(m_flat))
+        seen = cs0[1:] - starts[sample_of_token]
         keep = seen >= 1
-        R.index_put_((sample_of_token[keep], seen[keep] - 1), r_flat[keep], accumulate=True)
-
-    deltas = R[:, :-1] + gamma * V[:, 1:] - V[:, :-1]
+        R.index_put_((sample_of_token[keep] * (L + 1) + seen[keep] - 1,), r_flat[keep], accumulate=True)
+    V = V.view(B, L + 1)
+    deltas = R.view(B, L + 1) - V
+    deltas[:, :-1].add_(V[:, 1:], alpha=float(gamma))
     A = _reverse_scan(deltas, [float(gamma) * lam for lam in lams], chunk_size)
 
+    a_act = A.reshape(-1)[dest]
     adv_flat = torch.zeros_like(v_flat)
     ret_flat = torch.zeros_like(v_flat)
-    a_act = A[act_sample, act_rank]
     adv_flat[act_pos] = a_act
-    ret_flat[act_pos] = a_act + v_flat[act_pos]
+    ret_flat[act_pos] = a_act + v_act
     advantages = list(adv_flat.to(out_dtype).split(lengths))
     returns = list(ret_flat.to(out_dtype).split(lengths))
     return advantages, returns

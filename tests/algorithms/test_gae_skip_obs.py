@@ -181,7 +181,8 @@ def test_lambda_zero_is_td_error():
     v = torch.tensor([1.0, 2.0, 9, 9, 9, 3.0, 4.0], dtype=torch.float64)
     r = torch.tensor([0.1, 0.2, 0, 0, 0, 0.3, 0.4], dtype=torch.float64)
     adv, _ = skip_observation_gae([v], [r], [m], 0.5, 0.0)
-    want = torch.tensor([0.1 + 0.5 * 2 - 1, 0.2 + 0.5 * 3 - 2, 0, 0, 0, 0.3 + 0.5 * 4 - 3, 0.4 - 4], dtype=torch.float64)
+    want = [0.1 + 0.5 * 2 - 1, 0.2 + 0.5 * 3 - 2, 0, 0, 0, 0.3 + 0.5 * 4 - 3, 0.4 - 4]
+    want = torch.tensor(want, dtype=torch.float64)
     torch.testing.assert_close(adv[0], want)
 
 
