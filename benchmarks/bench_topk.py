@@ -63,7 +63,8 @@ def main() -> None:
     args = ap.parse_args()
     for row in run(quick=args.quick):
         print(row["detail"])
-        print(f"RESULT {row['name']} ratio={row['ratio']:.2f} target={row['target']} {'PASS' if row['passed'] else 'FAIL'}")
+        verdict = "PASS" if row["passed"] else "FAIL"
+        print(f"RESULT {row['name']} ratio={row['ratio']:.2f} target={row['target']} {verdict}")
 
 
 if __name__ == "__main__":

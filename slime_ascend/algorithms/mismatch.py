@@ -141,7 +141,8 @@ def _check_lists(
             t = seq[i]
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape != ref.shape:
                 raise ValueError(
-                    f"{name}[{i}] must be a 1-D tensor of length {ref.numel() if isinstance(ref, torch.Tensor) else '?'}"
+                    f"{name}[{i}] must be a 1-D tensor shaped like train_logp[{i}] "
+                    f"({tuple(ref.shape) if isinstance(ref, torch.Tensor) else '?'})"
                     f", got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
                 )
         for name in ("train_logp", "rollout_logp"):

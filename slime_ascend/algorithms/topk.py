@@ -67,44 +67,54 @@ def deterministic_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     if is_float and scores.numel() > 0 and bool(torch.isnan(scores.sum())) and bool(torch.isnan(scores).any()):
         raise ValueError("scores contain NaN; replace them (e.g. with -inf for masked keys) before top-k")
 
-    out = torch.full((*batch_shape, k), -1, dtype=torch.long, device=device)
     kk = min(k, length)
-    if kk == 0 or out.numel() == 0:
-        return out
+    rows = 1
+    for n in batch_shape:
+        rows *= n
+    if kk == 0 or rows == 0:
+        return torch.full((*batch_shape, k), -1, dtype=torch.long, device=device)
 
-    x = scores.reshape(-1, length)
+    x = scores.reshape(rows, length)
     if kk < length:
         # One extra candidate tells whether ties straddle the threshold (the kk-th largest value).
         values, cand = torch.topk(x, kk + 1, dim=-1, largest=True, sorted=True)
-        tied_rows = torch.nonzero(values[:, kk] == values[:, kk - 1]).flatten()
+        straddle = values[:, kk] == values[:, kk - 1]
         values, cand = values[:, :kk], cand[:, :kk]
     else:
         values, cand = torch.topk(x, kk, dim=-1, largest=True, sorted=True)
-        tied_rows = cand.new_empty(0)
+        straddle = torch.zeros(rows, dtype=torch.bool, device=device)
     threshold = values[:, kk - 1]
-    if tied_rows.numel() > 0:
-        tied_rows = tied_rows[threshold[tied_rows] != float("-inf")] if is_float else tied_rows
-    if tied_rows.numel() > 0:
+    if is_float:
+        has_neginf = threshold == float("-inf")  # the selection holds a -inf key iff its minimum is -inf
+        straddle = straddle & ~has_neginf  # tied -inf keys all become -1: nothing to resolve
+    else:
+        has_neginf = torch.zeros_like(straddle)
+    any_straddle, any_neginf = torch.stack([straddle.any(), has_neginf.any()]).tolist()  # one host sync
+
+    if any_straddle:
         # Slots >= n_above hold keys tied at the threshold, in arbitrary order; refill them with the
         # lowest-index tied keys of the row. Tied keys are found with one pass and a sparse nonzero.
         cand = cand.clone()
-        tt = threshold[tied_rows]
-        n_above = (values[tied_rows] > tt[:, None]).sum(dim=-1)
-        ties = torch.nonzero(x.index_select(0, tied_rows) == tt[:, None])  # row-major: ascending per row
+        n_above = (values > threshold[:, None]).sum(dim=-1)
+        if is_float:  # a NaN threshold matches nothing: rows without straddling ties drop out
+            at = x == torch.where(straddle, threshold, torch.full_like(threshold, float("nan")))[:, None]
+        else:
+            at = (x == threshold[:, None]) & straddle[:, None]
+        ties = torch.nonzero(at)  # row-major: ascending positions within each row
         t_row, t_pos = ties[:, 0], ties[:, 1]
-        first = torch.searchsorted(t_row.contiguous(), torch.arange(tied_rows.numel(), device=device))
-        rank = torch.arange(t_row.numel(), device=device) - first[t_row]
-        slot = n_above[t_row] + rank
+        first = torch.searchsorted(t_row.contiguous(), torch.arange(rows, device=device))
+        slot = n_above[t_row] + (torch.arange(t_row.numel(), device=device) - first[t_row])
         take = slot < kk
-        cand[tied_rows[t_row[take]], slot[take]] = t_pos[take]
-    if is_float:
+        cand[t_row[take], slot[take]] = t_pos[take]
+    if any_neginf:
         # -inf keys are never selected: their slots become -1, moved to the end by the sort.
         cand = torch.where(values == float("-inf"), torch.full_like(cand, length), cand)
-    idx, _ = torch.sort(cand, dim=-1)
-    idx = torch.where(idx == length, torch.full_like(idx, -1), idx)
-
-    out.view(-1, k)[:, :kk] = idx
-    return out
+    idx = torch.sort(cand, dim=-1).values
+    if any_neginf:
+        idx = torch.where(idx == length, torch.full_like(idx, -1), idx)
+    if kk < k:
+        idx = torch.cat([idx, torch.full((rows, k - kk), -1, dtype=torch.long, device=device)], dim=-1)
+    return idx.reshape(*batch_shape, k)
 
 
 def replay_topk_indices(

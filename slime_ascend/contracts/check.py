@@ -112,7 +112,12 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return _json_safe(
-            {"passed": self.passed, "contracts": [asdict(c) for c in self.contracts], "stats": self.stats, "meta": self.meta}
+            {
+                "passed": self.passed,
+                "contracts": [asdict(c) for c in self.contracts],
+                "stats": self.stats,
+                "meta": self.meta,
+            }
         )
 
 
@@ -152,7 +157,8 @@ def _build_model(model_dir: str | None, seed: int) -> tuple[torch.nn.Module, dic
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = Qwen3ForCausalLM(Qwen3Config(**_TINY))
-        return model.float().eval(), {"model": "tiny-random-qwen3", **{k: _TINY[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")}}
+        info = {k: _TINY[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
+        return model.float().eval(), {"model": "tiny-random-qwen3", **info}
     if not os.path.isdir(model_dir):
         raise ValueError(f"model_dir {model_dir!r} is not a directory")
     if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
@@ -262,7 +268,8 @@ def _topk_contracts(device: torch.device, seed: int, topk_fn, rows: int, length:
     else:
         dev = topk_fn(scores.to(device), k).cpu()
         same = torch.equal(dev, first)
-        out.append(ContractResult("topk.device_matches_cpu", PASS if same else FAIL, same, "== CPU result", str(device)))
+        status = PASS if same else FAIL
+        out.append(ContractResult("topk.device_matches_cpu", status, same, "== CPU result", str(device)))
     return out
 
 
