@@ -1,15 +1,16 @@
 """The reference rollout engine over HTTP: SGLang response shape, sampling, log-prob contract,
-weight updates, pause/abort, and 4xx on malformed requests."""
+weight updates, pause/abort, and 4xx on malformed HTTP."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-import requests
 import torch
 
 from slime_ascend.rollout import reference_model
@@ -18,6 +19,7 @@ from slime_ascend.rollout.reference_engine import ReferenceEngine
 from slime_ascend.rollout.reference_model import load_model, save_model, score_tokens
 
 PROMPT = [1, 17, 250, 3, 999, 42]
+HTTP = httpx.Client(timeout=300, trust_env=False)  # thread-safe; no proxies for loopback
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def url(engine):
 
 def gen(url: str, **payload) -> dict:
     payload.setdefault("input_ids", PROMPT)
-    r = requests.post(f"{url}/generate", json=payload, timeout=120)
+    r = HTTP.post(f"{url}/generate", json=payload, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -92,7 +94,7 @@ def test_no_logprob_fields_unless_requested(url):
 def test_batch_matches_single_requests(url):
     prompts = [PROMPT, [1, 2, 3]]
     sp = {"temperature": 0.9, "max_new_tokens": 4, "sampling_seed": 11}
-    batch = requests.post(
+    batch = HTTP.post(
         f"{url}/generate", json={"input_ids": prompts, "sampling_params": sp, "return_logprob": True}, timeout=60
     ).json()
     assert isinstance(batch, list) and len(batch) == 2
@@ -105,7 +107,7 @@ def test_batch_matches_single_requests(url):
 
 def test_batch_per_item_sampling_params(url):
     sps = [{"temperature": 0, "max_new_tokens": 2}, {"temperature": 0, "max_new_tokens": 3}]
-    batch = requests.post(f"{url}/generate", json={"input_ids": [PROMPT, PROMPT], "sampling_params": sps}).json()
+    batch = HTTP.post(f"{url}/generate", json={"input_ids": [PROMPT, PROMPT], "sampling_params": sps}).json()
     assert [len(b["output_ids"]) for b in batch] == [2, 3]
     assert batch[1]["output_ids"][:2] == batch[0]["output_ids"]
 
@@ -234,9 +236,9 @@ def test_update_weights_from_disk_changes_outputs_and_version(tmp_path):
         before = gen(url, sampling_params=sp)
         new_model = perturbed_copy(engine.model)
         v1 = save_model(new_model, tmp_path / "weight_v000001")
-        r = requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(v1), "weight_version": "7"})
+        r = HTTP.post(f"{url}/update_weights_from_disk", json={"model_path": str(v1), "weight_version": "7"})
         assert r.status_code == 200 and r.json()["success"] is True
-        assert requests.get(f"{url}/get_weight_version").json() == {"weight_version": "7"}
+        assert HTTP.get(f"{url}/get_weight_version").json() == {"weight_version": "7"}
         after = gen(url, sampling_params=sp, return_logprob=True)
         assert after["meta_info"]["weight_version"] == "7"
         assert after["output_ids"] != before["output_ids"]
@@ -245,10 +247,10 @@ def test_update_weights_from_disk_changes_outputs_and_version(tmp_path):
         got = torch.tensor([lp for lp, _, _ in after["meta_info"]["output_token_logprobs"]])
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         # without weight_version a numeric version is bumped
-        r = requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(v1)})
+        r = HTTP.post(f"{url}/update_weights_from_disk", json={"model_path": str(v1)})
         assert r.status_code == 200
-        assert requests.get(f"{url}/get_weight_version").json()["weight_version"] == "8"
-        info = requests.get(f"{url}/server_info").json()
+        assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == "8"
+        info = HTTP.get(f"{url}/server_info").json()
         assert info["weight_version"] == "8" and info["model_path"] == str(v1)
 
 
@@ -260,16 +262,16 @@ def test_update_weights_rejects_other_architecture_and_keeps_model(tmp_path):
 
         other = AutoModelForCausalLM.from_config(reference_model.tiny_qwen3_config(hidden_size=32, head_dim=8))
         bad_dir = save_model(other, tmp_path / "other")
-        r = requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(bad_dir), "weight_version": "2"})
+        r = HTTP.post(f"{url}/update_weights_from_disk", json={"model_path": str(bad_dir), "weight_version": "2"})
         assert r.status_code == 400
         assert "architecture" in r.json()["error"] and "hidden_size" in r.json()["error"]
         for body in ({"model_path": str(tmp_path / "missing")}, {}, {"model_path": 5}):
-            assert requests.post(f"{url}/update_weights_from_disk", json=body).status_code == 400
+            assert HTTP.post(f"{url}/update_weights_from_disk", json=body).status_code == 400
         (tmp_path / "pickled").mkdir()
         (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"not used")
-        r = requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "pickled")})
+        r = HTTP.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "pickled")})
         assert r.status_code == 400 and "safetensors" in r.json()["error"]
-        assert requests.get(f"{url}/get_weight_version").json()["weight_version"] == "default"
+        assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == "default"
         assert gen(url, sampling_params={"temperature": 0, "max_new_tokens": 4})["output_ids"] == before["output_ids"]
 
 
@@ -280,7 +282,7 @@ def _post_in_thread(url: str, payload: dict) -> tuple[threading.Thread, dict]:
     box: dict = {}
 
     def run() -> None:
-        box["response"] = requests.post(f"{url}/generate", json=payload, timeout=300).json()
+        box["response"] = HTTP.post(f"{url}/generate", json=payload, timeout=300).json()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -289,7 +291,7 @@ def _post_in_thread(url: str, payload: dict) -> tuple[threading.Thread, dict]:
 
 def _wait_running(url: str, n: int) -> None:
     for _ in range(20000):
-        loads = requests.get(f"{url}/v1/loads?include=core").json()["loads"][0]
+        loads = HTTP.get(f"{url}/v1/loads?include=core").json()["loads"][0]
         if loads["num_running_reqs"] >= n:
             return
         time.sleep(0.002)
@@ -304,7 +306,7 @@ def test_pause_aborts_inflight_and_holds_new_requests():
     with engine.start_in_thread() as url:
         running, running_box = _post_in_thread(url, LONG)
         _wait_running(url, 1)
-        assert requests.post(f"{url}/pause_generation", json={}).status_code == 200
+        assert HTTP.post(f"{url}/pause_generation", json={}).status_code == 200
         running.join(timeout=120)
         out = running_box["response"]
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
@@ -314,8 +316,8 @@ def test_pause_aborts_inflight_and_holds_new_requests():
         waiting, waiting_box = _post_in_thread(url, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
         waiting.join(timeout=0.5)
         assert waiting.is_alive() and "response" not in waiting_box  # held while paused
-        assert requests.get(f"{url}/health_generate").status_code == 200  # health is not blocked by pause
-        assert requests.post(f"{url}/continue_generation", json={}).status_code == 200
+        assert HTTP.get(f"{url}/health_generate").status_code == 200  # health is not blocked by pause
+        assert HTTP.post(f"{url}/continue_generation", json={}).status_code == 200
         waiting.join(timeout=120)
         assert waiting_box["response"]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
@@ -326,15 +328,15 @@ def test_in_place_pause_parks_then_resumes(tmp_path):
         payload = {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 800}}
         running, box = _post_in_thread(url, payload)
         _wait_running(url, 1)
-        assert requests.post(f"{url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+        assert HTTP.post(f"{url}/pause_generation", json={"mode": "in_place"}).status_code == 200
         running.join(timeout=0.5)
         assert running.is_alive()
         # a weight update goes through while paused (slime: pause -> flush -> update -> continue)
         v = save_model(perturbed_copy(engine.model), tmp_path / "v")
-        assert requests.get(f"{url}/flush_cache").status_code == 200
-        r = requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(v), "weight_version": "3"})
+        assert HTTP.get(f"{url}/flush_cache").status_code == 200
+        r = HTTP.post(f"{url}/update_weights_from_disk", json={"model_path": str(v), "weight_version": "3"})
         assert r.status_code == 200
-        requests.post(f"{url}/continue_generation", json={})
+        HTTP.post(f"{url}/continue_generation", json={})
         running.join(timeout=300)
         meta = box["response"]["meta_info"]
         assert meta["finish_reason"] == {"type": "length", "length": 800}
@@ -346,10 +348,10 @@ def test_abort_request_all():
     with engine.start_in_thread() as url:
         running, box = _post_in_thread(url, LONG)
         _wait_running(url, 1)
-        assert requests.post(f"{url}/abort_request", json={"abort_all": True}).json()["num_aborted"] == 1
+        assert HTTP.post(f"{url}/abort_request", json={"abort_all": True}).json()["num_aborted"] == 1
         running.join(timeout=120)
         assert box["response"]["meta_info"]["finish_reason"]["type"] == "abort"
-        assert requests.get(f"{url}/v1/loads").json()["loads"][0]["num_running_reqs"] == 0
+        assert HTTP.get(f"{url}/v1/loads").json()["loads"][0]["num_running_reqs"] == 0
 
 
 # ---------------------------------------------------------------- malformed requests
@@ -405,21 +407,28 @@ BAD_GENERATE_BODIES = [
 
 @pytest.mark.parametrize("body", BAD_GENERATE_BODIES)
 def test_malformed_generate_is_4xx_with_message(url, body):
-    r = requests.post(f"{url}/generate", data=body, headers={"Content-Type": "application/json"}, timeout=30)
+    r = HTTP.post(f"{url}/generate", content=body, headers={"Content-Type": "application/json"}, timeout=30)
     assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
     assert isinstance(r.json()["error"], str) and r.json()["error"]
 
 
 def test_other_endpoints_reject_bad_input_and_server_survives(url):
-    assert requests.get(f"{url}/no_such_endpoint").status_code == 404
-    assert requests.get(f"{url}/generate").status_code == 405
-    assert requests.post(f"{url}/pause_generation", json={"mode": "sideways"}).status_code == 400
-    assert requests.post(f"{url}/abort_request", json={"rid": 3}).status_code == 400
-    assert requests.post(f"{url}/update_weights_from_disk", data=b"[]").status_code == 400
-    assert requests.post(f"{url}/update_weights_from_distributed", json={}).status_code == 501
-    r = requests.post(f"{url}/generate", data=b"{}", headers={"Content-Length": "abc"})
-    assert r.status_code == 400
-    assert requests.get(f"{url}/health").status_code == 200
+    assert HTTP.get(f"{url}/no_such_endpoint").status_code == 404
+    assert HTTP.get(f"{url}/generate").status_code == 405
+    assert HTTP.post(f"{url}/pause_generation", json={"mode": "sideways"}).status_code == 400
+    assert HTTP.post(f"{url}/abort_request", json={"rid": 3}).status_code == 400
+    assert HTTP.post(f"{url}/update_weights_from_disk", content=b"[]").status_code == 400
+    assert HTTP.post(f"{url}/update_weights_from_distributed", json={}).status_code == 501
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)  # httpx refuses to send a bad header
+    try:
+        conn.putrequest("POST", "/generate")
+        conn.putheader("Content-Length", "abc")
+        conn.endheaders()
+        assert conn.getresponse().status == 400
+    finally:
+        conn.close()
+    assert HTTP.get(f"{url}/health").status_code == 200
     assert gen(url, sampling_params={"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
 
 
@@ -428,13 +437,13 @@ def test_other_endpoints_reject_bad_input_and_server_survives(url):
 
 def test_info_endpoints(url):
     for path in ("/server_info", "/get_server_info"):
-        info = requests.get(f"{url}{path}").json()
+        info = HTTP.get(f"{url}{path}").json()
         assert info["tp_size"] == 1 and info["pp_size"] == 1 and info["weight_version"]
         assert info["enable_memory_saver"] is False  # checked by slime against --offload-rollout
-    assert requests.get(f"{url}/get_model_info").json()["is_generation"] is True
+    assert HTTP.get(f"{url}/get_model_info").json()["is_generation"] is True
     for path in ("/health", "/health_generate", "/flush_cache"):
-        assert requests.get(f"{url}{path}").status_code == 200
-    assert requests.post(f"{url}/flush_cache").status_code == 200
+        assert HTTP.get(f"{url}{path}").status_code == 200
+    assert HTTP.post(f"{url}/flush_cache").status_code == 200
 
 
 def test_binds_loopback_by_default(engine):
@@ -571,7 +580,7 @@ def test_concurrent_requests_match_sequential(url):
         {"input_ids": PROMPT[: 2 + i], "sampling_params": {"temperature": 0.9, "max_new_tokens": 5, "sampling_seed": i}, "return_logprob": True}
         for i in range(4)
     ]
-    sequential = [requests.post(f"{url}/generate", json=p, timeout=120).json() for p in payloads]
+    sequential = [HTTP.post(f"{url}/generate", json=p, timeout=120).json() for p in payloads]
     threads = [_post_in_thread(url, p) for p in payloads]
     for thread, _ in threads:
         thread.join(timeout=120)
