@@ -1,0 +1,446 @@
+"""CompactionRL credit on slime: shared rewards (rollout side) and cross-segment GAE (train side).
+
+Rollout side (reward_post_process, order 500): :func:`share_final_reward` gives every segment of a
+rollout the reward of its last segment. The dispatcher then normalises per prompt group counting each
+rollout once.
+
+Train side (advantage chain; slime calls it on the last pipeline stage of the actor and of the critic,
+with ``rollout_data`` holding this data-parallel rank's samples):
+
+* order 50, :func:`prepare_segments`: the segments of one rollout may sit on different DP ranks, so the
+  per-sample ``(rollout_id, round_number, trainable tokens)`` are all-gathered over the DP group (without
+  CP; CP ranks of one DP rank hold the same samples). Stores, per local sample,
+  ``rollout_data["rollout_trainable_tokens"]`` (trainable tokens of the whole rollout; a base estimator
+  that wants one length-adaptive lambda per rollout uses it) and ``["trainable_tokens_after"]``
+  (N_after(s)). ``round_number`` is the segment index (set by the compaction generate; slime forwards it).
+* order 150, :func:`base_advantages`: only when ``rollout_data["advantages"]`` is still unset (no base
+  estimator such as sao's skip-observation GAE ran at order 100). slime calls a custom advantage
+  function *instead of* its estimator, so this computes the base: for ``ppo`` a local skip-observation
+  GAE per segment (bootstrap 0 after the segment's last action; rewards ``-kl_coef * kl`` plus the
+  scalar reward on the last action token; one lambda per rollout); for every other estimator slime's
+  own ``compute_advantages_and_returns`` run with the custom path, OPD and advantage whitening off
+  (slime applies those after the custom function returns). Sets ``rollout_data["gae_lambdas"]`` for ppo.
+* order 300, :func:`decay_advantages`: ``A(s, i) = (gamma * lambda) ** N_after(s) * A_local(s, i)``.
+  lambda is ``rollout_data["gae_lambdas"]`` (one float per local sample, set by whichever base estimator
+  ran GAE) when present, else ``ascend_compaction_lambda_mode``. It must be the same for all segments of
+  a rollout (checked across ranks). With ``critic_target="decayed"`` returns are shifted by the same
+  amount (``returns - advantages`` unchanged, so ``returns = decayed A + V`` for GAE). Stores the factors
+  in ``rollout_data["compaction_decay"]`` (slime logs it as ``rollout/compaction_decay``).
+
+Token-level normalisation across segments is slime's: ``rollout_mask_sums`` make the reducer a
+per-rollout token mean over all segments, and a step counts rollouts.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slime_ascend.algorithms.cp import cp_local_length, cp_slice, cp_unslice
+from slime_ascend.algorithms.gae import (
+    apply_segment_decay,
+    length_adaptive_lambda,
+    segment_decay_factors,
+    skip_observation_gae,
+    terminal_rewards_on_last_action,
+)
+
+__all__ = [
+    "SUPPORTED_ESTIMATORS",
+    "SegmentLayout",
+    "all_gather_rows",
+    "base_advantages",
+    "cp_full_vectors",
+    "decay_advantages",
+    "prepare_segments",
+    "segment_layout",
+    "share_final_reward",
+    "validate",
+]
+
+PLUGIN_NAME = "compaction"
+SUPPORTED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+GRPO_LIKE = ("grpo", "gspo", "cispo")
+
+
+# ----------------------------------------------------------------------------------------------
+# validation (every process, first use)
+# ----------------------------------------------------------------------------------------------
+
+
+def validate(args: Any, settings: Any) -> None:
+    """Reject slime settings under which compaction credit would be silently wrong."""
+    from slime_ascend.plugins.settings import SettingsError
+
+    estimator = getattr(args, "advantage_estimator", None)
+    if estimator is not None and estimator not in SUPPORTED_ESTIMATORS:
+        raise SettingsError(
+            f"compaction: advantage_estimator={estimator!r} is not supported; use one of {SUPPORTED_ESTIMATORS}"
+        )
+    converter = getattr(args, "custom_convert_samples_to_train_data_path", None)
+    if converter is not None and converter != "slime_ascend.hooks.convert_samples_to_train_data":
+        raise SettingsError(
+            f"compaction: custom_convert_samples_to_train_data_path={converter!r} makes slime skip the reward "
+            "post-process (shared rewards, per-rollout normalisation) and may drop round_number. Fix: unset it."
+        )
+    if getattr(args, "custom_pg_loss_reducer_function_path", None) is not None:
+        raise SettingsError(
+            "compaction: custom_pg_loss_reducer_function_path does not receive rollout_mask_sums, so a rollout "
+            "split into segments would no longer count once. Fix: unset it."
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout side
+# ----------------------------------------------------------------------------------------------
+
+
+def _rollout_key(sample: Any) -> Hashable:
+    rid = getattr(sample, "rollout_id", None)
+    return rid if rid is not None else sample.index
+
+
+def share_final_reward(args: Any, samples: Sequence[Any], raw_rewards: list, rewards: list) -> tuple[list, list]:
+    """Every segment of a compaction rollout takes the (raw and processed) reward of its last segment.
+
+    Samples without ``metadata["compaction"]`` are left alone. A rollout whose segments are not all
+    present (indices ``0 .. num_segments - 1``, once each) is an error: its credit could not be right.
+    """
+    if len(raw_rewards) != len(samples) or len(rewards) != len(samples):
+        raise ValueError(
+            f"share_final_reward: {len(samples)} samples but {len(raw_rewards)} raw rewards and {len(rewards)} rewards"
+        )
+    groups: dict[Hashable, list[int]] = {}
+    for i, sample in enumerate(samples):
+        metadata = getattr(sample, "metadata", None) or {}
+        if metadata.get("compaction"):
+            groups.setdefault(_rollout_key(sample), []).append(i)
+    raw_out, out = list(raw_rewards), list(rewards)
+    for key, idx in groups.items():
+        seg = [int(samples[i].metadata["segment_index"]) for i in idx]
+        num = {int(samples[i].metadata["num_segments"]) for i in idx}
+        if len(num) != 1 or sorted(seg) != list(range(next(iter(num)))):
+            raise ValueError(
+                f"compaction rollout {key!r}: segment indices {sorted(seg)} with num_segments {sorted(num)}; every "
+                "segment 0..num_segments-1 must be present exactly once (do not filter single segments)"
+            )
+        last = idx[seg.index(max(seg))]
+        for i in idx:
+            raw_out[i], out[i] = raw_out[last], out[last]
+    return raw_out, out
+
+
+# ----------------------------------------------------------------------------------------------
+# gathering segment metadata over data-parallel ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def all_gather_rows(rows: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, int]:
+    """All-gather an int64 ``[n, k]`` table with a different ``n`` per rank.
+
+    Returns ``(rows of every rank in rank order, on CPU; offset of this rank's rows)``. ``group=None``,
+    an uninitialised process group or a single rank returns ``rows`` itself and offset 0.
+    """
+    if rows.ndim != 2 or rows.dtype != torch.int64:
+        raise TypeError(f"rows must be a 2-D int64 tensor, got {rows.dtype} {tuple(rows.shape)}")
+    import torch.distributed as dist
+
+    if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return rows.cpu(), 0
+    world = dist.get_world_size(group)
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else rows.device
+    n = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
+    sizes_t = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes_t, n, group=group)
+    sizes = [int(s.item()) for s in sizes_t]
+    padded = torch.zeros((max(sizes), rows.shape[1]), dtype=torch.int64, device=device)
+    padded[: rows.shape[0]] = rows.to(device)
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    me = dist.get_rank(group)
+    return torch.cat([o[:s] for o, s in zip(out, sizes, strict=True)]).cpu(), sum(sizes[:me])
+
+
+def _rollout_ints(rollout_ids: Sequence[Any]) -> list[int]:
+    out = []
+    for rid in rollout_ids:
+        value = int(rid.item()) if isinstance(rid, torch.Tensor) else rid
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"rollout_ids must be integers (slime assigns ints); got {rid!r} of type {type(rid).__name__}"
+            )
+        out.append(value)
+    return out
+
+
+def _trainable_counts(loss_masks: Sequence[torch.Tensor]) -> list[int]:
+    """Trainable tokens per sample from the full-length loss masks (CP-independent)."""
+    if not loss_masks:
+        return []
+    return [int(c) for c in torch.stack([(torch.as_tensor(m) != 0).sum() for m in loss_masks]).tolist()]
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Per local sample: its segment index, trainable tokens, its rollout's trainable tokens, N_after."""
+
+    segment_indices: list[int]
+    trainable: list[int]
+    rollout_trainable: list[int]
+    trainable_after: list[int]
+
+
+def _segment_indices(rollout_ids: Sequence[int], round_number: Sequence[Any] | None) -> list[int]:
+    if round_number is None:
+        if len(set(rollout_ids)) != len(rollout_ids):
+            raise ValueError(
+                "rollout_data has several samples per rollout but no round_number (the segment index). Fix: "
+                "produce segments with slime_ascend.compaction.generate (it sets metadata['round_number']) "
+                "and make sure samples[0].metadata has it, since slime forwards round_number only then"
+            )
+        return [0] * len(rollout_ids)
+    if len(round_number) != len(rollout_ids):
+        raise ValueError(f"round_number has {len(round_number)} entries, rollout_ids {len(rollout_ids)}")
+    return [int(r) for r in round_number]
+
+
+def segment_layout(
+    rollout_ids: Sequence[Any],
+    segment_indices: Sequence[int],
+    trainable_counts: Sequence[int],
+    *,
+    group: Any = None,
+) -> SegmentLayout:
+    """Rollout totals and N_after for the local segments, counting segments on every rank of ``group``."""
+    ids = _rollout_ints(rollout_ids)
+    n = len(ids)
+    if len(segment_indices) != n or len(trainable_counts) != n:
+        raise ValueError(
+            f"rollout_ids ({n}), segment_indices ({len(segment_indices)}) and trainable_counts "
+            f"({len(trainable_counts)}) need one entry per sample"
+        )
+    rows = torch.tensor([[r, int(s), int(c)] for r, s, c in zip(ids, segment_indices, trainable_counts, strict=True)],
+                        dtype=torch.int64).reshape(n, 3)
+    every, offset = all_gather_rows(rows, group)
+    per_rollout: dict[int, list[tuple[int, int]]] = {}
+    for rid, seg, cnt in every.tolist():
+        per_rollout.setdefault(rid, []).append((seg, cnt))
+    totals: dict[int, int] = {}
+    after: dict[tuple[int, int], int] = {}
+    for rid, entries in per_rollout.items():
+        entries.sort()
+        segs = [s for s, _ in entries]
+        if len(set(segs)) != len(segs):
+            raise ValueError(f"rollout {rid}: duplicate segment index (round_number) in {segs}")
+        running = 0
+        for seg, cnt in reversed(entries):
+            after[(rid, seg)] = running
+            running += cnt
+        totals[rid] = running
+    local = every[offset : offset + n].tolist()
+    return SegmentLayout(
+        segment_indices=[s for _, s, _ in local],
+        trainable=[c for _, _, c in local],
+        rollout_trainable=[totals[r] for r, _, _ in local],
+        trainable_after=[after[(r, s)] for r, s, _ in local],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# megatron parallel state (lazy; absent or uninitialised means one rank)
+# ----------------------------------------------------------------------------------------------
+
+
+def _mpu() -> Any:
+    try:
+        from megatron.core import mpu
+    except ImportError:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and mpu.model_parallel_is_initialized()):
+        return None
+    return mpu
+
+
+def _dp_group() -> Any:
+    mpu = _mpu()
+    if mpu is None or mpu.get_data_parallel_world_size(with_context_parallel=False) == 1:
+        return None
+    return mpu.get_data_parallel_group(with_context_parallel=False)
+
+
+def _cp_state() -> tuple[int, int, Callable[[torch.Tensor], list[torch.Tensor]] | None]:
+    mpu = _mpu()
+    if mpu is None or mpu.get_context_parallel_world_size() == 1:
+        return 0, 1, None
+    import torch.distributed as dist
+
+    group = mpu.get_context_parallel_group()
+    size = mpu.get_context_parallel_world_size()
+
+    def gather(x: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return out
+
+    return mpu.get_context_parallel_rank(), size, gather
+
+
+def cp_full_vectors(
+    local: Sequence[torch.Tensor],
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    cp_rank: int,
+    cp_size: int,
+    all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None,
+) -> list[torch.Tensor]:
+    """CP-local response-aligned vectors -> full ones, with one all-gather of this rank's concatenation.
+
+    ``all_gather(x)`` returns the equally shaped tensors of every CP rank in rank order.
+    """
+    if cp_size == 1:
+        return list(local)
+    if all_gather is None:
+        raise ValueError("cp_size > 1 needs an all_gather callable")
+    lens = [[cp_local_length(r, cp_size, t, n) for t, n in zip(total_lengths, response_lengths, strict=True)]
+            for r in range(cp_size)]
+    for i, x in enumerate(local):
+        if x.shape[0] != lens[cp_rank][i]:
+            raise ValueError(f"sample {i}: local vector has {x.shape[0]} entries, CP rank {cp_rank} owns {lens[cp_rank][i]}")
+    width = max(sum(row) for row in lens)
+    flat = torch.cat(list(local)) if local else torch.zeros(0)
+    padded = torch.nn.functional.pad(flat, (0, width - flat.shape[0]))
+    pieces = [g[: sum(row)].split(row) for g, row in zip(all_gather(padded), lens, strict=True)]
+    return [
+        cp_unslice([pieces[r][i] for r in range(cp_size)], cp_size, t, n)
+        for i, (t, n) in enumerate(zip(total_lengths, response_lengths, strict=True))
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# advantage chain contributions
+# ----------------------------------------------------------------------------------------------
+
+
+def _settings(args: Any) -> Any:
+    from slime_ascend.plugins import runtime
+
+    return runtime.settings(args, PLUGIN_NAME)
+
+
+def _layout(rollout_data: dict, group: Any) -> SegmentLayout:
+    ids = rollout_data["rollout_ids"]
+    return segment_layout(
+        ids,
+        _segment_indices(_rollout_ints(ids), rollout_data.get("round_number")),
+        _trainable_counts(rollout_data["loss_masks"]),
+        group=group,
+    )
+
+
+def prepare_segments(args: Any, rollout_data: dict) -> None:
+    """Order 50: gather the segment layout over DP; store rollout totals and N_after per local sample."""
+    layout = _layout(rollout_data, _dp_group())
+    rollout_data["rollout_trainable_tokens"] = layout.rollout_trainable
+    rollout_data["trainable_tokens_after"] = layout.trainable_after
+
+
+def _rollout_lambdas(args: Any, settings: Any, rollout_data: dict) -> list[float]:
+    n = len(rollout_data["rollout_ids"])
+    given = rollout_data.get("gae_lambdas")
+    if given is not None:
+        if len(given) != n:
+            raise ValueError(f"rollout_data['gae_lambdas'] has {len(given)} entries for {n} samples")
+        return [float(v) for v in given]
+    if settings.lambda_mode == "fixed":
+        return [float(getattr(args, "lambd", 1.0))] * n
+    totals = rollout_data.get("rollout_trainable_tokens")
+    if totals is None:
+        totals = _layout(rollout_data, _dp_group()).rollout_trainable
+    return [length_adaptive_lambda(int(t), settings.lambda_alpha) for t in totals]
+
+
+def base_advantages(args: Any, rollout_data: dict) -> None:
+    """Order 150: the base estimator when no earlier contribution set ``advantages`` (see module doc)."""
+    if rollout_data.get("advantages") is not None:
+        return
+    estimator = getattr(args, "advantage_estimator", "grpo")
+    if estimator == "ppo":
+        _local_skip_observation_gae(args, rollout_data)
+    else:
+        _slime_estimator(args, rollout_data, estimator)
+
+
+def _local_skip_observation_gae(args: Any, rollout_data: dict) -> None:
+    values = rollout_data.get("values")
+    if values is None:
+        raise ValueError("compaction: advantage_estimator 'ppo' needs critic values in rollout_data['values']")
+    kl = rollout_data["kl"]
+    masks = rollout_data["loss_masks"]
+    total_lengths, response_lengths = rollout_data["total_lengths"], rollout_data["response_lengths"]
+    cp_rank, cp_size, gather = _cp_state()
+    full_v = cp_full_vectors(values, total_lengths, response_lengths, cp_rank, cp_size, gather)
+    full_kl = cp_full_vectors(kl, total_lengths, response_lengths, cp_rank, cp_size, gather)
+    kl_coef = float(getattr(args, "kl_coef", 0.0) or 0.0)
+    token_rewards = [k.to(torch.float32) * -kl_coef for k in full_kl]
+    rewards = terminal_rewards_on_last_action([float(r) for r in rollout_data["rewards"]], masks, token_rewards)
+    lambdas = _rollout_lambdas(args, _settings(args), rollout_data)
+    adv, ret = skip_observation_gae(full_v, rewards, masks, float(getattr(args, "gamma", 1.0)), lambdas)
+    if cp_size > 1:
+        adv = [cp_slice(a, cp_rank, cp_size, t, n) for a, t, n in zip(adv, total_lengths, response_lengths, strict=True)]
+        ret = [cp_slice(r, cp_rank, cp_size, t, n) for r, t, n in zip(ret, total_lengths, response_lengths, strict=True)]
+    rollout_data["advantages"], rollout_data["returns"] = adv, ret
+    rollout_data["gae_lambdas"] = lambdas
+
+
+def _slime_estimator(args: Any, rollout_data: dict, estimator: str) -> None:
+    try:
+        from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    except ImportError:
+        compute_advantages_and_returns = None
+    if compute_advantages_and_returns is not None:
+        base_args = copy.copy(args)
+        base_args.custom_advantage_function_path = None
+        base_args.use_opd = False  # slime applies OPD and whitening after the custom function returns
+        base_args.normalize_advantages = False
+        compute_advantages_and_returns(base_args, rollout_data)
+        return
+    if estimator not in GRPO_LIKE:
+        raise ValueError(f"compaction: the {estimator!r} base estimator needs slime importable")
+    # slime's get_grpo_returns: the scalar reward on every token
+    adv = [torch.ones_like(k, dtype=torch.float32) * float(r) for r, k in zip(rollout_data["rewards"], rollout_data["kl"], strict=True)]
+    rollout_data["advantages"], rollout_data["returns"] = adv, list(adv)
+
+
+def decay_advantages(args: Any, rollout_data: dict) -> None:
+    """Order 300: ``advantages *= (gamma * lambda) ** N_after(s)``; see the module doc for returns."""
+    advantages = rollout_data.get("advantages")
+    if advantages is None:
+        raise ValueError("compaction decay runs at order 300 but no base estimator set rollout_data['advantages']")
+    settings = _settings(args)
+    group = _dp_group()
+    ids = _rollout_ints(rollout_data["rollout_ids"])
+    n = len(ids)
+    segs = _segment_indices(ids, rollout_data.get("round_number"))
+    counts = _trainable_counts(rollout_data["loss_masks"])
+    lambdas = _rollout_lambdas(args, settings, rollout_data)
+    lam_bits = torch.tensor(lambdas, dtype=torch.float64).view(torch.int64)
+    rows = torch.cat(
+        [torch.tensor([ids, segs, counts], dtype=torch.int64).reshape(3, n).T, lam_bits.reshape(n, 1)], dim=1
+    )
+    every, offset = all_gather_rows(rows, group)
+    every_lams = every[:, 3].contiguous().view(torch.float64).tolist()
+    factors = segment_decay_factors(
+        every[:, 0].tolist(), every[:, 1].tolist(), every[:, 2].tolist(), float(getattr(args, "gamma", 1.0)), every_lams
+    )[offset : offset + n]
+    decayed = apply_segment_decay(advantages, factors)
+    returns = rollout_data.get("returns")
+    if returns is not None and settings.critic_target == "decayed":
+        rollout_data["returns"] = [r + (d - a) for r, a, d in zip(returns, advantages, decayed, strict=True)]
+    rollout_data["advantages"] = decayed
+    rollout_data["compaction_decay"] = factors
