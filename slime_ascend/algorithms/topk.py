@@ -19,8 +19,9 @@ Implementation: ``torch.topk`` with ``k + 1`` candidates gives the k-th largest 
 and tells whether the (k+1)-th equals it. If not, the first ``k`` candidates are the unique answer
 and are only sorted (whatever order torch.topk used for ties above the threshold). Otherwise the
 slots holding threshold-valued keys are refilled with the lowest-index keys equal to the threshold
-(one comparison pass and a sparse ``nonzero`` over the affected rows). No Python loop over rows or
-tokens; only ``torch.topk``'s returned *values* are trusted, never its tie order.
+(one comparison pass and one ``nonzero``). No Python loop over rows or tokens; only ``torch.topk``'s
+returned *values* are trusted, never its tie order. Host syncs: the NaN check and one for the
+"any ties / any -inf" flags (plus ``nonzero`` when ties straddle).
 """
 
 from __future__ import annotations
