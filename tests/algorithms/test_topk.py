@@ -147,3 +147,11 @@ def test_mask_and_overlap() -> None:
     b = torch.tensor([[2, 3, -1], [-1, -1, -1]])
     assert topk_indices_to_mask(a, 4).tolist() == [[True, False, True, False], [False] * 4]
     assert topk_overlap(a, b, 4).tolist() == [0.5, 1.0]
+
+
+def test_non_contiguous_batched_input() -> None:
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 3, (2, 40, 3), generator=g).float()
+    scores = base.transpose(1, 2)  # [2, 3, 40], non-contiguous
+    assert not scores.is_contiguous()
+    assert torch.equal(deterministic_topk_indices(scores, 7), reference_topk(scores.contiguous(), 7))
