@@ -89,15 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true", help="ask a Ray worker what it sees (starts/joins a cluster)")
     p.set_defaults(func=_cmd_doctor)
 
-    for register in _EXTRA:
-        register(sub)
+    for name, (_, help_text) in PASSTHROUGH.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-_EXTRA: list = []
+# Subcommands whose module owns its own argument parser: ``slime-ascend NAME ARGS...`` calls
+# ``function(ARGS)`` (imported only when used).
+PASSTHROUGH: dict[str, tuple[str, str]] = {
+    "serve-reference": ("slime_ascend.rollout.http_api:serve_reference",
+                        "serve a CPU reference engine over SGLang's HTTP API (loopback by default)"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PASSTHROUGH:
+        from .plugins.base import resolve
+
+        return int(resolve(PASSTHROUGH[argv[0]][0])(argv[1:]) or 0)
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
