@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["TeacherKL", "SameOriginReport", "per_token_kl", "check_same_origin"]
+__all__ = ["TeacherKL", "SameOriginReport", "per_token_kl", "check_same_origin", "report_from_kls"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,22 @@ def check_same_origin(
             n += int(mask.sum())
         kls[name] = total / max(n, 1)
         counts[name] = n
+    return report_from_kls(kls, counts, threshold_ratio=threshold_ratio, max_kl=max_kl, estimator=estimator, warn=warn)
+
+
+def report_from_kls(
+    kls: Mapping[str, float],
+    tokens: Mapping[str, int] | None = None,
+    *,
+    threshold_ratio: float = 3.0,
+    max_kl: float | None = None,
+    estimator: str = "k3",
+    warn: bool = True,
+) -> SameOriginReport:
+    """Flag outliers among per-teacher mean KLs already measured (e.g. each teacher on its own
+    routed samples): ratio to the median of the *other* teachers, and optional ``max_kl``."""
+    if threshold_ratio <= 1.0:
+        raise ValueError(f"threshold_ratio must be > 1, got {threshold_ratio}")
     report = SameOriginReport({}, threshold_ratio, estimator)
     for name, kl in kls.items():
         others = [v for k, v in kls.items() if k != name]
@@ -134,7 +150,7 @@ def check_same_origin(
             med = statistics.median(others)
             ratio = kl / med if med > 0 else (math.inf if kl > 0 else 1.0)
         flagged = (ratio is not None and ratio > threshold_ratio) or (max_kl is not None and kl > max_kl)
-        report.teachers[name] = TeacherKL(name, kl, ratio, flagged, counts[name])
+        report.teachers[name] = TeacherKL(name, kl, ratio, flagged, int((tokens or {}).get(name, 0)))
         if flagged:
             if ratio is not None and ratio > threshold_ratio:
                 why = f"{ratio:.2f}x the median of the other teachers"
