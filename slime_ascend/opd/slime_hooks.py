@@ -161,8 +161,9 @@ class SwitchGate:
 
     Requests for the resident teacher run concurrently. A request for another teacher waits until
     nothing is in flight; then the teacher of the *oldest* waiting request is switched in and every
-    waiting request for it enters. A request for the resident teacher that arrives after a request
-    for another teacher queues behind it (no starvation).
+    request queued for it at that moment enters. A request for the resident teacher that arrives
+    after a request for another teacher queues behind it (first come, first served by teacher: no
+    starvation; each switch serves a whole batch).
 
     Args:
         switch: ``async fn(name)`` that makes ``name`` resident (raises on failure).
@@ -183,6 +184,7 @@ class SwitchGate:
         self.wait_s = 0.0
         self._queue: OrderedDict[int, str] = OrderedDict()
         self._tickets = itertools.count()
+        self._batch_end = -1
         self._cond = asyncio.Condition()
 
     def _oldest_other(self, name: str) -> int | None:
@@ -201,12 +203,13 @@ class SwitchGate:
                 while True:
                     if self.active == name:
                         other = self._oldest_other(name)
-                        if other is None or other > ticket:
+                        if ticket <= self._batch_end or other is None or other > ticket:
                             break
                     elif self.inflight == 0 and next(iter(self._queue.values())) == name:
                         await self._switch(name)  # holding the lock: nobody enters during a switch
                         self.active = name
                         self.switches += 1
+                        self._batch_end = next(reversed(self._queue))  # everyone queued for it now enters
                         self._cond.notify_all()
                         nxt = self._oldest_other(name)
                         if nxt is not None and self._prefetch is not None:

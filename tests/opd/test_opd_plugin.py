@@ -1,0 +1,420 @@
+"""The ``opd`` plugin: settings validation, routing, teacher scoring hooks, switch gate, advantage term."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import types
+
+import pytest
+import torch
+
+from slime_ascend.compat.sample import get_sample_class
+from slime_ascend.opd import slime_hooks as hooks
+from slime_ascend.opd.plugin import PLUGIN
+from slime_ascend.opd.router import RoutingError
+from slime_ascend.plugins.settings import SettingsError
+
+Sample = get_sample_class()
+
+TEACHERS = [
+    {"name": "math", "checkpoint_dir": "/nonexistent/math", "domains": ["math"], "coef": 1.0,
+     "url": "http://127.0.0.1:1"},
+    {"name": "code", "checkpoint_dir": "/nonexistent/code", "domains": ["code", "sql"], "coef": 0.5,
+     "url": "http://127.0.0.1:2"},
+]
+
+
+INSTALLS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _clean(fresh_runtime, monkeypatch):
+    monkeypatch.delenv("SLIME_ASCEND_PLUGINS", raising=False)
+    # the forward-metadata runtime patch is another module's: pretend it exists, record installs
+    monkeypatch.setattr(hooks, "forward_metadata_available", lambda: True)
+    monkeypatch.setattr(hooks, "_ensure_forward_metadata", lambda args: INSTALLS.append(args))
+    hooks.reset_state()
+    yield
+    hooks.reset_state()
+
+
+def make_args(**overrides):
+    values = {s.key: s.default for s in PLUGIN.settings}
+    values.update(dict(PLUGIN.slime_args))
+    values.update(
+        ascend_plugins=["opd"],
+        ascend_opd_teachers=TEACHERS,
+        opd_teacher_load=None,
+        rollout_temperature=1.0,
+        use_rollout_logprobs=False,
+        hf_checkpoint=None,
+    )
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+def make_sample(index, tokens, response_length, domain=None, rollout_log_probs=None):
+    s = Sample(index=index, tokens=list(tokens), response_length=response_length)
+    s.metadata = {} if domain is None else {"domain": domain}
+    s.rollout_log_probs = rollout_log_probs
+    return s
+
+
+# ---------------------------------------------------------------------------------------------- plugin
+def test_plugin_declares_slots_orders_and_slime_args():
+    slots = {c.slot: c.order for c in PLUGIN.contributions}
+    assert slots == {"reward_model": 500, "reward_post_process": 300, "advantage": 500}
+    assert dict(PLUGIN.slime_args) == {"use_opd": True, "opd_type": "sglang", "opd_kl_coef": 0.0}
+    for c in PLUGIN.contributions:
+        assert callable(c.load())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"ascend_opd_teachers": []}, "ascend_opd_teachers is empty"),
+        ({"ascend_opd_teachers": [{"name": "m", "checkpoint_dir": "/x", "domains": []}]}, "teacher 'm': field 'domains'"),
+        ({"ascend_opd_teachers": [{"name": "m", "checkpoint_dir": "/x", "domains": ["a"], "coef": "hi"}]},
+         "teacher 'm': field 'coef'"),
+        ({"ascend_opd_default_teacher": "physics"}, "ascend_opd_default_teacher='physics'"),
+        ({"ascend_opd_mode": "topk"}, "ascend_opd_mode='topk'"),
+        ({"opd_kl_coef": 1.0}, "opd_kl_coef must be 0"),
+        ({"use_opd": False}, "use_opd must be true"),
+        ({"opd_type": "megatron"}, "opd_type must be 'sglang'"),
+        ({"opd_teacher_load": "/ckpt"}, "opd_teacher_load must be unset"),
+        ({"ascend_opd_teachers": [{"name": "m", "checkpoint_dir": "/x", "domains": ["a"]}]}, "have no url"),
+    ],
+)
+def test_validate_refuses_bad_configs(overrides, needle):
+    from slime_ascend.plugins import runtime
+
+    with pytest.raises(SettingsError) as e:
+        runtime.settings(make_args(**overrides), "opd")
+    assert needle in str(e.value)
+
+
+def test_different_coefs_need_the_forward_metadata_patch(monkeypatch):
+    from slime_ascend.plugins import runtime
+
+    monkeypatch.setattr(hooks, "forward_metadata_available", lambda: False)
+    with pytest.raises(SettingsError, match="different coefficients"):
+        runtime.settings(make_args(), "opd")
+    same = [dict(t, coef=0.7) for t in TEACHERS]
+    assert runtime.settings(make_args(ascend_opd_teachers=same), "opd").coef == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- routing
+def test_routing_and_missing_route():
+    ctx = hooks.get_context(make_args())
+    assert ctx.router.route({"domain": "sql"}).name == "code"
+    assert ctx.router.route({"domain": "math"}).name == "math"
+    with pytest.raises(RoutingError, match="'bio' has no teacher"):
+        ctx.router.route({"domain": "bio"}, sample_id=7)
+    with pytest.raises(RoutingError, match="no 'domain' label"):
+        ctx.router.route({})
+    hooks.reset_state()
+    from slime_ascend.plugins import runtime
+
+    runtime.reset()
+    ctx = hooks.get_context(make_args(ascend_opd_default_teacher="math"))
+    assert ctx.router.route({"domain": "bio"}).name == "math"
+    assert ctx.router.stats()["defaulted"] == 1
+
+
+def test_reward_model_raises_on_missing_route_before_any_request():
+    args = make_args()
+    s = make_sample(0, [1, 2, 3, 4], 2, domain="bio")
+    with pytest.raises(RoutingError, match="sample 0"):
+        asyncio.run(hooks.teacher_reward(args, s))
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+def _slice_like_slime(reply, response_length):
+    # slime's post_process_rewards: item[0] of input_token_logprobs[1:], last response_length entries
+    values = [item[0] for item in reply["meta_info"]["input_token_logprobs"][1:]]
+    return values[-response_length:]
+
+
+def test_response_teacher_log_probs_matches_slime_slicing_and_checks():
+    reply = {"meta_info": {"input_token_logprobs": [[None, 5, None]] + [[-0.1 * i, i, None] for i in range(1, 8)]}}
+    for rl in (1, 3, 7):
+        assert hooks.response_teacher_log_probs(reply, rl) == pytest.approx(_slice_like_slime(reply, rl))
+    with pytest.raises(ValueError, match="scored 7 positions"):
+        hooks.response_teacher_log_probs(reply, 8, "math")
+    with pytest.raises(ValueError, match="no meta_info"):
+        hooks.response_teacher_log_probs({"text": ""}, 1, "math")
+
+
+@pytest.fixture(scope="module")
+def two_teacher_engines():
+    from slime_ascend.rollout.reference_engine import ReferenceEngine
+
+    engines = [ReferenceEngine(seed=1), ReferenceEngine(seed=2)]
+    with engines[0].start_in_thread() as url_a, engines[1].start_in_thread() as url_b:
+        yield engines, url_a, url_b
+
+
+def test_reward_hooks_fill_teacher_log_probs_from_the_routed_teacher(two_teacher_engines, caplog):
+    from slime_ascend.rollout.reference_model import score_tokens
+
+    (eng_a, eng_b), url_a, url_b = two_teacher_engines
+    teachers = [dict(TEACHERS[0], url=url_a), dict(TEACHERS[1], url=url_b)]
+    args = make_args(ascend_opd_teachers=teachers, ascend_opd_same_origin_check=False)
+    rng = random.Random(0)
+    samples = []
+    for i, dom in enumerate(["math", "code", "sql", "math", "code"]):
+        prompt_len, resp_len = rng.randint(2, 6), rng.randint(1, 6)
+        tokens = [rng.randrange(1000) for _ in range(prompt_len + resp_len)]
+        samples.append(make_sample(i, tokens, resp_len, domain=dom))
+
+    async def run_all():
+        # one sample alone and the rest as slime's batched/group RM call (a list)
+        first = await hooks.teacher_reward(args, samples[0])
+        rest = await hooks.teacher_reward(args, samples[1:])
+        return [first] + rest
+
+    rewards = asyncio.run(run_all())
+    assert rewards == [0.0] * 5  # no task RM configured: pure distillation
+    for s in samples:
+        s.reward = 0.0
+    with caplog.at_level(logging.INFO, logger="slime_ascend.opd"):
+        raw, norm = hooks.fill_teacher_log_probs(args, samples, [0.0] * 5, [0.0] * 5)
+    assert raw == [0.0] * 5 and norm == [0.0] * 5
+    assert "opd routing this step: {'math': 2, 'code': 3}" in caplog.text
+    for s, dom in zip(samples, ["math", "code", "sql", "math", "code"]):
+        engine = eng_a if dom == "math" else eng_b
+        want = score_tokens(engine.model, s.tokens)[-s.response_length:]
+        assert isinstance(s.teacher_log_probs, torch.Tensor) and s.teacher_log_probs.dtype == torch.float32
+        assert s.teacher_log_probs.shape == (s.response_length,)
+        torch.testing.assert_close(s.teacher_log_probs, want, atol=1e-5, rtol=1e-5)
+        other = eng_b if dom == "math" else eng_a
+        assert not torch.allclose(s.teacher_log_probs, score_tokens(other.model, s.tokens)[-s.response_length:])
+        assert s.metadata["opd_teacher"] == ("math" if dom == "math" else "code")
+        assert "opd_teacher_log_probs" not in s.metadata
+        assert s.train_metadata == {"opd_teacher": s.metadata["opd_teacher"],
+                                    "opd_coef": 1.0 if dom == "math" else 0.5}
+    stats = hooks.opd_stats(args)
+    assert stats["routing"]["counts"] == {"math": 2, "code": 3}
+    assert stats["requests"] == {"math": 2, "code": 3}
+    assert stats["last_step"]["counts"] == {"math": 2, "code": 3}
+    assert INSTALLS and INSTALLS[-1] is args  # different coefs: the forward patch is installed
+
+
+def test_task_reward_path_is_used(two_teacher_engines, monkeypatch):
+    _, url_a, url_b = two_teacher_engines
+    teachers = [dict(TEACHERS[0], url=url_a), dict(TEACHERS[1], url=url_b)]
+    mod = types.ModuleType("opd_task_rm_for_test")
+
+    async def task_rm(args, sample, **kw):
+        return {"score": float(len(sample.tokens))}
+
+    mod.task_rm = task_rm
+    monkeypatch.setitem(__import__("sys").modules, "opd_task_rm_for_test", mod)
+    args = make_args(ascend_opd_teachers=teachers, ascend_opd_task_rm_path="opd_task_rm_for_test.task_rm")
+    s = make_sample(0, [5, 6, 7, 8], 2, domain="math")
+    assert asyncio.run(hooks.teacher_reward(args, s)) == {"score": 4.0}
+    assert len(s.metadata["opd_teacher_log_probs"]) == 2
+
+
+def test_post_process_refuses_unscored_samples_and_pads_removed_ones():
+    args = make_args(ascend_opd_same_origin_check=False)
+    s = make_sample(3, [1, 2, 3], 2, domain="math")
+    with pytest.raises(ValueError, match="sample 3 has no teacher log-probs"):
+        hooks.fill_teacher_log_probs(args, [s], [0.0], [0.0])
+    s.remove_sample = True
+    s.rollout_log_probs = [-0.5, -0.25]
+    hooks.fill_teacher_log_probs(args, [s], [0.0], [0.0])
+    assert s.teacher_log_probs.tolist() == [-0.5, -0.25]  # neutral: logp_T - logp_S = 0
+    bad = make_sample(4, [1, 2, 3], 2, domain="math")
+    bad.metadata.update(opd_teacher="math", opd_teacher_log_probs=[-1.0])
+    with pytest.raises(ValueError, match="1 teacher log-probs for response_length 2"):
+        hooks.fill_teacher_log_probs(args, [bad], [0.0], [0.0])
+
+
+def test_same_origin_check_flags_a_foreign_teacher_on_the_first_step(caplog):
+    teachers = [
+        {"name": n, "checkpoint_dir": f"/x/{n}", "domains": [n], "url": "http://h:1"}
+        for n in ("a", "b", "c", "foreign")
+    ]
+    args = make_args(ascend_opd_teachers=teachers)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(16):
+        name = teachers[i % 4]["name"]
+        student = -torch.rand(20, generator=g) * 3
+        noise = 2.0 if name == "foreign" else 0.3
+        teacher = student + noise * torch.randn(20, generator=g)
+        s = make_sample(i, list(range(25)), 20, domain=name, rollout_log_probs=student.tolist())
+        s.metadata.update(opd_teacher=name, opd_teacher_log_probs=teacher.tolist())
+        samples.append(s)
+    with caplog.at_level(logging.WARNING, logger="slime_ascend.opd"):
+        hooks.fill_teacher_log_probs(args, samples, [0.0] * 16, [0.0] * 16)
+    report = hooks.opd_stats(args)["same_origin"]
+    assert report["flagged"] == ["foreign"]
+    assert "teacher 'foreign'" in caplog.text and "same-origin" in caplog.text
+    # it runs once: the next step does not recompute the report
+    for s in samples:
+        s.metadata["opd_teacher_log_probs"] = s.teacher_log_probs.tolist()
+    hooks.fill_teacher_log_probs(args, samples, [0.0] * 16, [0.0] * 16)
+    assert hooks.opd_stats(args)["same_origin"] is report
+
+
+def test_same_origin_error_action_stops():
+    teachers = [{"name": n, "checkpoint_dir": f"/x/{n}", "domains": [n], "url": "http://h:1"} for n in ("a", "b", "c")]
+    args = make_args(ascend_opd_teachers=teachers, ascend_opd_same_origin_action="error")
+    samples = []
+    for i, (name, gap) in enumerate([("a", 0.1), ("b", 0.1), ("c", 3.0)]):
+        s = make_sample(i, [1, 2, 3, 4], 3, domain=name, rollout_log_probs=[-1.0, -1.0, -1.0])
+        s.metadata.update(opd_teacher=name, opd_teacher_log_probs=[-1.0 - gap] * 3)
+        samples.append(s)
+    with pytest.raises(RuntimeError, match="same-origin check failed: teacher 'c'"):
+        hooks.fill_teacher_log_probs(args, samples, [0.0] * 3, [0.0] * 3)
+
+
+# ---------------------------------------------------------------------------------------------- switch gate
+def test_switch_gate_never_serves_a_request_with_the_wrong_teacher():
+    async def main():
+        engine = {"resident": None, "busy": 0}
+        log = []
+
+        async def switch(name):
+            assert engine["busy"] == 0, "switched while requests were in flight"
+            await asyncio.sleep(0.002)
+            engine["resident"] = name
+            log.append(name)
+
+        gate = hooks.SwitchGate(switch)
+        rng = random.Random(1)
+        served = []
+
+        async def request(i, name):
+            await asyncio.sleep(rng.random() * 0.01)
+            async with gate.use(name):
+                engine["busy"] += 1
+                assert engine["resident"] == name
+                await asyncio.sleep(rng.random() * 0.003)
+                assert engine["resident"] == name
+                engine["busy"] -= 1
+                served.append(i)
+
+        names = [rng.choice("ABC") for _ in range(120)]
+        await asyncio.gather(*(request(i, n) for i, n in enumerate(names)))
+        return names, served, log, gate
+
+    names, served, log, gate = asyncio.run(main())
+    assert sorted(served) == list(range(len(names)))
+    assert gate.switches == len(log) and gate.inflight == 0
+    assert len(log) < len(names) / 2  # batches: far fewer switches than requests
+    assert all(a != b for a, b in zip(log, log[1:]))
+
+
+def test_switch_gate_batches_queued_requests_and_reports_failures():
+    async def main():
+        log = []
+
+        async def switch(name):
+            if name == "bad":
+                raise RuntimeError("teacher 'bad' (/ckpt/bad): corrupt")
+            log.append(name)
+
+        gate = hooks.SwitchGate(switch)
+        order = ["A", "B", "A", "B", "B", "bad", "A"]
+
+        async def request(name):
+            async with gate.use(name):
+                await asyncio.sleep(0.001)
+                return name
+
+        results = await asyncio.gather(*(request(n) for n in order), return_exceptions=True)
+        return log, results
+
+    log, results = asyncio.run(main())
+    assert [r for r in results if isinstance(r, Exception)][0].args[0].startswith("teacher 'bad'")
+    assert sum(isinstance(r, str) for r in results) == 6
+    assert log[:2] == ["A", "B"] and len(log) <= 3  # A, then all queued B at once, then the late A
+
+
+def test_switched_teachers_use_the_pool_and_engine(two_teacher_engines, tmp_path):
+    """Teachers without url: a local TeacherPool switches one engine with /update_weights_from_disk."""
+    from slime_ascend.rollout.reference_model import save_model, score_tokens
+
+    (eng_a, eng_b), url_a, _ = two_teacher_engines
+    dirs = {}
+    for name, eng in (("math", eng_a), ("code", eng_b)):
+        dirs[name] = save_model(eng.model, tmp_path / name)
+    from slime_ascend.rollout.reference_engine import ReferenceEngine
+
+    switched = ReferenceEngine(seed=3)
+    teachers = [
+        {"name": "math", "checkpoint_dir": str(dirs["math"]), "domains": ["math"]},
+        {"name": "code", "checkpoint_dir": str(dirs["code"]), "domains": ["code"]},
+    ]
+    with switched.start_in_thread() as url:
+        args = make_args(ascend_opd_teachers=teachers, ascend_opd_switch_engine_urls=[url],
+                         ascend_opd_same_origin_check=False)
+        rng = random.Random(5)
+        samples = [make_sample(i, [rng.randrange(1000) for _ in range(8)], 4, domain=d)
+                   for i, d in enumerate(["math", "code", "math", "code", "code"])]
+        asyncio.run(hooks.teacher_reward(args, samples))
+        hooks.fill_teacher_log_probs(args, samples, [0.0] * 5, [0.0] * 5)
+        stats = hooks.opd_stats(args)
+    for s in samples:
+        ref = eng_a if s.metadata["opd_teacher"] == "math" else eng_b
+        torch.testing.assert_close(s.teacher_log_probs, score_tokens(ref.model, s.tokens)[-4:], atol=1e-4, rtol=1e-4)
+    assert 2 <= stats["switches"] <= 3
+    assert stats["pool"]["switches"] == stats["switches"]
+
+
+# ---------------------------------------------------------------------------------------------- advantage
+def _rollout_data(n=5, seed=0, cp_local=True):
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(x) for x in torch.randint(1, 9, (n,), generator=g)]
+    student = [-torch.rand(m, generator=g) * 2 for m in lens]  # CP-local pieces of any length
+    teacher = [s + 0.3 * torch.randn(s.shape, generator=g) for s in student]
+    adv = [torch.full((m,), float(torch.randn(1, generator=g))) for m in lens]
+    return {"log_probs": student, "teacher_log_probs": teacher, "advantages": adv, "returns": list(adv),
+            "rollout_log_probs": [s + 0.01 for s in student]}
+
+
+def test_advantage_applies_per_teacher_coefficients_from_forwarded_metadata():
+    args = make_args(ascend_opd_task_weight=0.5)
+    data = _rollout_data()
+    names = ["math", "code", "code", "math", "code"]
+    data["metadata"] = [{"opd_teacher": n, "opd_coef": {"math": 1.0, "code": 0.5}[n]} for n in names]
+    before = [a.clone() for a in data["advantages"]]
+    hooks.opd_advantage(args, data)
+    for i, n in enumerate(names):  # slow reference loop, token by token
+        c = {"math": 1.0, "code": 0.5}[n]
+        for t in range(len(before[i])):
+            want = 0.5 * before[i][t] + c * (data["teacher_log_probs"][i][t] - data["log_probs"][i][t])
+            assert abs(float(data["advantages"][i][t]) - float(want)) < 1e-6
+            rkl = data["log_probs"][i][t] - data["teacher_log_probs"][i][t]
+            assert abs(float(data["opd_reverse_kl"][i][t]) - float(rkl)) < 1e-6
+    assert data["returns"][0] is not data["advantages"][0]
+
+
+def test_advantage_uses_rollout_log_probs_when_slime_does():
+    args = make_args(use_rollout_logprobs=True, ascend_opd_teachers=[dict(t, coef=2.0) for t in TEACHERS])
+    data = _rollout_data()
+    base = [a.clone() for a in data["advantages"]]
+    hooks.opd_advantage(args, data)  # no metadata, uniform coef
+    for i in range(5):
+        want = base[i] + 2.0 * (data["teacher_log_probs"][i] - data["rollout_log_probs"][i])
+        torch.testing.assert_close(data["advantages"][i], want)
+
+
+def test_advantage_without_metadata_and_different_coefs_fails_clearly():
+    data = _rollout_data()
+    with pytest.raises(RuntimeError, match="rollout.forward_metadata"):
+        hooks.opd_advantage(make_args(), data)
+
+
+def test_advantage_clip():
+    args = make_args(ascend_opd_clip=0.1, ascend_opd_teachers=[dict(t, coef=1.0) for t in TEACHERS])
+    data = _rollout_data()
+    base = [a.clone() for a in data["advantages"]]
+    hooks.opd_advantage(args, data)
+    for i in range(5):
+        assert float((data["advantages"][i] - base[i]).abs().max()) <= 0.1 + 1e-6
