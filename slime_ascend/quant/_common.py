@@ -30,3 +30,9 @@ def rows_per_chunk(cols: int, chunk_elems: int, multiple: int = 1) -> int:
     rows = max(1, chunk_elems // max(1, cols))
     rows = max(multiple, rows // multiple * multiple)
     return rows
+
+
+def check_out(t: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, what: str) -> None:
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous {dtype} tensor of shape {tuple(shape)}, "
+                         f"got {t.dtype} {tuple(t.shape)}")

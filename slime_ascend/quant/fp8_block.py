@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ._common import DEFAULT_CHUNK_ELEMS, check_float_weight, raise_if_not_finite, rows_per_chunk
+from ._common import DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, raise_if_not_finite, rows_per_chunk
 from .schemes import FP8BlockScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -30,11 +30,21 @@ def quantize_fp8_block(
     *,
     name: str = "weight",
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (q float8_e4m3fn, same shape as `weight`; scale_inv fp32 [.., ceil(N/bn), ceil(K/bk)])."""
+    """Return (q float8_e4m3fn, same shape as `weight`; scale_inv fp32 [.., ceil(N/bn), ceil(K/bk)]).
+
+    `out`: optional preallocated (q, scale_inv) to write into (e.g. a reused sync buffer).
+    """
     check_float_weight(weight, name)
-    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
-    s = torch.empty(fp8_scale_shape(weight.shape, scheme.block_size), dtype=torch.float32, device=weight.device)
+    s_shape = fp8_scale_shape(weight.shape, scheme.block_size)
+    if out is None:
+        q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+        s = torch.empty(s_shape, dtype=torch.float32, device=weight.device)
+    else:
+        q, s = out
+        check_out(q, weight.shape, FP8_DTYPE, f"{name}: out[0]")
+        check_out(s, s_shape, torch.float32, f"{name}: out[1]")
     ok = torch.ones((), dtype=torch.bool, device=weight.device)
     if weight.dim() == 2:
         ok = _quantize_2d(weight, q, s, scheme, chunk_elems, ok)
@@ -61,33 +71,28 @@ def _quantize_2d(
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         rows = r1 - r0
-        x = w[r0:r1]
-        if not x.is_contiguous():
-            x = x.contiguous()
         full = rows // bn
         tail = rows - full * bn
         nbr = full + (1 if tail else 0)
-        # per (row-block, column) amax, reduced over the block's rows in the weight dtype (exact)
-        col_amax = torch.empty((nbr, k), dtype=w.dtype, device=w.device)
+        y = buf[: rows * k].view(rows, k)
+        y.copy_(w[r0:r1])  # fp32 staging (exact)
+        # per (row-block, column) amax over the block's rows; amax/amin separately (vectorised)
+        col_amax = torch.empty((nbr, k), dtype=torch.float32, device=w.device)
         if full:
-            mn, mx = torch.aminmax(x[: full * bn].view(full, bn, k), dim=1)
-            torch.maximum(mx, mn.neg_(), out=col_amax[:full])
+            yb = y[: full * bn].view(full, bn, k)
+            torch.maximum(yb.amax(dim=1), yb.amin(dim=1).neg_(), out=col_amax[:full])
         if tail:
-            mn, mx = torch.aminmax(x[full * bn :], dim=0)
-            torch.maximum(mx, mn.neg_(), out=col_amax[full])
-        ca = col_amax.float()
-        if pad_k:
-            ca = torch.nn.functional.pad(ca, (0, pad_k))
+            yt = y[full * bn :]
+            torch.maximum(yt.amax(dim=0), yt.amin(dim=0).neg_(), out=col_amax[full])
+        ca = torch.nn.functional.pad(col_amax, (0, pad_k)) if pad_k else col_amax
         scale = ca.view(nbr, kb, bk).amax(dim=-1).clamp_(min=scheme.amax_floor).div_(fmax)
         ok = ok & torch.isfinite(scale).all()
         s_out[r0 // bn : r0 // bn + nbr].copy_(scale)
         scale_cols = scale.repeat_interleave(bk, dim=1)[:, :k] if bk > 1 else scale[:, :k]
-        y = buf[: rows * k].view(rows, k)
         if full:
-            torch.div(x[: full * bn].view(full, bn, k), scale_cols[:full].unsqueeze(1),
-                      out=y[: full * bn].view(full, bn, k))
+            y[: full * bn].view(full, bn, k).div_(scale_cols[:full].unsqueeze(1))
         if tail:
-            torch.div(x[full * bn :], scale_cols[full], out=y[full * bn :])
+            y[full * bn :].div_(scale_cols[full])
         y.clamp_(-fmax, fmax)
         q_out[r0:r1].copy_(y)
     return ok

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._common import DEFAULT_CHUNK_ELEMS, check_float_weight, raise_if_not_finite, rows_per_chunk
+from ._common import DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, raise_if_not_finite, rows_per_chunk
 from .schemes import IntScheme
 
 
@@ -39,8 +39,12 @@ def quantize_int(
     *,
     name: str = "weight",
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    out: IntQuantized | None = None,
 ) -> IntQuantized:
-    """Quantise a [N, K] or [E, N, K] float weight with `scheme`."""
+    """Quantise a [N, K] or [E, N, K] float weight with `scheme`.
+
+    `out`: optional preallocated IntQuantized (q, scale, zero_point) to write into.
+    """
     check_float_weight(weight, name)
     *lead, n, k = weight.shape
     g = _group(scheme, k, name) if k else 1
@@ -48,9 +52,18 @@ def quantize_int(
     round_dtype = scheme.scale_round_dtype or weight.dtype
     store_dtype = scheme.scale_store_dtype or round_dtype
     dev = weight.device
-    q = torch.empty(weight.shape, dtype=torch.int8, device=dev)
-    scale = torch.empty((*lead, n, ngroups), dtype=store_dtype, device=dev)
-    zp = None if scheme.symmetric else torch.empty((*lead, n, ngroups), dtype=torch.int8, device=dev)
+    if out is None:
+        q = torch.empty(weight.shape, dtype=torch.int8, device=dev)
+        scale = torch.empty((*lead, n, ngroups), dtype=store_dtype, device=dev)
+        zp = None if scheme.symmetric else torch.empty((*lead, n, ngroups), dtype=torch.int8, device=dev)
+    else:
+        q, scale, zp = out
+        check_out(q, weight.shape, torch.int8, f"{name}: out.q")
+        check_out(scale, (*lead, n, ngroups), store_dtype, f"{name}: out.scale")
+        if scheme.symmetric != (zp is None):
+            raise ValueError(f"{name}: out.zero_point must be {'None' if scheme.symmetric else 'a tensor'}")
+        if zp is not None:
+            check_out(zp, (*lead, n, ngroups), torch.int8, f"{name}: out.zero_point")
     m = math.prod(lead) * n
     if m == 0 or k == 0:
         return IntQuantized(q, scale, zp)
@@ -67,12 +80,9 @@ def quantize_int(
     for r0 in range(0, m, step):
         r1 = min(m, r0 + step)
         rows = r1 - r0
-        x = w2[r0:r1]
-        if not x.is_contiguous():
-            x = x.contiguous()
-        xg = x.view(rows, ngroups, g)
-        mn, mx = torch.aminmax(xg, dim=-1)
-        mn, mx = mn.float(), mx.float()
+        y = buf[: rows * k].view(rows, ngroups, g)
+        y.view(rows, k).copy_(w2[r0:r1])  # fp32 staging; bf16/fp16 -> fp32 is exact
+        mx, mn = y.amax(dim=-1), y.amin(dim=-1)  # (separate reductions vectorise; aminmax does not on CPU)
         if scheme.symmetric:
             raw = torch.maximum(mx.abs_(), mn.abs()).div_(scheme.sym_divisor)
         else:
@@ -87,11 +97,10 @@ def quantize_int(
         ok = ok & torch.isfinite(s).all()
         s2[r0:r1].copy_(s)
         safe = torch.where(s == 0, torch.ones_like(s), s) if scheme.zero_rule == "zero" else s
-        y = buf[: rows * k].view(rows, ngroups, g)
         if scheme.reciprocal:
-            torch.mul(xg, torch.reciprocal(safe).unsqueeze_(-1), out=y)
+            y.mul_(torch.reciprocal(safe).unsqueeze_(-1))
         else:
-            torch.div(xg, safe.unsqueeze(-1), out=y)
+            y.div_(safe.unsqueeze(-1))
         if scheme.symmetric:
             y.round_()
         else:
@@ -136,11 +145,12 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"pack_int4 expects int8 values, got {values.dtype}")
     *lead, c = values.shape
     words = math.ceil(c / 8)
-    u = (values.to(torch.int16) + 8).to(torch.uint8)
+    u = values.view(torch.uint8)
     if words * 8 != c:
-        u = torch.nn.functional.pad(u, (0, words * 8 - c))  # padding nibbles are 0
+        u = torch.nn.functional.pad(u, (0, words * 8 - c), value=0xF8)  # pad value -8 -> nibble 0
     u = u.reshape(*lead, words * 4, 2)
-    byte = u[..., 0] | (u[..., 1] << 4)
+    # two's-complement nibble of v is v & 0xF, and (v + 8) & 0xF == (v & 0xF) ^ 0x8
+    byte = ((u[..., 0] & 0x0F) | (u[..., 1] << 4)) ^ 0x88
     if sys.byteorder == "little":
         return byte.contiguous().view(torch.int32).reshape(*lead, words)
     b = byte.reshape(*lead, words, 4).to(torch.int64)  # big-endian hosts: assemble words arithmetically
