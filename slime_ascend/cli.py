@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 PASSTHROUGH: dict[str, tuple[str, str]] = {
     "serve-reference": ("slime_ascend.rollout.http_api:serve_reference",
                         "serve a CPU reference engine over SGLang's HTTP API (loopback by default)"),
+    "check": ("slime_ascend.contracts.check_cli:main",
+              "numerical-contract report on this device (log-prob mismatch, DIS/IcePop, top-k determinism)"),
 }
 
 

@@ -1,0 +1,39 @@
+"""``slime-ascend check``: the numerical-contract report on this device."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slime-ascend check",
+        description="Compare log-probs of the same token IDs along two numeric paths, report mismatch and "
+        "DIS/IcePop masked fractions, and check top-k determinism. Exit status 1 when a contract is broken.",
+    )
+    p.add_argument("--model", default=None, help="local HF checkpoint dir (safetensors); default: built-in tiny model")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, npu (default cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="out_json", default="slime-ascend-check.json", help="JSON report path ('' for none)")
+    p.add_argument("--plot", default=None, help="PNG histogram of the log-ratio")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.device.startswith("npu"):
+        from ..accelerator.npu import load_torch_npu
+
+        if load_torch_npu() is None:
+            print("error: --device npu needs torch_npu (pip install 'slime-ascend[npu]' on an Ascend host)")
+            return 2
+    from .check import format_table, run_check
+
+    report = run_check(model_dir=ns.model, device=ns.device, seed=ns.seed, out_json=ns.out_json or None, plot=ns.plot)
+    print(format_table(report))
+    if ns.out_json:
+        print(f"JSON report: {ns.out_json}")
+    if ns.plot:
+        print(f"log-ratio histogram: {ns.plot}")
+    print("all contracts hold" if report.passed else "CONTRACT BROKEN: see the FAIL rows above")
+    return 0 if report.passed else 1
