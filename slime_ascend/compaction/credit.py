@@ -21,9 +21,10 @@ with ``rollout_data`` holding this data-parallel rank's samples):
   own ``compute_advantages_and_returns`` run with the custom path, OPD and advantage whitening off
   (slime applies those after the custom function returns). Sets ``rollout_data["gae_lambdas"]`` for ppo.
 * order 300, :func:`decay_advantages`: ``A(s, i) = (gamma * lambda) ** N_after(s) * A_local(s, i)``.
-  lambda is ``rollout_data["gae_lambdas"]`` (one float per local sample, set by whichever base estimator
-  ran GAE) when present, else ``ascend_compaction_lambda_mode``. It must be the same for all segments of
-  a rollout (checked across ranks). With ``critic_target="decayed"`` returns are shifted by the same
+  lambda is ``rollout_data["gae_lambdas"]`` and gamma ``rollout_data["gae_gammas"]`` (one float per local
+  sample each, set by whichever base estimator ran GAE) when present, else ``ascend_compaction_lambda_mode``
+  and slime's ``--gamma``. ``gamma * lambda`` must be the same for all segments of a rollout (checked
+  across ranks). With ``critic_target="decayed"`` returns are shifted by the same
   amount (``returns - advantages`` unchanged, so ``returns = decayed A + V`` for GAE). Stores the factors
   in ``rollout_data["compaction_decay"]`` (slime logs it as ``rollout/compaction_decay``).
 
@@ -429,14 +430,21 @@ def decay_advantages(args: Any, rollout_data: dict) -> None:
     segs = _segment_indices(ids, rollout_data.get("round_number"))
     counts = _trainable_counts(rollout_data["loss_masks"])
     lambdas = _rollout_lambdas(args, settings, rollout_data)
-    lam_bits = torch.tensor(lambdas, dtype=torch.float64).view(torch.int64)
+    gammas = rollout_data.get("gae_gammas")
+    if gammas is None:
+        gammas = [float(getattr(args, "gamma", 1.0))] * n
+    elif len(gammas) != n:
+        raise ValueError(f"rollout_data['gae_gammas'] has {len(gammas)} entries for {n} samples")
+    # (gamma * lambda) ** N_after: the product is the per-rollout discount (checked equal across segments)
+    base = torch.tensor([float(g) * lam for g, lam in zip(gammas, lambdas, strict=True)], dtype=torch.float64)
     rows = torch.cat(
-        [torch.tensor([ids, segs, counts], dtype=torch.int64).reshape(3, n).T, lam_bits.reshape(n, 1)], dim=1
+        [torch.tensor([ids, segs, counts], dtype=torch.int64).reshape(3, n).T, base.view(torch.int64).reshape(n, 1)],
+        dim=1,
     )
     every, offset = all_gather_rows(rows, group)
-    every_lams = every[:, 3].contiguous().view(torch.float64).tolist()
+    every_base = every[:, 3].contiguous().view(torch.float64).tolist()
     factors = segment_decay_factors(
-        every[:, 0].tolist(), every[:, 1].tolist(), every[:, 2].tolist(), float(getattr(args, "gamma", 1.0)), every_lams
+        every[:, 0].tolist(), every[:, 1].tolist(), every[:, 2].tolist(), 1.0, every_base
     )[offset : offset + n]
     decayed = apply_segment_decay(advantages, factors)
     returns = rollout_data.get("returns")

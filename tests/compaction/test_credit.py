@@ -174,6 +174,12 @@ def test_decay_uses_base_estimator_lambdas_and_rejects_per_segment_lambdas(fresh
     args = make_args(gamma=0.8)
     credit.decay_advantages(args, data)
     assert data["compaction_decay"] == pytest.approx([0.4**3, 1.0])
+    data["gae_gammas"] = [0.5, 0.5]  # a base estimator with its own gamma (e.g. sao's) overrides args.gamma
+    data["advantages"] = [torch.ones(2), torch.ones(3)]
+    credit.decay_advantages(args, data)
+    assert data["compaction_decay"] == pytest.approx([0.25**3, 1.0])
+    assert data["advantages"][0].tolist() == pytest.approx([0.25**3] * 2)
+    del data["gae_gammas"]
     data["gae_lambdas"] = [0.5, 0.6]
     data["advantages"] = [torch.ones(2), torch.ones(3)]
     with pytest.raises(ValueError, match="one lambda per rollout"):
