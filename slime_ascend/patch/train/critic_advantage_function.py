@@ -1,0 +1,126 @@
+"""The PPO critic keeps the custom advantage function and the custom loss.
+
+What: with ``--megatron-config-path``, slime builds the critic's args with
+``_apply_megatron_role_overrides``, which sets ``custom_advantage_function_path = None`` for the critic
+(``slime/utils/arguments.py`` ~l.1673). The critic's value targets then come from slime's plain GAE
+instead of the plugin's estimator (SAO: skip-observation GAE with lambda 1). The critic also always
+trains with ``loss_type = "value_loss"`` (``actor.py`` ``train_critic``), bypassing the custom loss.
+
+Why: a per-role config is the only way to give the critic its own freeze list, learning rate or
+checkpoint, so the two must combine.
+
+How (in each train process, from the plugin's megatron_init, with the real ``args``):
+
+* ``args.custom_advantage_function_path`` is restored to ``slime_ascend.hooks.advantage_function``
+  when it is None (the critic); an actor's value is left alone. slime's
+  ``compute_advantages_and_returns`` reads the path at call time, so this is enough.
+* ``MegatronTrainRayActor.train_critic`` is wrapped to mark the call as a critic pass
+  (:func:`in_critic_pass`), so the advantage function and the loss know the role.
+* ``loss.value_loss_function`` is wrapped: during a critic pass with ``custom_loss_function_path``
+  set it calls that function (our dispatcher) instead; otherwise slime's own value loss runs.
+
+Upstream (patches/0003-critic-train-iters.patch): stop nulling the critic's custom advantage function
+(or add ``--critic-custom-advantage-function-path``) and pass the role to the hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
+
+ACTOR = "slime.backends.megatron_utils.actor"
+LOSS = "slime.backends.megatron_utils.loss"
+DISPATCHER = "slime_ascend.hooks.advantage_function"
+ARGS_KEY = "custom_advantage_function_path"
+
+_CRITIC_PASS: contextvars.ContextVar[bool] = contextvars.ContextVar("slime_ascend_critic_pass", default=False)
+
+
+def in_critic_pass() -> bool:
+    """True while ``MegatronTrainRayActor.train_critic`` runs in this process (patch applied)."""
+    return _CRITIC_PASS.get()
+
+
+@contextlib.contextmanager
+def critic_pass() -> Iterator[None]:
+    """Mark the enclosed code as the critic's pass (what the ``train_critic`` wrapper does)."""
+    token = _CRITIC_PASS.set(True)
+    try:
+        yield
+    finally:
+        _CRITIC_PASS.reset(token)
+
+
+def _wrap_train_critic(original):
+    @functools.wraps(original)
+    def train_critic(self, rollout_id, rollout_data, *args, **kwargs):
+        with critic_pass():
+            return original(self, rollout_id, rollout_data, *args, **kwargs)
+
+    return train_critic
+
+
+def _wrap_value_loss(original):
+    @functools.wraps(original)
+    def value_loss_function(args, batch, logits, sum_of_sample_mean):
+        path = getattr(args, "custom_loss_function_path", None)
+        if in_critic_pass() and path:
+            from slime.utils.misc import load_function
+
+            return load_function(path)(args, batch, logits, sum_of_sample_mean)
+        return original(args, batch, logits, sum_of_sample_mean)
+
+    return value_loss_function
+
+
+class CriticAdvantageFunction(RuntimePatch):
+    def check(self, modules: dict[str, ModuleType]) -> list[str]:
+        problems: list[str] = []
+        actor, loss = modules.get(ACTOR), modules.get(LOSS)
+        if actor is not None:
+            problems += missing_attrs(actor, ["MegatronTrainRayActor.train_critic"])
+            if not problems:
+                fn = actor.MegatronTrainRayActor.train_critic
+                problems += param_mismatch(fn, ["self", "rollout_id", "rollout_data"], "train_critic")
+                problems += missing_source(fn, ["compute_advantages_and_returns(self.args", 'loss_type = "value_loss"'],
+                                           "train_critic")
+        if loss is not None:
+            found = missing_attrs(loss, ["compute_advantages_and_returns", "value_loss_function", "loss_function"])
+            problems += found
+            if not found:
+                problems += missing_source(loss.compute_advantages_and_returns,
+                                           ["args.custom_advantage_function_path"], "compute_advantages_and_returns")
+                problems += missing_source(loss.loss_function, ["func = value_loss_function"], "loss_function")
+                problems += param_mismatch(loss.value_loss_function,
+                                           ["args", "batch", "logits", "sum_of_sample_mean"], "value_loss_function")
+        return problems
+
+    def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
+        if args is not None and getattr(args, ARGS_KEY, None) is None:
+            self.replace(args, ARGS_KEY, DISPATCHER)
+        if ACTOR in modules:
+            self.wrap(modules[ACTOR].MegatronTrainRayActor, "train_critic", _wrap_train_critic)
+        if LOSS in modules:
+            self.wrap(modules[LOSS], "value_loss_function", _wrap_value_loss)
+
+
+PATCH = CriticAdvantageFunction(
+    id="train.critic_advantage_function",
+    targets=(
+        f"{ACTOR}:MegatronTrainRayActor.train_critic",
+        f"{LOSS}:value_loss_function",
+        f"{LOSS}:compute_advantages_and_returns",
+    ),
+    why="--megatron-config-path nulls the critic's custom_advantage_function_path and the critic always uses "
+        "slime's value loss, so a plugin's GAE and loss never reach the critic.",
+    how="Restore args.custom_advantage_function_path to our dispatcher where it is None; mark train_critic as a "
+        "critic pass; route value_loss_function to custom_loss_function_path during critic passes.",
+    upstream="patches/0003-critic-train-iters.patch",
+    checked_on=("0.3.1",),
+)

@@ -1,0 +1,164 @@
+"""SAO critic wiring: the megatron_init contribution, start-up validation, and the per-role config.
+
+``megatron_init`` runs in every train process (actor and critic) with that process's args. It copies
+the K setting onto the args keys of the upstream ``--critic-train-iters`` proposal and installs
+``train.critic_train_iters`` and ``train.critic_advantage_function`` (both only act inside
+``train_critic``, so installing them in the actor is harmless).
+
+The critic's freeze list cannot go into the shared YAML (that would freeze the actor too). It goes
+into the critic role of slime's ``--megatron-config-path``; :func:`write_megatron_role_config` writes
+that file (``python -m slime_ascend.sao.critic -o sao_megatron.yaml [--merge yours.yaml]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+PLUGIN_NAME = "sao"
+logger = logging.getLogger("slime_ascend.sao")
+TIS_PLUGINS_IGNORED = ("dis", "icepop")
+
+
+def validate(args: Any, settings: Any) -> None:
+    """Start-up checks in every process that uses the plugin (raises SettingsError)."""
+    from slime_ascend.plugins.settings import SettingsError
+
+    from .freeze import check_freeze_config
+    from .loss import dis_band
+
+    try:
+        dis_band(settings)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+    if getattr(args, "use_tis", False):
+        raise SettingsError(
+            "sao: --use-tis is set, but sao's custom loss applies DIS itself and slime's TIS would never run. Fix: "
+            "remove --use-tis"
+        )
+    if (getattr(args, "use_rollout_logprobs", False) and float(getattr(args, "kl_coef", 0) or 0) != 0
+            and getattr(args, "megatron_config_path", None) is None):
+        raise SettingsError(
+            "sao: kl_coef != 0 with use_rollout_logprobs and no --megatron-config-path: the critic inherits kl_coef and "
+            "slime's critic would compute KL without reference log-probs. Fix: pass --megatron-config-path (slime sets "
+            "the critic's kl_coef to 0 there), or set kl_coef 0"
+        )
+    from slime_ascend.plugins import runtime
+
+    ignored = sorted(set(runtime.enabled_names(args)) & set(TIS_PLUGINS_IGNORED))
+    if ignored:
+        logger.warning(
+            "sao: plugins %s act through slime's TIS hook, which slime does not call under sao's custom loss; they "
+            "have no effect (sao applies DIS itself; tune it with ascend_sao_dis_preset)", ignored
+        )
+    if settings.freeze_critic_attention:
+        check_freeze_config(args, list(settings.freeze_patterns))
+
+
+def megatron_init(args: Any) -> None:
+    """Install the critic patches with this process's args (order 200)."""
+    from slime_ascend import patch
+    from slime_ascend.patch.train import critic_train_iters
+    from slime_ascend.plugins import runtime
+
+    settings = runtime.settings(args, PLUGIN_NAME)
+    setattr(args, critic_train_iters.ITERS_KEY, int(settings.critic_iters))
+    setattr(args, critic_train_iters.SCHEDULE_KEY, settings.critic_lr_schedule)
+    patch.install("train.critic_train_iters", args)
+    patch.install("train.critic_advantage_function", args)
+
+
+def critic_role_overrides(freeze_patterns: Sequence[str] = ("self_attention",), **extra: Any) -> dict:
+    """Overrides for the critic role: the freeze list plus any ``extra`` slime args (e.g. ``lr=5e-6``)."""
+    out = dict(extra)
+    frozen = list(out.pop("freeze_params_name_list", None) or [])
+    out["freeze_params_name_list"] = frozen + [p for p in freeze_patterns if p not in frozen]
+    return out
+
+
+def write_megatron_role_config(
+    path: str,
+    freeze_patterns: Sequence[str] = ("self_attention",),
+    *,
+    merge_from: str | None = None,
+    force: bool = False,
+    **critic_extra: Any,
+) -> dict:
+    """Write a slime ``--megatron-config-path`` file whose critic role freezes ``freeze_patterns``.
+
+    ``merge_from``: an existing role config to keep (its entries stay; the critic's freeze list is
+    extended). ``critic_extra``: more critic overrides (slime arg names, e.g. ``lr=5e-6,
+    lr_warmup_iters=10`` as in the SAO paper). Returns the written mapping.
+    """
+    import yaml
+
+    if os.path.exists(path) and not force and os.path.abspath(path) != os.path.abspath(merge_from or ""):
+        raise FileExistsError(f"{path} exists; pass force=True (--force) to overwrite it")
+    config: dict = {"megatron": []}
+    if merge_from is not None:
+        with open(merge_from) as f:
+            config = copy.deepcopy(yaml.safe_load(f) or {})
+        if not isinstance(config.get("megatron"), list):
+            raise ValueError(f"{merge_from}: needs a top-level 'megatron' list of role entries")
+    entries = config["megatron"]
+    critic = [e for e in entries if isinstance(e, dict) and e.get("role") == "critic"]
+    if len(critic) > 1:
+        raise ValueError(f"{merge_from}: more than one entry with role: critic")
+    if critic:
+        entry = critic[0]
+        key = "overrides" if "overrides" in entry or "args" not in entry else "args"
+        entry[key] = critic_role_overrides(freeze_patterns, **{**(entry.get(key) or {}), **critic_extra})
+    else:
+        entries.append({"name": "default", "role": "critic",
+                        "overrides": critic_role_overrides(freeze_patterns, **critic_extra)})
+    text = (
+        "# slime --megatron-config-path role config for the sao plugin (python -m slime_ascend.sao.critic).\n"
+        "# The critic's attention is frozen here, not on the command line, so the actor trains all parameters.\n"
+        + yaml.safe_dump(config, sort_keys=False)
+    )
+    with open(path, "w") as f:
+        f.write(text)
+    return config
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m slime_ascend.sao.critic",
+        description="Write slime's --megatron-config-path file with the SAO critic freeze list.",
+    )
+    parser.add_argument("-o", "--output", required=True, help="file to write")
+    parser.add_argument("--merge", default=None, help="existing role config to extend")
+    parser.add_argument("--freeze", nargs="+", default=["self_attention"],
+                        help="regexes of critic parameters to freeze (default: self_attention)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more critic overrides, slime arg names, e.g. lr=5e-6 lr_warmup_iters=10")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    ns = parser.parse_args(argv)
+    extra = {}
+    for item in ns.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--set expects KEY=VALUE, got {item!r}")
+        extra[key] = _parse_value(value)
+    try:
+        write_megatron_role_config(ns.output, ns.freeze, merge_from=ns.merge, force=ns.force, **extra)
+    except (FileExistsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {ns.output}; pass --megatron-config-path {ns.output} to slime")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""SAO losses for slime's custom-loss hook: DIS policy loss (actor) and clipped value loss (critic).
+
+Actor (``args.loss_type == "custom_loss"``): DIS, ``-sg[f(r)] * A * log pi_theta`` with
+``r = exp(log pi_theta - log pi_rollout)`` and the engine's log-probs as behaviour policy (no pi_old),
+``f(r) = r`` inside the open band ``(1 - eps_low, 1 + eps_high)`` and 0 outside
+(:func:`slime_ascend.algorithms.masks.dis_policy_loss`).
+
+Critic (slime sets ``loss_type = "value_loss"``; the ``train.critic_advantage_function`` patch routes
+that call here): :func:`slime_ascend.algorithms.value_loss.clipped_value_loss` against the returns of
+the skip-observation GAE, clipped relative to the pre-update values with ``--value-clip``.
+
+Both are reduced with slime's ``sum_of_sample_mean`` argument. The sao YAML sets
+``calculate_per_token_loss: true``, which makes that a token sum and makes slime/Megatron divide by
+the step's trainable-token count: the loss is the mean over all trainable tokens of the step
+(SAO / GLM-5.2 token-level normalisation). Metrics go through the same reducer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from slime_ascend.algorithms.cp import cp_slice
+from slime_ascend.algorithms.masks import DIS_PRESETS, DISBand, dis_policy_loss, dis_ratio
+from slime_ascend.algorithms.value_loss import clipped_value_loss
+
+__all__ = ["dis_band", "dis_loss", "local_loss_masks", "sao_loss", "value_loss"]
+
+PLUGIN_NAME = "sao"
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def dis_band(settings: Any) -> DISBand:
+    """The DIS band of the sao settings (preset, or the two custom eps)."""
+    preset = settings.dis_preset
+    low, high = settings.dis_eps_low, settings.dis_eps_high
+    if preset == "custom":
+        if low is None or high is None or not low > 0 or not high > 0:
+            raise ValueError(
+                "sao: ascend_sao_dis_preset is 'custom' but ascend_sao_dis_eps_low / ascend_sao_dis_eps_high are "
+                f"({low!r}, {high!r}). Fix: set both to numbers > 0 in the YAML"
+            )
+        return DISBand(float(low), float(high))
+    if low is not None or high is not None:
+        raise ValueError(
+            f"sao: ascend_sao_dis_eps_low/high are set but ascend_sao_dis_preset is {preset!r}. Fix: set the preset "
+            "to 'custom' to use your own band, or set both eps to null"
+        )
+    return DIS_PRESETS[preset]
+
+
+def local_loss_masks(loss_masks: Sequence[torch.Tensor], total_lengths: Sequence[int],
+                     response_lengths: Sequence[int], cp_rank: int, cp_size: int) -> list[torch.Tensor]:
+    """Full-length loss masks -> this CP rank's zig-zag pieces (identity for cp_size 1)."""
+    if cp_size == 1:
+        return list(loss_masks)
+    return [cp_slice(m, cp_rank, cp_size, t, r) for m, t, r in zip(loss_masks, total_lengths, response_lengths,
+                                                                    strict=True)]
+
+
+def dis_loss(
+    train_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    local_mask: torch.Tensor,
+    reducer: Reducer,
+    band: DISBand,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DIS loss on flat CP-local tensors, reduced with ``reducer``; metrics reduced the same way."""
+    per_token, keep, _ = dis_policy_loss(train_log_probs, rollout_log_probs, advantages, local_mask, *band)
+    loss = reducer(per_token)
+    r = dis_ratio(train_log_probs, rollout_log_probs).to(per_token.dtype)
+    trainable = local_mask.bool()
+    f = per_token.dtype
+    metrics = {
+        "pg_loss": loss.detach(),
+        "dis_masked_frac": reducer((trainable & ~keep).to(f)).detach(),
+        "dis_low_frac": reducer((r <= 1.0 - band.eps_low).to(f)).detach(),
+        "dis_high_frac": reducer((r >= 1.0 + band.eps_high).to(f)).detach(),
+        "dis_ratio_mean": reducer(torch.nan_to_num(r, nan=0.0, posinf=0.0)).detach(),
+        "train_rollout_logprob_abs_diff": reducer((train_log_probs.detach() - rollout_log_probs).abs()).detach(),
+    }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, reducer: Reducer, value_clip: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss on flat CP-local tensors, reduced with ``reducer``."""
+    per_token, clipped = clipped_value_loss(values, old_values.to(values.dtype), returns.to(values.dtype), value_clip)
+    loss = reducer(per_token)
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": reducer(clipped).detach()}
+
+
+def _cp() -> tuple[int, int]:
+    from megatron.core import mpu
+
+    return mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
+
+
+def sao_loss(args: Any, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Reducer) -> tuple[torch.Tensor, dict]:
+    """slime custom loss: value loss in the critic (``loss_type == "value_loss"``), DIS in the actor."""
+    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, get_values
+
+    from slime_ascend.plugins import runtime
+
+    settings = runtime.settings(args, PLUGIN_NAME)
+    common = dict(args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+                  response_lengths=batch["response_lengths"])
+    if getattr(args, "loss_type", None) == "value_loss":
+        _, out = get_values(logits, **common)
+        values = torch.cat([v.flatten() for v in out["values"]], dim=0)
+        loss, metrics = value_loss(values, torch.cat(batch["values"], dim=0), torch.cat(batch["returns"], dim=0),
+                                   sum_of_sample_mean, float(args.value_clip))
+        if values.numel() == 0:
+            loss = loss + 0 * values.sum()
+        return loss, metrics
+
+    if batch.get("rollout_log_probs") is None:
+        raise ValueError(
+            "sao: the loss batch has no rollout_log_probs (DIS needs the engine's log-probs). Fix: use a rollout "
+            "that records Sample.rollout_log_probs (slime's sglang rollout does)"
+        )
+    _, out = get_log_probs_and_entropy(logits, with_entropy=False, **common)
+    train_lp = torch.cat(out["log_probs"], dim=0)
+    rollout_lp = torch.cat(batch["rollout_log_probs"], dim=0).to(train_lp.device)
+    advantages = torch.cat(batch["advantages"], dim=0).to(train_lp.device)
+    cp_rank, cp_size = _cp()
+    masks = local_loss_masks(batch["loss_masks"], batch["total_lengths"], batch["response_lengths"], cp_rank, cp_size)
+    mask = torch.cat(masks, dim=0).to(train_lp.device) if masks else torch.zeros_like(train_lp)
+    loss, metrics = dis_loss(train_lp, rollout_lp, advantages, mask, sum_of_sample_mean, dis_band(settings))
+    if train_lp.numel() == 0:
+        loss = loss + 0 * logits.sum()
+    return loss, {"loss": loss.detach(), **metrics}
