@@ -36,6 +36,8 @@ LEDGER: dict[str, str] = {
     "train.disable_torch_compile": "slime_ascend.patch.train.disable_torch_compile",
     "train.fc1_gather_layout": "slime_ascend.patch.train.fc1_gather_layout",
     "train.mindspeed_repatch": "slime_ascend.patch.train.mindspeed_repatch",
+    "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",
+    "train.critic_advantage_function": "slime_ascend.patch.train.critic_advantage_function",
 }
 
 
