@@ -126,7 +126,9 @@ def check_same_origin(
             n += int(mask.sum())
         kls[name] = total / max(n, 1)
         counts[name] = n
-    return report_from_kls(kls, counts, threshold_ratio=threshold_ratio, max_kl=max_kl, estimator=estimator, warn=warn)
+    return report_from_kls(
+        kls, counts, threshold_ratio=threshold_ratio, max_kl=max_kl, estimator=estimator, warn=warn
+    )
 
 
 def report_from_kls(

@@ -684,6 +684,10 @@ def opd_advantage(args: Any, rollout_data: dict[str, Any]) -> None:
         task_weight=ctx.settings["ascend_opd_task_weight"],
         clip=ctx.settings["ascend_opd_clip"],
     )
+    if rollout_data.get("returns") is advantages:
+        # slime's reinforce_plus_plus_baseline returns the advantages list itself as returns, so its
+        # in-place OPD update reaches the returns too; keep that identity
+        rollout_data["returns"] = new_adv
     rollout_data["advantages"] = new_adv
     rollout_data["opd_reverse_kl"] = reverse_kls
 

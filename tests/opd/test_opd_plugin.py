@@ -75,7 +75,8 @@ def test_plugin_declares_slots_orders_and_slime_args():
     ("overrides", "needle"),
     [
         ({"ascend_opd_teachers": []}, "ascend_opd_teachers is empty"),
-        ({"ascend_opd_teachers": [{"name": "m", "checkpoint_dir": "/x", "domains": []}]}, "teacher 'm': field 'domains'"),
+        ({"ascend_opd_teachers": [{"name": "m", "checkpoint_dir": "/x", "domains": []}]},
+         "teacher 'm': field 'domains'"),
         ({"ascend_opd_teachers": [{"name": "m", "checkpoint_dir": "/x", "domains": ["a"], "coef": "hi"}]},
          "teacher 'm': field 'coef'"),
         ({"ascend_opd_default_teacher": "physics"}, "ascend_opd_default_teacher='physics'"),
