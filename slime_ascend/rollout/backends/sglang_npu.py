@@ -1,0 +1,317 @@
+"""``sglang-npu``: SGLang on Ascend as slime's rollout engine.
+
+What it produces from the ``ascend_rollout_*`` settings:
+
+* server arguments: ``device=npu``, ``attention_backend`` (``ascend``), graph mode
+  (``cuda_graph_backend_{decode,prefill}=disabled`` when off), ``mem_fraction_static`` and ``sampling_backend`` when set. The weight-update
+  group needs no server argument: slime asks its accelerator for the backend and the ``npu``
+  accelerator answers ``hccl``.
+* environment: ``ASCEND_USE_FIA`` (decode through ``npu_fused_infer_attention_score``),
+  ``HCCL_HOST_SOCKET_PORT_RANGE`` / ``HCCL_NPU_SOCKET_PORT_RANGE`` (the HCCL group's ports), and
+  ``PYTORCH_NPU_ALLOC_CONF`` without ``expandable_segments`` (it breaks SGLang's sleep mode on NPU,
+  as it does on CUDA, where slime already strips ``PYTORCH_CUDA_ALLOC_CONF``).
+
+Both reach the engine through the runtime patch ``engine.sglang_npu_launch`` (installed at
+process start by this plugin). :func:`validate_server_args` checks produced arguments against the
+installed SGLang; :func:`check_sglang_fixes` checks that the installed SGLang contains the
+engine fixes slime's NPU fork had to patch in (``docker/npu_patch/sglang.patch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from . import RolloutBackend
+
+logger = logging.getLogger("slime_ascend.rollout")
+
+ALLOC_CONF_ENVS = ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# Keys that must have our value: a conflicting user value is an error, not a preference.
+REQUIRED_KEYS = ("device",)
+
+
+class SGLangNPUBackend(RolloutBackend):
+    name = "sglang-npu"
+    description = "SGLang on Ascend NPUs, launched by slime (device=npu, attention backend ascend, HCCL sync)"
+    plugin = "sglang-npu"
+
+    def server_args(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"device": "npu", "attention_backend": options["attention_backend"]}
+        if not options["graph_mode"]:  # graphs are SGLang's default; only switching them off needs args
+            out.update(graph_off_args())
+        if options.get("mem_fraction") is not None:
+            out["mem_fraction_static"] = float(options["mem_fraction"])
+        if options.get("sampling_backend") is not None:
+            out["sampling_backend"] = options["sampling_backend"]
+        return out
+
+    def env(self, options: Mapping[str, Any]) -> dict[str, str]:
+        return {
+            "ASCEND_USE_FIA": "1" if options["use_fia"] else "0",
+            "HCCL_HOST_SOCKET_PORT_RANGE": options["hccl_host_port_range"],
+            "HCCL_NPU_SOCKET_PORT_RANGE": options["hccl_npu_port_range"],
+            "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False",
+        }
+
+    def slime_flags(self, options: Mapping[str, Any], addrs: list[str] | None = None) -> list[str]:
+        # Everything else travels in the YAML; pre-launched servers are attached by address.
+        return ["--rollout-external-engine-addrs", *addrs] if addrs else []
+
+    def launch_command(
+        self, options: Mapping[str, Any], model_path: str, host: str = "0.0.0.0", port: int = 30000, tp_size: int = 1
+    ) -> list[str]:
+        """``python -m sglang.launch_server`` argv for a server slime attaches as an external engine."""
+        argv = ["python", "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+                "--port", str(port), "--tp-size", str(tp_size), "--trust-remote-code"]
+        return argv + to_cli(self.server_args(options))
+
+    def validate(self, options: Mapping[str, Any]) -> list[str]:
+        problems: list[str] = []
+        choices = _cli_choices()
+        if choices is None:
+            return problems  # sglang not importable here: checked in the engine process instead
+        for key, value in self.server_args(options).items():
+            allowed = choices.get(key)
+            if allowed is not None and value not in allowed:
+                setting = {"attention_backend": "ascend_rollout_attention_backend",
+                           "sampling_backend": "ascend_rollout_sampling_backend"}.get(key, key)
+                problems.append(f"{setting}={value!r} is not accepted by the installed SGLang "
+                                f"(--{key.replace('_', '-')} choices: {sorted(map(str, allowed))})")
+        return problems
+
+
+BACKEND = SGLangNPUBackend()
+
+
+# -- the real SGLang package ------------------------------------------------------------------
+def sglang_importable() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+def _server_args_class():
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs
+
+
+def server_args_fields() -> dict[str, Any]:
+    """Field name -> default of the installed ``ServerArgs`` (a dataclass in older SGLang, a
+    ``msgspec.Struct`` in 0.5.2x)."""
+    cls = _server_args_class()
+    import dataclasses
+
+    if dataclasses.is_dataclass(cls):
+        return {
+            f.name: (f.default if f.default is not dataclasses.MISSING else None) for f in dataclasses.fields(cls)
+        }
+    names = tuple(getattr(cls, "__struct_fields__", ()))
+    if not names:
+        raise TypeError(f"{cls!r} is neither a dataclass nor a msgspec Struct; cannot list its fields")
+    defaults = tuple(getattr(cls, "__struct_defaults__", ()))
+    padded = (None,) * (len(names) - len(defaults)) + defaults
+    out = {}
+    for name, default in zip(names, padded):
+        factory = getattr(default, "factory", None)  # msgspec.field(default_factory=...)
+        out[name] = factory() if callable(factory) and type(default).__name__ == "Factory" else default
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    _server_args_class().add_cli_args(parser)
+    return parser
+
+
+def _cli_choices() -> dict[str, Any] | None:
+    if not sglang_importable():
+        return None
+    try:
+        parser = _parser()
+    except Exception:  # noqa: BLE001 - an unusable sglang is reported by validate_server_args
+        return None
+    return {a.dest: a.choices for a in parser._actions if a.choices is not None}
+
+
+def to_cli(server_args: Mapping[str, Any]) -> list[str]:
+    """ServerArgs fields -> ``sglang.launch_server`` flags (``True`` booleans as bare flags)."""
+    argv: list[str] = []
+    for key, value in server_args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def validate_server_args(server_args: Mapping[str, Any], model_path: str = "/models/placeholder") -> dict[str, Any]:
+    """Check produced arguments against the installed SGLang and say what was checked.
+
+    1. every key is a ``ServerArgs`` field;
+    2. the ``sglang.launch_server`` flags for them parse with SGLang's own argparse definition
+       (types and choices) back to the same values;
+    3. ``ServerArgs(model_path=..., **server_args)`` constructs. In SGLang 0.5.2x construction does
+       not resolve (``__post_init__`` is a no-op; hardware/model resolution happens in
+       ``resolve_once`` at launch), so nothing about the device or the model is checked here.
+
+    Raises ``ValueError`` naming the first failing key.
+    """
+    fields = server_args_fields()
+    unknown = sorted(set(server_args) - set(fields))
+    if unknown:
+        raise ValueError(f"not ServerArgs fields in the installed sglang: {unknown}")
+    parser = _parser()
+    argv = ["--model-path", model_path] + to_cli(server_args)
+    try:
+        namespace, rest = parser.parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"sglang.launch_server rejects {argv}: {exc}") from exc
+    if rest:
+        raise ValueError(f"sglang.launch_server does not know {rest}")
+    for key, value in server_args.items():
+        parsed = getattr(namespace, key)
+        if parsed != value:
+            raise ValueError(f"--{key.replace('_', '-')} {value!r} parses back as {parsed!r}")
+    instance = _server_args_class()(model_path=model_path, **dict(server_args))
+    for key, value in server_args.items():
+        if getattr(instance, key) != value:
+            raise ValueError(f"ServerArgs.{key} is {getattr(instance, key)!r} after construction, expected {value!r}")
+    import sglang
+
+    return {
+        "sglang_version": getattr(sglang, "__version__", "unknown"),
+        "fields": sorted(server_args),
+        "checked": ["field names", "argparse types/choices round trip", "ServerArgs construction"],
+        "not_checked": ["resolve_once (device and model resolution; needs an NPU host and the model)"],
+    }
+
+
+def graph_off_args() -> dict[str, Any]:
+    """Arguments that switch NPU graph capture off: the per-phase backends of SGLang 0.5.2x
+    (``--disable-cuda-graph`` is deprecated there), else the older single flag."""
+    try:
+        fields = server_args_fields()
+    except Exception:  # noqa: BLE001 - sglang absent: the current spelling
+        fields = {"cuda_graph_backend_decode": None}
+    if "cuda_graph_backend_decode" in fields:
+        return {"cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled"}
+    return {"disable_cuda_graph": True}
+
+
+# -- environment --------------------------------------------------------------------------------
+def strip_expandable_segments(value: str | None) -> str | None:
+    """``"expandable_segments:True,max_split_size_mb:128"`` -> ``"max_split_size_mb:128"``."""
+    if value is None:
+        return None
+    kept = [p for p in (part.strip() for part in value.split(",")) if p and not p.startswith("expandable_segments")]
+    return ",".join(kept)
+
+
+def apply_env(env: Mapping[str, str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Fill ``env`` into ``environ`` (default ``os.environ``) where unset; always strip
+    ``expandable_segments`` from the allocator settings. Returns what changed (name -> new value)."""
+    environ = os.environ if environ is None else environ
+    changed: dict[str, str] = {}
+    for name in ALLOC_CONF_ENVS:
+        if name in environ:
+            stripped = strip_expandable_segments(environ[name])
+            if stripped != environ[name]:
+                environ[name] = stripped
+                changed[name] = stripped
+    for name, value in env.items():
+        if name not in environ:
+            environ[name] = value
+            changed[name] = value
+    return changed
+
+
+def fill_server_args(
+    server_args_dict: dict[str, Any], ours: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """Our values where slime's dict holds SGLang's default (or lacks the key); a user's explicit
+    value wins, except for :data:`REQUIRED_KEYS`. Returns (new dict, {key: (user value, ours)} kept)."""
+    out = dict(server_args_dict)
+    kept: dict[str, tuple[Any, Any]] = {}
+    for key, value in ours.items():
+        if key not in defaults:
+            continue  # not a field of this SGLang: validate_server_args reports it
+        current = out.get(key, defaults[key])
+        if current == defaults[key] or current == value:
+            out[key] = value
+        elif key in REQUIRED_KEYS:
+            raise ValueError(
+                f"sglang-npu needs ServerArgs.{key}={value!r}, but slime's args give {current!r}. "
+                f"Fix: drop --sglang-{key.replace('_', '-')} (or its --sglang-config override)."
+            )
+        else:
+            kept[key] = (current, value)
+    return out, kept
+
+
+# -- engine fixes slime's NPU fork patched into SGLang -----------------------------------------
+# (what, module, snippet that must be in its source). docker/npu_patch/sglang.patch targets SGLang
+# dce8b06; each of these hunks is present upstream in SGLang 0.5.23 (or reachable with ASCEND_USE_FIA=1).
+SGLANG_FIXES: tuple[tuple[str, str, str], ...] = (
+    ("rotary: NPU skips the CUDA rotary kernel", "sglang.srt.layers.rotary_embedding.base", "and not (_is_npu)"),
+    ("rotary: bf16 query with fp32 cos/sin cache falls back on NPU", "sglang.srt.layers.rotary_embedding.base",
+     "self.cos_sin_cache.dtype == torch.float"),
+    ("vocab embedding: no torch.compile for the vocab mask on NPU", "sglang.srt.layers.vocab_parallel_embedding",
+     "disable=_is_npu"),
+    ("qwen3: split_qkv_rmsnorm_rope keyword API", "sglang.srt.models.qwen3", "q_weight=self.q_norm.weight"),
+    ("qwen3-moe: split_qkv_rmsnorm_rope keyword API", "sglang.srt.models.qwen3_moe", "q_weight=self.q_norm.weight"),
+    ("qwen3: lm_head follows the attention-TP (DP lm_head) group", "sglang.srt.models.qwen3", "use_attn_tp_group="),
+    ("ascend attention: FIA decode path selectable (ASCEND_USE_FIA)",
+     "sglang.srt.hardware_backend.npu.attention.ascend_backend", '"ASCEND_USE_FIA"'),
+    ("NPU graph runner: replay attribute chosen without per-batch arguments",
+     "sglang.srt.hardware_backend.npu.graph_runner.npu_graph_runner", "def _get_update_attr_name(self):"),
+)
+
+
+def _module_source(module_name: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return None
+    return Path(spec.origin).read_text(errors="replace")
+
+
+def check_sglang_fixes() -> list[str]:
+    """Fixes from slime's NPU fork missing in the installed SGLang (read from source; imports nothing)."""
+    problems: list[str] = []
+    for what, module_name, snippet in SGLANG_FIXES:
+        source = _module_source(module_name)
+        if source is None:
+            problems.append(f"{what}: {module_name} not found in the installed sglang")
+        elif snippet not in source:
+            problems.append(f"{what}: {module_name} lacks {snippet!r} (apply slime's docker/npu_patch/sglang.patch)")
+    return problems
+
+
+# -- plugin hooks -----------------------------------------------------------------------------
+def on_process_start() -> None:
+    """Bootstrap action: install the launch bridge in whatever process imports slime's engine actor."""
+    from ... import patch
+
+    patch.install_when_imported("engine.sglang_npu_launch")
+
+
+def validate_plugin(args: Any, settings: Any) -> None:
+    """Plugin-level check at first use (RolloutManager, train actors)."""
+    from ...plugins.settings import SettingsError
+
+    options = BACKEND.options_from_args(args)
+    problems = BACKEND.validate(options)
+    device = getattr(args, "sglang_device", None)
+    if device not in (None, "npu"):
+        problems.append(f"--sglang-device {device!r} conflicts with sglang-npu (drop the flag)")
+    if problems:
+        raise SettingsError("sglang-npu: " + "; ".join(problems))

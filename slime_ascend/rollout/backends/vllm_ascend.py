@@ -1,0 +1,417 @@
+"""``vllm-ascend``: vLLM with vllm-ascend as slime's rollout engine, through an SGLang-surface adapter.
+
+slime talks SGLang's HTTP API to its engines; vLLM serves an OpenAI-compatible API. The adapter
+is a small stdlib HTTP server in front of one vLLM server, attached to slime with
+``--rollout-external-engine-addrs``:
+
+* ``POST /generate`` (``input_ids`` + SGLang sampling params + ``return_logprob``) ->
+  ``POST /v1/completions`` with the token ids as the prompt, ``logprobs: 0`` (the sampled token's
+  log-prob) and ``return_tokens_as_token_ids`` (tokens come back as ``token_id:<n>``); the answer is
+  rebuilt as SGLang's ``{text, output_ids, meta_info: {finish_reason, output_token_logprobs, ...}}``;
+* ``POST /update_weights_from_disk`` -> vLLM's dev-mode ``/collective_rpc``: ``update_config``
+  (``model_config.model`` = the new checkpoint) then ``reload_weights``, then ``/reset_prefix_cache``;
+* ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` -> ``/sleep?level=N`` / ``/wake_up``;
+* ``POST /pause_generation`` / ``/continue_generation`` / ``/abort_request``: handled in the adapter
+  (new requests wait while paused; ``abort`` closes the upstream connections of in-flight requests,
+  which makes vLLM abort them, and answers them with ``finish_reason: abort``);
+* ``GET /server_info``, ``/get_model_info``, ``/get_weight_version``, ``/health``, ``/health_generate``,
+  ``/flush_cache``.
+
+The dev-mode endpoints need ``VLLM_SERVER_DEV_MODE=1`` in vLLM's environment (vllm-ascend's
+``rl_config`` sets it). Log-probs: start vLLM with ``--logprobs-mode processed_logprobs`` so they are
+taken after temperature, as SGLang reports them. Verified here: the mapping against a stub that
+answers in vLLM's response shape; not verified: a real vLLM / vllm-ascend server (neither installs
+on this CPU host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Mapping
+from http.server import ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from . import RolloutBackend
+
+logger = logging.getLogger("slime_ascend.rollout")
+
+# SGLang sampling param -> vLLM completions field
+SAMPLING_MAP = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+    "sampling_seed": "seed",
+    "min_new_tokens": "min_tokens",
+}
+# accepted and dropped: SGLang-only hints with no vLLM counterpart
+IGNORED_SAMPLING = {"custom_params"}
+
+
+class AdapterError(ValueError):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def to_vllm_request(model: str, input_ids: list[int], sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """SGLang ``/generate`` fields -> a vLLM ``/v1/completions`` body (raises :class:`AdapterError`)."""
+    if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
+        raise AdapterError("input_ids must be a non-empty list of token ids (the adapter does not tokenize text)")
+    params = dict(sampling_params or {})
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": input_ids,
+        "logprobs": 0,  # the sampled token's log-prob
+        "return_tokens_as_token_ids": True,
+        "echo": False,
+        "stream": False,
+        "n": 1,
+    }
+    n = params.pop("n", 1)
+    if n != 1:
+        raise AdapterError(f"sampling_params.n={n!r}: the adapter serves one sample per request (send n requests)")
+    for key, value in params.items():
+        if key in IGNORED_SAMPLING or value is None:
+            continue
+        if key not in SAMPLING_MAP:
+            raise AdapterError(f"sampling_params.{key} has no vLLM counterpart in the adapter; drop it")
+        body[SAMPLING_MAP[key]] = value
+    return body
+
+
+def _token_id(token: str) -> int:
+    if not isinstance(token, str) or not token.startswith("token_id:"):
+        raise AdapterError(f"vLLM returned token {token!r}, expected 'token_id:<n>' (return_tokens_as_token_ids)", 502)
+    return int(token.split(":", 1)[1])
+
+
+def from_vllm_response(
+    answer: Mapping[str, Any], *, rid: str, prompt_len: int, max_tokens: int | None, return_logprob: bool,
+    weight_version: str,
+) -> dict[str, Any]:
+    """A vLLM completions answer -> SGLang's ``/generate`` answer."""
+    try:
+        choice = answer["choices"][0]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise AdapterError(f"vLLM answer has no choices[0]: {answer!r}"[:500], 502) from exc
+    logprobs = choice.get("logprobs") or {}
+    tokens = logprobs.get("tokens")
+    if choice.get("token_ids") is not None:  # vLLM's return_token_ids extension
+        ids = [int(t) for t in choice["token_ids"]]
+    elif tokens is not None:
+        ids = [_token_id(t) for t in tokens]
+    else:
+        raise AdapterError("vLLM answer carries neither token_ids nor logprobs.tokens", 502)
+    token_logprobs = logprobs.get("token_logprobs")
+    if return_logprob and (token_logprobs is None or len(token_logprobs) != len(ids)):
+        raise AdapterError("vLLM answer lacks one log-prob per output token (logprobs.token_logprobs)", 502)
+    reason = choice.get("finish_reason")
+    if reason == "stop":
+        finish: dict[str, Any] = {"type": "stop", "matched": choice.get("stop_reason")}
+    elif reason == "length":
+        finish = {"type": "length", "length": max_tokens if max_tokens is not None else len(ids)}
+    elif reason == "abort":
+        finish = {"type": "abort", "message": "aborted by vLLM"}
+    else:
+        raise AdapterError(f"vLLM finish_reason {reason!r} is not stop/length/abort", 502)
+    usage = answer.get("usage") or {}
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": int(usage.get("prompt_tokens", prompt_len)),
+        "completion_tokens": len(ids),
+        "cached_tokens": int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0),
+        "weight_version": weight_version,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[float(lp), tid, None] for lp, tid in zip(token_logprobs, ids)]
+    return {"text": choice.get("text", ""), "output_ids": ids, "meta_info": meta}
+
+
+def _aborted(rid: str, message: str, weight_version: str, prompt_len: int, return_logprob: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "abort", "message": message},
+                            "prompt_tokens": prompt_len, "completion_tokens": 0, "cached_tokens": 0,
+                            "weight_version": weight_version}
+    if return_logprob:
+        meta["output_token_logprobs"] = []
+    return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+class VLLMAdapter:
+    """SGLang's engine surface over one vLLM OpenAI server at ``vllm_url``."""
+
+    def __init__(
+        self, vllm_url: str, model: str, *, tp_size: int = 1, sleep_level: int = 1,
+        weight_version: str = "default", timeout: float = 3600.0,
+    ) -> None:
+        parts = urlsplit(vllm_url if "://" in vllm_url else f"http://{vllm_url}")
+        if parts.scheme != "http" or not parts.hostname or not parts.port:
+            raise ValueError(f"vllm_url {vllm_url!r} must be http://host:port")
+        self.host, self.port = parts.hostname, parts.port
+        self.model = model
+        self.tp_size = int(tp_size)
+        self.sleep_level = int(sleep_level)
+        self.weight_version = str(weight_version)
+        self.timeout = timeout
+        self._state = threading.Condition()
+        self._paused = False
+        self._inflight: dict[str, http.client.HTTPConnection] = {}
+        self._aborted: set[str] = set()
+
+    # -- upstream -------------------------------------------------------------------------
+    def _call(self, method: str, path: str, body: Any = None, rid: str | None = None) -> Any:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        if rid is not None:
+            with self._state:
+                self._inflight[rid] = conn
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            raw = response.read()
+            if response.status >= 400:
+                raise AdapterError(f"vLLM {method} {path} answered {response.status}: {raw[:500]!r}", 502)
+            return json.loads(raw) if raw.strip() else {}
+        finally:
+            if rid is not None:
+                with self._state:
+                    self._inflight.pop(rid, None)
+            conn.close()
+
+    # -- SGLang surface -------------------------------------------------------------------
+    def generate(self, payload: Mapping[str, Any]) -> Any:
+        ids = payload.get("input_ids")
+        if ids is None:
+            raise AdapterError("send input_ids (the adapter does not tokenize 'text')")
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            return [self.generate({**payload, "input_ids": one, "rid": None}) for one in ids]
+        rid = payload.get("rid") or uuid.uuid4().hex
+        return_logprob = bool(payload.get("return_logprob", False))
+        body = to_vllm_request(self.model, ids, payload.get("sampling_params"))
+        with self._state:
+            self._state.wait_for(lambda: not self._paused)
+        try:
+            answer = self._call("POST", "/v1/completions", body, rid=rid)
+        except (OSError, http.client.HTTPException) as exc:
+            with self._state:
+                was_aborted = rid in self._aborted
+                self._aborted.discard(rid)
+            if was_aborted:
+                return _aborted(rid, "aborted by the adapter", self.weight_version, len(ids), return_logprob)
+            raise AdapterError(f"vLLM at {self.host}:{self.port} unreachable: {exc}", 502) from exc
+        return from_vllm_response(answer, rid=rid, prompt_len=len(ids), max_tokens=body.get("max_tokens"),
+                                  return_logprob=return_logprob, weight_version=self.weight_version)
+
+    def _abort(self, rids: list[str]) -> int:
+        with self._state:
+            conns = [(r, self._inflight[r]) for r in rids if r in self._inflight]
+            self._aborted.update(r for r, _ in conns)
+        for _, conn in conns:
+            if conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)  # vLLM aborts a request whose client went away
+                except OSError:
+                    pass
+        return len(conns)
+
+    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        if mode not in ("abort", "in_place", "retract"):
+            raise AdapterError(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
+        with self._state:
+            self._paused = True
+            rids = list(self._inflight)
+        aborted = self._abort(rids) if mode == "abort" else 0
+        return {"success": True, "message": f"paused (mode={mode}, aborted {aborted})"}
+
+    def continue_generation(self) -> dict[str, Any]:
+        with self._state:
+            self._paused = False
+            self._state.notify_all()
+        return {"success": True, "message": "continued"}
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict[str, Any]:
+        with self._state:
+            rids = [r for r in self._inflight if abort_all or (rid is not None and (r == rid or r.startswith(f"{rid}_")))]
+        return {"success": True, "num_aborted": self._abort(rids)}
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **_: Any) -> dict[str, Any]:
+        if not isinstance(model_path, str) or not model_path:
+            raise AdapterError("update_weights_from_disk needs 'model_path'")
+        self._call("POST", "/collective_rpc", {"method": "update_config",
+                                               "args": [{"model_config": {"model": model_path}}]})
+        self._call("POST", "/collective_rpc", {"method": "reload_weights"})
+        self._call("POST", "/reset_prefix_cache")
+        self.weight_version = str(weight_version) if weight_version is not None else self._bump(self.weight_version)
+        return {"success": True, "message": f"reloaded {model_path}", "weight_version": self.weight_version}
+
+    @staticmethod
+    def _bump(version: str) -> str:
+        return str(int(version) + 1) if version.isdigit() else "1"
+
+    def release_memory_occupation(self) -> dict[str, Any]:
+        self._call("POST", f"/sleep?level={self.sleep_level}")
+        return {"success": True}
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        query = "".join(f"&tags={t}" for t in tags or ()).lstrip("&")
+        self._call("POST", "/wake_up" + (f"?{query}" if query else ""))
+        return {"success": True}
+
+    def flush_cache(self) -> dict[str, Any]:
+        self._call("POST", "/reset_prefix_cache")
+        return {"success": True}
+
+    def health(self) -> bool:
+        try:
+            self._call("GET", "/health")
+            return True
+        except (AdapterError, OSError, http.client.HTTPException):
+            return False
+
+    def health_generate(self) -> bool:
+        if not self.health():
+            return False
+        body = to_vllm_request(self.model, [0], {"max_new_tokens": 1, "temperature": 0.0})
+        try:
+            self._call("POST", "/v1/completions", body)
+            return True
+        except (AdapterError, OSError, http.client.HTTPException):
+            return False
+
+    def server_info(self) -> dict[str, Any]:
+        """What slime's external-engine discovery and its server-args check read."""
+        return {
+            "engine": "vllm (slime_ascend vllm-ascend adapter)",
+            "vllm_url": f"http://{self.host}:{self.port}",
+            "model_path": self.model,
+            "served_model_name": self.model,
+            "weight_version": self.weight_version,
+            "tp_size": self.tp_size,
+            "pp_size": 1,
+            "dp_size": 1,
+            "ep_size": 1,
+            "enable_memory_saver": False,
+            "disaggregation_mode": "null",
+            "paused": self._paused,
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": self.model, "is_generation": True, "weight_version": self.weight_version}
+
+
+def make_adapter_server(adapter: VLLMAdapter, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+    """A bound threaded HTTP server exposing ``adapter`` (reuses the reference engine's request handling)."""
+    from ..http_api import _Handler
+    from ..reference_engine import RequestError
+
+    def guard(fn):
+        def call(body: dict) -> tuple[int, Any]:
+            try:
+                return 200, fn(body)
+            except AdapterError as exc:
+                raise RequestError(str(exc), status=exc.status) from exc
+        return call
+
+    def health(_: dict) -> tuple[int, Any]:
+        return (200, {"status": "ok"}) if adapter.health() else (503, {"error": "vLLM not healthy"})
+
+    def health_generate(_: dict) -> tuple[int, Any]:
+        return (200, {"status": "ok"}) if adapter.health_generate() else (503, {"error": "vLLM cannot generate"})
+
+    routes: dict[tuple[str, str], Any] = {
+        ("POST", "/generate"): guard(adapter.generate),
+        ("POST", "/update_weights_from_disk"): guard(lambda b: adapter.update_weights_from_disk(**b)),
+        ("POST", "/pause_generation"): guard(lambda b: adapter.pause_generation(b.get("mode", "abort"))),
+        ("POST", "/continue_generation"): guard(lambda b: adapter.continue_generation()),
+        ("POST", "/abort_request"): guard(lambda b: adapter.abort_request(b.get("rid"), bool(b.get("abort_all", False)))),
+        ("POST", "/release_memory_occupation"): guard(lambda b: adapter.release_memory_occupation()),
+        ("POST", "/resume_memory_occupation"): guard(lambda b: adapter.resume_memory_occupation(b.get("tags"))),
+        ("GET", "/server_info"): guard(lambda b: adapter.server_info()),
+        ("GET", "/get_server_info"): guard(lambda b: adapter.server_info()),
+        ("GET", "/get_model_info"): guard(lambda b: adapter.model_info()),
+        ("GET", "/get_weight_version"): guard(lambda b: {"weight_version": adapter.weight_version}),
+    }
+    for method in ("GET", "POST"):
+        routes[(method, "/health")] = health
+        routes[(method, "/health_generate")] = health_generate
+        routes[(method, "/flush_cache")] = guard(lambda b: adapter.flush_cache())
+    unsupported = lambda b: (501, {"success": False, "error": "vllm-ascend adapter: use --update-weight-transport disk"})  # noqa: E731
+    for path in ("/update_weights_from_distributed", "/update_weights_from_tensor", "/init_weights_update_group"):
+        routes[("POST", path)] = unsupported
+    handler = type("VLLMAdapterHandler", (_Handler,), {"routes": routes, "server_version": "slime-ascend-vllm-adapter"})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+class VLLMAscendBackend(RolloutBackend):
+    name = "vllm-ascend"
+    description = "vLLM + vllm-ascend behind an SGLang-surface adapter, attached as external engines (disk sync)"
+    plugin = "vllm-ascend"
+    external = True
+
+    def env(self, options: Mapping[str, Any]) -> dict[str, str]:
+        # for the vLLM server: dev-mode endpoints (sleep/wake, collective_rpc), no expandable segments
+        return {"VLLM_SERVER_DEV_MODE": "1", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}
+
+    def vllm_command(self, options: Mapping[str, Any], model_path: str, port: int = 8000, tp_size: int = 1) -> list[str]:
+        argv = ["vllm", "serve", model_path, "--port", str(port), "--tensor-parallel-size", str(tp_size),
+                "--enable-sleep-mode", "--logprobs-mode", "processed_logprobs"]
+        if options["vllm_rl_config"]:
+            argv += ["--additional-config", json.dumps({"rl_config": {"enabled": True}})]
+        return argv
+
+    def adapter_command(self, vllm_url: str, model_path: str, port: int = 30000, tp_size: int = 1) -> list[str]:
+        return ["python", "-m", "slime_ascend.rollout.backends.vllm_ascend", "--vllm-url", vllm_url,
+                "--model", model_path, "--port", str(port), "--tp-size", str(tp_size)]
+
+    def slime_flags(self, options: Mapping[str, Any], addrs: list[str] | None = None) -> list[str]:
+        return ["--rollout-external-engine-addrs", *(addrs or ["HOST:PORT"]), "--update-weight-transport", "disk",
+                "--update-weight-disk-dir", "DIR"]
+
+
+BACKEND = VLLMAscendBackend()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m slime_ascend.rollout.backends.vllm_ascend",
+                                     description="SGLang-surface adapter in front of a vLLM (vllm-ascend) server")
+    parser.add_argument("--vllm-url", required=True, help="http://host:port of the vLLM OpenAI server")
+    parser.add_argument("--model", required=True, help="served model name (vLLM's --served-model-name or path)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--tp-size", type=int, default=1, help="reported to slime as the engine's GPU count")
+    parser.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
+    ns = parser.parse_args(argv)
+    adapter = VLLMAdapter(ns.vllm_url, ns.model, tp_size=ns.tp_size, sleep_level=ns.sleep_level)
+    server = make_adapter_server(adapter, ns.host, ns.port)
+    print(f"vllm adapter at http://{ns.host}:{server.server_address[1]} -> {ns.vllm_url}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
