@@ -16,6 +16,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.critic_advantage_function | critic's compute_advantages_and_returns keeps our GAE | 0003-critic-train-iters |
 | train.quantize_params | megatron_to_hf.quantize_params funnel -> our formats | 0005-quantizer-hook |
 | rollout.forward_metadata | RolloutManager._split_train_data_by_dp forwards segment metadata | 0004-forward-metadata-extra-batch-keys |
+| engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
 
 Patches are applied (1) when their target module is imported, for process-start patches that a
 plugin registers from the bootstrap (:func:`install_when_imported`), or (2) from a dispatcher
@@ -36,6 +37,7 @@ LEDGER: dict[str, str] = {
     "train.disable_torch_compile": "slime_ascend.patch.train.disable_torch_compile",
     "train.fc1_gather_layout": "slime_ascend.patch.train.fc1_gather_layout",
     "train.mindspeed_repatch": "slime_ascend.patch.train.mindspeed_repatch",
+    "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",
     "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",
     "train.critic_advantage_function": "slime_ascend.patch.train.critic_advantage_function",
 }
