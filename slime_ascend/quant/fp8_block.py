@@ -64,7 +64,7 @@ def _quantize_2d(
     if n == 0 or k == 0:
         return ok
     kb = math.ceil(k / bk)
-    pad_k = kb * bk - k
+    k_main = (k // bk) * bk
     step = min(rows_per_chunk(k, chunk_elems, bn), math.ceil(n / bn) * bn)
     buf = torch.empty(step * k, dtype=torch.float32, device=w.device)
     fmax = scheme.fp8_max
@@ -76,16 +76,21 @@ def _quantize_2d(
         nbr = full + (1 if tail else 0)
         y = buf[: rows * k].view(rows, k)
         y.copy_(w[r0:r1])  # fp32 staging (exact)
-        # per (row-block, column) amax over the block's rows; amax/amin separately (vectorised)
-        col_amax = torch.empty((nbr, k), dtype=torch.float32, device=w.device)
+        # |max| per (row, column block): contiguous reductions along the row (vectorised), then
+        # over the block's rows on the 1/bk-sized result
+        ra = torch.empty((rows, kb), dtype=torch.float32, device=w.device)
+        if k_main:
+            yg = y[:, :k_main].unflatten(1, (k_main // bk, bk))
+            torch.maximum(yg.amax(dim=-1), yg.amin(dim=-1).neg_(), out=ra[:, : k_main // bk])
+        if k_main < k:
+            yt = y[:, k_main:]
+            torch.maximum(yt.amax(dim=-1), yt.amin(dim=-1).neg_(), out=ra[:, kb - 1])
+        scale = torch.empty((nbr, kb), dtype=torch.float32, device=w.device)
         if full:
-            yb = y[: full * bn].view(full, bn, k)
-            torch.maximum(yb.amax(dim=1), yb.amin(dim=1).neg_(), out=col_amax[:full])
+            torch.amax(ra[: full * bn].view(full, bn, kb), dim=1, out=scale[:full])
         if tail:
-            yt = y[full * bn :]
-            torch.maximum(yt.amax(dim=0), yt.amin(dim=0).neg_(), out=col_amax[full])
-        ca = torch.nn.functional.pad(col_amax, (0, pad_k)) if pad_k else col_amax
-        scale = ca.view(nbr, kb, bk).amax(dim=-1).clamp_(min=scheme.amax_floor).div_(fmax)
+            torch.amax(ra[full * bn :], dim=0, out=scale[full])
+        scale.clamp_(min=scheme.amax_floor).div_(fmax)
         ok = ok & torch.isfinite(scale).all()
         s_out[r0 // bn : r0 // bn + nbr].copy_(scale)
         scale_cols = scale.repeat_interleave(bk, dim=1)[:, :k] if bk > 1 else scale[:, :k]
