@@ -1,0 +1,184 @@
+"""sglang-npu: produced ServerArgs (validated with the installed sglang), environment, the launch
+bridge patch applied onto real slime, and the SGLang fixes check."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slime_ascend.rollout.backends import sglang_npu
+
+B = sglang_npu.BACKEND
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_server_args_defaults_and_options():
+    assert B.server_args(B.defaults()) == {"device": "npu", "attention_backend": "ascend"}
+    sa = B.server_args(B.options({"graph_mode": False, "mem_fraction": 0.7, "sampling_backend": "ascend"}))
+    assert sa["mem_fraction_static"] == 0.7 and sa["sampling_backend"] == "ascend"
+    assert sa.keys() & {"cuda_graph_backend_decode", "disable_cuda_graph"}
+
+
+def test_env_and_flags():
+    env = B.env(B.defaults())
+    assert env == {"ASCEND_USE_FIA": "1", "HCCL_HOST_SOCKET_PORT_RANGE": "60000-60050",
+                   "HCCL_NPU_SOCKET_PORT_RANGE": "61000-61050", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}
+    assert B.slime_flags(B.defaults()) == []
+    assert B.slime_flags(B.defaults(), ["a:1", "b:2"]) == ["--rollout-external-engine-addrs", "a:1", "b:2"]
+
+
+def test_to_cli():
+    assert sglang_npu.to_cli({"device": "npu", "x_y": True, "off": False, "none": None, "f": 0.5}) == [
+        "--device", "npu", "--x-y", "--f", "0.5"]
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("expandable_segments:True", ""),
+    ("expandable_segments:True,max_split_size_mb:128", "max_split_size_mb:128"),
+    ("max_split_size_mb:128, expandable_segments:False", "max_split_size_mb:128"),
+    ("garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
+    (None, None),
+])
+def test_strip_expandable_segments(value, expected):
+    assert sglang_npu.strip_expandable_segments(value) == expected
+
+
+def test_apply_env_fills_unset_and_strips_allocator():
+    environ = {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True", "ASCEND_USE_FIA": "0"}
+    changed = sglang_npu.apply_env({"ASCEND_USE_FIA": "1", "HCCL_NPU_SOCKET_PORT_RANGE": "1-2"}, environ)
+    assert environ == {"PYTORCH_NPU_ALLOC_CONF": "", "ASCEND_USE_FIA": "0", "HCCL_NPU_SOCKET_PORT_RANGE": "1-2"}
+    assert changed == {"PYTORCH_NPU_ALLOC_CONF": "", "HCCL_NPU_SOCKET_PORT_RANGE": "1-2"}
+
+
+def test_fill_server_args_precedence():
+    defaults = {"device": None, "attention_backend": None, "mem_fraction_static": None, "tp_size": 1}
+    ours = {"device": "npu", "attention_backend": "ascend", "mem_fraction_static": 0.8, "not_a_field": 1}
+    merged, kept = sglang_npu.fill_server_args({"tp_size": 2, "mem_fraction_static": 0.6}, ours, defaults)
+    assert merged == {"tp_size": 2, "mem_fraction_static": 0.6, "device": "npu", "attention_backend": "ascend"}
+    assert kept == {"mem_fraction_static": (0.6, 0.8)}
+    with pytest.raises(ValueError, match="drop --sglang-device"):
+        sglang_npu.fill_server_args({"device": "cuda"}, ours, defaults)
+
+
+# -- against the installed sglang ----------------------------------------------------------------
+sglang = pytest.importorskip("sglang", reason="sglang not installed: ServerArgs validation needs it")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"graph_mode": False, "mem_fraction": 0.7, "sampling_backend": "ascend"},
+                                       {"sampling_backend": "pytorch"}])
+def test_produced_server_args_validate_with_real_sglang(overrides):
+    report = sglang_npu.validate_server_args(B.server_args(B.options(overrides)))
+    assert "argparse types/choices round trip" in report["checked"]
+    assert B.validate(B.options(overrides)) == []
+
+
+def test_validation_rejects_what_sglang_rejects():
+    with pytest.raises(ValueError, match="not ServerArgs fields"):
+        sglang_npu.validate_server_args({"device": "npu", "ascend_magic": 1})
+    with pytest.raises(ValueError, match="rejects|choice"):
+        sglang_npu.validate_server_args({"attention_backend": "not-a-backend"})
+    problems = B.validate(B.options({"attention_backend": "not-a-backend"}))
+    assert problems and "ascend_rollout_attention_backend" in problems[0]
+
+
+def test_server_args_fields_match_sglang_parser():
+    fields = sglang_npu.server_args_fields()
+    assert {"device", "attention_backend", "mem_fraction_static", "sampling_backend"} <= set(fields)
+    assert fields["device"] is None and fields["attention_backend"] is None  # what fill_server_args compares to
+
+
+def test_installed_sglang_has_the_fork_fixes():
+    assert sglang_npu.check_sglang_fixes() == []
+
+
+def test_fixes_check_can_fail(monkeypatch):
+    monkeypatch.setattr(sglang_npu, "SGLANG_FIXES", sglang_npu.SGLANG_FIXES + (
+        ("made-up fix", "sglang.srt.layers.vocab_parallel_embedding", "THIS SNIPPET IS NOT THERE"),
+        ("missing module", "sglang.srt.no_such_module", "x"),
+    ))
+    problems = sglang_npu.check_sglang_fixes()
+    assert len(problems) == 2 and "made-up fix" in problems[0] and "not found" in problems[1]
+
+
+def test_launch_command_parses_with_sglang():
+    argv = B.launch_command(B.options({"mem_fraction": 0.8}), "/models/x", port=31000, tp_size=2)
+    parser = argparse.ArgumentParser()
+    sglang_npu._server_args_class().add_cli_args(parser)
+    ns = parser.parse_args(argv[3:])
+    assert (ns.device, ns.attention_backend, ns.mem_fraction_static, ns.port, ns.tp_size) == ("npu", "ascend", 0.8,
+                                                                                             31000, 2)
+
+
+# -- the launch bridge on real slime --------------------------------------------------------------
+@pytest.mark.slime
+def test_launch_bridge_on_real_slime(monkeypatch):
+    from slime.backends.sglang_utils import sglang_engine
+
+    from slime_ascend import patch
+
+    p = patch.get("engine.sglang_npu_launch")
+    original = sglang_engine.SGLangEngine._init_normal
+    assert p.verify() == []
+    captured = {}
+    monkeypatch.setattr(sglang_engine, "launch_server_process", lambda server_args: captured.setdefault("sa", server_args))
+    monkeypatch.setattr(sglang_engine.SGLangEngine, "_register_to_router", lambda self, d: None, raising=True)
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    monkeypatch.delenv("HCCL_HOST_SOCKET_PORT_RANGE", raising=False)
+    monkeypatch.setenv("ASCEND_USE_FIA", "0")  # the user's export wins
+    p.install()
+    try:
+        assert sglang_engine.SGLangEngine._init_normal is not original
+        engine = sglang_engine.SGLangEngine.__new__(sglang_engine.SGLangEngine)
+        engine.args = argparse.Namespace(ascend_rollout_mem_fraction=0.66)
+        engine.server_host, engine.server_port = "127.0.0.1", 1
+        engine._init_normal({"model_path": "/m", "tp_size": 1, "attention_backend": "torch_native"})
+        sa = captured["sa"]
+        assert (sa.device, sa.mem_fraction_static, sa.model_path) == ("npu", 0.66, "/m")
+        assert sa.attention_backend == "torch_native"  # the user's --sglang-attention-backend wins
+        assert os.environ["PYTORCH_NPU_ALLOC_CONF"] == "max_split_size_mb:64"
+        assert os.environ["HCCL_HOST_SOCKET_PORT_RANGE"] == "60000-60050"
+        assert os.environ["ASCEND_USE_FIA"] == "0"
+        engine.args = argparse.Namespace()
+        with pytest.raises(ValueError, match="sglang-npu needs ServerArgs.device"):
+            engine._init_normal({"model_path": "/m", "device": "cuda"})
+    finally:
+        p.remove()
+        monkeypatch.delenv("HCCL_HOST_SOCKET_PORT_RANGE", raising=False)
+    assert sglang_engine.SGLangEngine._init_normal is original
+
+
+def test_launch_bridge_refuses_a_changed_target():
+    import types
+
+    from slime_ascend import patch
+
+    class SGLangEngine:
+        def _init_normal(self, server_args_dict):
+            return server_args_dict  # builds no server args: not the expected shape
+
+    fake = types.ModuleType("slime.backends.sglang_utils.sglang_engine")
+    fake.SGLangEngine = SGLangEngine
+    fake.launch_server_process = lambda sa: None
+    p = patch.get("engine.sglang_npu_launch")
+    problems = p.check({"slime.backends.sglang_utils.sglang_engine": fake})
+    assert problems and "ServerArgs(**server_args_dict)" in problems[0]
+    with pytest.raises(patch.PatchTargetError):
+        p.install(modules={"slime.backends.sglang_utils.sglang_engine": fake})
+    assert SGLangEngine._init_normal.__name__ == "_init_normal" and not hasattr(SGLangEngine._init_normal, "__wrapped__")
+
+
+@pytest.mark.slime
+def test_bootstrap_installs_the_bridge_in_a_fresh_process():
+    from conftest import run_python
+
+    code = textwrap.dedent("""
+        import slime.backends.sglang_utils.sglang_engine as m
+        print("WRAPPED", hasattr(m.SGLangEngine._init_normal, "__wrapped__"))
+    """)
+    env = {"SLIME_ASCEND_PLUGINS": "sglang-npu", "PYTHONPATH": os.pathsep.join(["/opt/slime-src", str(REPO)])}
+    done = run_python(code, env=env, timeout=300)
+    assert "WRAPPED True" in done.stdout, done.stdout + done.stderr
