@@ -39,7 +39,7 @@ SGLANG_NPU = Plugin(
         Setting("ascend_rollout_attention_backend", str, "ascend",
                 "SGLang attention backend on NPU (ServerArgs.attention_backend)"),
         Setting("ascend_rollout_graph_mode", bool, True,
-                "capture NPU graphs for decode (false sets ServerArgs.disable_cuda_graph)"),
+                "capture NPU graphs (false sets ServerArgs.cuda_graph_backend_{decode,prefill}=disabled)"),
         Setting("ascend_rollout_mem_fraction", float, None,
                 "ServerArgs.mem_fraction_static; null keeps --sglang-mem-fraction-static / SGLang's choice",
                 minimum=0.05, maximum=0.98, optional=True),

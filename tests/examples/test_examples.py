@@ -1,0 +1,87 @@
+"""examples/: every recipe's YAML loads, its SLIME_ASCEND_PLUGINS matches ascend_plugins, its run.sh
+is valid bash that adds --custom-config-path and names each plugin it enables, and (when all its
+plugins load) the YAML is exactly what `slime-ascend config` generates, apart from settings the
+example marks as edited (each of which must still be a valid value)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+RECIPES = sorted(p.parent.name for p in EXAMPLES.glob("*/run.sh"))
+EDITED = "# ^ edited for this example"
+
+
+def load(name: str) -> tuple[dict, str, str]:
+    d = EXAMPLES / name
+    text = (d / "ascend.yaml").read_text()
+    return yaml.safe_load(text), text, (d / "run.sh").read_text()
+
+
+def test_there_are_recipes_for_each_documented_feature():
+    assert len(RECIPES) >= 6
+    readme = (EXAMPLES / "README.md").read_text()
+    for name in RECIPES:
+        assert name in readme, f"examples/README.md does not mention {name}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_yaml_loads_and_env_matches(name):
+    data, _, script = load(name)
+    plugins = data["ascend_plugins"]
+    assert isinstance(plugins, list) and plugins and plugins[0] == "npu"
+    exports = re.findall(r"^export SLIME_ASCEND_PLUGINS=(\S+)$", script, flags=re.M)
+    assert exports == [",".join(plugins)], f"{name}: SLIME_ASCEND_PLUGINS {exports} vs ascend_plugins {plugins}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_run_sh_is_valid_and_names_what_it_adds(name):
+    data, _, script = load(name)
+    if shutil.which("bash"):
+        done = subprocess.run(["bash", "-n", str(EXAMPLES / name / "run.sh")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    assert script.count("--custom-config-path") >= 1
+    assert re.search(r'--custom-config-path "\$\{HERE\}/ascend.yaml"\s+# \[ascend\]', script)
+    for plugin in data["ascend_plugins"]:
+        assert re.search(rf"^#\s+{re.escape(plugin)}\s+\S", script, flags=re.M), f"{name}: header does not explain {plugin}"
+    for line in script.splitlines():  # every plugin-specific line says which plugin wants it
+        if "[ascend:" in line:
+            plugin = line.split("[ascend:", 1)[1].split("]", 1)[0]
+            assert plugin in data["ascend_plugins"], f"{name}: {line!r} tags a plugin the YAML does not enable"
+
+
+def _edited_keys(text: str) -> set[str]:
+    lines = text.splitlines()
+    return {lines[i - 1].split(":", 1)[0] for i, line in enumerate(lines) if line.startswith(EDITED) and i}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_yaml_equals_fresh_config(name):
+    from slime_ascend import config
+    from slime_ascend.plugins import registry
+    from slime_ascend.plugins.settings import coerce
+
+    data, text, _ = load(name)
+    broken = {p: why for p, why in registry.broken().items() if p in data["ascend_plugins"]}
+    if broken:
+        pytest.skip(f"{name}: plugin(s) not loadable, YAML cannot be compared yet: {broken}")
+    fresh = config.build(data["ascend_plugins"])
+    expected = yaml.safe_load(fresh.yaml_text)
+    assert set(data) == set(expected), f"{name}: keys differ from `slime-ascend config` (regenerate ascend.yaml)"
+    edited = _edited_keys(text)
+    differing = {k for k in data if data[k] != expected[k]}
+    assert differing <= edited, f"{name}: {sorted(differing - edited)} differ from the generated YAML without an edit mark"
+    settings = {s.key: s for p in registry.resolve_selection(data["ascend_plugins"]).plugins for s in p.settings}
+    for key in edited:
+        assert key in settings, f"{name}: only plugin settings may be edited, not {key!r}"
+        coerce(settings[key], data[key])
+    stripped = "\n".join(line for line in text.splitlines() if not line.startswith(EDITED))
+    fresh_lines = [line for line in fresh.yaml_text.splitlines() if line.split(":", 1)[0] not in edited]
+    ours = [line for line in stripped.splitlines() if line.split(":", 1)[0] not in edited]
+    assert ours == fresh_lines, f"{name}: comments or order drifted from `slime-ascend config` (regenerate)"
