@@ -101,6 +101,12 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
                         "serve a CPU reference engine over SGLang's HTTP API (loopback by default)"),
     "check": ("slime_ascend.contracts.check_cli:main",
               "numerical-contract report on this device (log-prob mismatch, DIS/IcePop, top-k determinism)"),
+    "quantize": ("slime_ascend.quant.cli:main_quantize",
+                 "offline converter: HF_DIR OUT_DIR --format fp8-block|int8-w8a8|int8-ct|int4-group"),
+    "verify-quant": ("slime_ascend.quant.cli:main_verify",
+                     "check online-synced tensors against the offline converter's file, bit for bit"),
+    "demo": ("slime_ascend.demo.cli:main",
+             "the embedded closed loop on this machine (Ray, reference engine, tiny policy, every plugin)"),
 }
 
 
