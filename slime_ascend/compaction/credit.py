@@ -312,7 +312,9 @@ def cp_full_vectors(
             for r in range(cp_size)]
     for i, x in enumerate(local):
         if x.shape[0] != lens[cp_rank][i]:
-            raise ValueError(f"sample {i}: local vector has {x.shape[0]} entries, CP rank {cp_rank} owns {lens[cp_rank][i]}")
+            raise ValueError(
+                f"sample {i}: local vector has {x.shape[0]} entries, CP rank {cp_rank} owns {lens[cp_rank][i]}"
+            )
     width = max(sum(row) for row in lens)
     flat = torch.cat(list(local)) if local else torch.zeros(0)
     padded = torch.nn.functional.pad(flat, (0, width - flat.shape[0]))
@@ -393,8 +395,9 @@ def _local_skip_observation_gae(args: Any, rollout_data: dict) -> None:
     lambdas = _rollout_lambdas(args, _settings(args), rollout_data)
     adv, ret = skip_observation_gae(full_v, rewards, masks, float(getattr(args, "gamma", 1.0)), lambdas)
     if cp_size > 1:
-        adv = [cp_slice(a, cp_rank, cp_size, t, n) for a, t, n in zip(adv, total_lengths, response_lengths, strict=True)]
-        ret = [cp_slice(r, cp_rank, cp_size, t, n) for r, t, n in zip(ret, total_lengths, response_lengths, strict=True)]
+        shapes = list(zip(total_lengths, response_lengths, strict=True))
+        adv = [cp_slice(a, cp_rank, cp_size, t, n) for a, (t, n) in zip(adv, shapes, strict=True)]
+        ret = [cp_slice(r, cp_rank, cp_size, t, n) for r, (t, n) in zip(ret, shapes, strict=True)]
     rollout_data["advantages"], rollout_data["returns"] = adv, ret
     rollout_data["gae_lambdas"] = lambdas
 
@@ -414,7 +417,10 @@ def _slime_estimator(args: Any, rollout_data: dict, estimator: str) -> None:
     if estimator not in GRPO_LIKE:
         raise ValueError(f"compaction: the {estimator!r} base estimator needs slime importable")
     # slime's get_grpo_returns: the scalar reward on every token
-    adv = [torch.ones_like(k, dtype=torch.float32) * float(r) for r, k in zip(rollout_data["rewards"], rollout_data["kl"], strict=True)]
+    adv = [
+        torch.ones_like(k, dtype=torch.float32) * float(r)
+        for r, k in zip(rollout_data["rewards"], rollout_data["kl"], strict=True)
+    ]
     rollout_data["advantages"], rollout_data["returns"] = adv, list(adv)
 
 

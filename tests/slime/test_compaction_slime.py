@@ -29,7 +29,8 @@ def _args(**kw):
     runtime.reset()
     base = dict(ascend_plugins=["compaction"], advantage_estimator="ppo", rewards_normalization=True,
                 grpo_std_normalization=False, reward_key=None, n_samples_per_prompt=1, rollout_batch_size=4,
-                gamma=0.9, lambd=0.95, kl_coef=0.0, custom_advantage_function_path="slime_ascend.hooks.advantage_function",
+                gamma=0.9, lambd=0.95, kl_coef=0.0,
+                custom_advantage_function_path="slime_ascend.hooks.advantage_function",
                 ascend_compaction_context_budget=3000, ascend_compaction_trigger_tokens=1200,
                 ascend_compaction_env_kwargs={"num_facts": 10})
     base.update(kw)
@@ -137,7 +138,6 @@ def test_dp_split_spreads_segments_and_gathered_credit_matches_one_rank(fresh_ru
             assert d["round_number"][j] == train_data["round_number"][pos]
             assert d["rollout_ids"][j] == train_data["rollout_ids"][pos]
             assert d["loss_masks"][j].tolist() == train_data["loss_masks"][pos]
-        n = len(d["loss_masks"])
         d["values"] = [torch.zeros(len(m)) for m in d["loss_masks"]]
         d["kl"] = [torch.zeros(len(m)) for m in d["loss_masks"]]
         shards.append(d)
