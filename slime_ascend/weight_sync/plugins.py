@@ -1,0 +1,104 @@
+"""The ``fp8-sync``, ``int8-sync`` and ``int4-sync`` plugins: online-quantised weight sync.
+
+Each plugin makes stock slime send the rollout engine's checkpoint format at every weight sync,
+bit-identical to ``slime-ascend quantize`` (the offline converter), over every transport
+(distributed broadcast, colocated tensors, disk and delta):
+
+* megatron_init (order 300, :func:`slime_ascend.weight_sync.funnel.megatron_init`): reads the
+  format of ``--hf-checkpoint`` (config.json ``quantization_config``, or msModelSlim's
+  ``quant_model_description.json``), fails clearly when it is not the plugin's format, and
+  installs the runtime patches ``train.quantize_params`` (slime's quantizer funnel runs our
+  dispatcher first), ``train.quant_post_process`` (engine-side repack around the sync for
+  formats whose engine layout differs from the checkpoint's) and ``train.weight_sync_metrics``
+  (bytes, quantisation time and GB/s on slime's perf log).
+* quantize_params (exclusive, :func:`slime_ascend.weight_sync.funnel.quantize_params`): quantises
+  what the checkpoint quantises (its ignore list / FLOAT entries; embeddings, norms, router and
+  lm_head stay in the model dtype unless it says otherwise); returns None for configs that are
+  not ours, so slime's own quantizer runs.
+
+The three plugins conflict with one another: one job syncs one format.
+"""
+
+from __future__ import annotations
+
+from slime_ascend.plugins.base import Contribution, Plugin
+from slime_ascend.plugins.settings import Setting
+
+_W = "slime_ascend.weight_sync."
+PATCHES = ("train.quantize_params", "train.quant_post_process", "train.weight_sync_metrics")
+NAMES = ("fp8-sync", "int8-sync", "int4-sync")
+
+
+def _common(prefix: str) -> tuple[Setting, ...]:
+    return (
+        Setting(prefix + "check_engine_format", bool, True,
+                help="at megatron init, read --hf-checkpoint's quantization config and fail unless it is this "
+                     "plugin's format (the engine loads that checkpoint, so the synced format must match)"),
+        Setting(prefix + "metrics", bool, True,
+                help="report perf/weight_sync_* (bytes, quantisation time, GB/s) with slime's perf metrics"),
+        Setting(prefix + "exact_timing", bool, True,
+                help="synchronise the device around each quantisation so the reported time is real "
+                     "(costs one device sync per parameter)"),
+    )
+
+
+def _contributions(label: str) -> tuple[Contribution, ...]:
+    return (
+        Contribution("quantize_params", _W + "funnel.quantize_params",
+                     note=f"{label} tensors for the names the rollout checkpoint quantises; None = not ours"),
+        Contribution("megatron_init", _W + "funnel.megatron_init", order=300,
+                     note="check the rollout checkpoint's format; install " + ", ".join(PATCHES)),
+    )
+
+
+def _conflicts(name: str) -> tuple[str, ...]:
+    return tuple(n for n in NAMES if n != name)
+
+
+_F = "ascend_fp8_sync_"
+FP8_SYNC = Plugin(
+    name="fp8-sync",
+    description="FP8 block-wise (e4m3, weight_scale_inv) online quantisation of synced weights, bit-identical "
+                "to `slime-ascend quantize --format fp8-block`",
+    conflicts=_conflicts("fp8-sync"),
+    settings=_common(_F),
+    contributions=_contributions("fp8-block"),
+    patches=PATCHES,
+    validate=_W + "funnel.validate",
+)
+
+_I8 = "ascend_int8_sync_"
+INT8_SYNC = Plugin(
+    name="int8-sync",
+    description="INT8 online quantisation of synced weights: Ascend W8A8_DYNAMIC (msModelSlim) or "
+                "compressed-tensors W8A8, as the rollout checkpoint says",
+    conflicts=_conflicts("int8-sync"),
+    settings=_common(_I8) + (
+        Setting(_I8 + "format", str, "auto", choices=("auto", "int8-w8a8", "int8-ct"),
+                help="auto = the rollout checkpoint's format; int8-w8a8 = Ascend msModelSlim W8A8_DYNAMIC "
+                     "(quant_model_description.json), int8-ct = compressed-tensors int-quantized"),
+        Setting(_I8 + "engine_post_process", bool, True,
+                help="for int8-w8a8, ask the engines to restore their weight layout before the sync and "
+                     "repack it after (slime does so only for compressed-tensors checkpoints)"),
+    ),
+    contributions=_contributions("int8"),
+    patches=PATCHES,
+    validate=_W + "funnel.validate",
+)
+
+_I4 = "ascend_int4_sync_"
+INT4_SYNC = Plugin(
+    name="int4-sync",
+    description="INT4 group (compressed-tensors pack-quantized) online quantisation of synced weights",
+    conflicts=_conflicts("int4-sync"),
+    settings=_common(_I4) + (
+        Setting(_I4 + "numerics", str, "compressed-tensors", choices=("compressed-tensors", "torchao", "slime"),
+                help="whose INT4 scale/rounding rule to reproduce: compressed-tensors (amax/7.5; the offline "
+                     "converter's), torchao (QAT fake quant) or slime (its CUDA QAT kernel, amax/7)"),
+    ),
+    contributions=_contributions("int4-group"),
+    patches=PATCHES,
+    validate=_W + "funnel.validate",
+)
+
+PLUGINS = (FP8_SYNC, INT8_SYNC, INT4_SYNC)
