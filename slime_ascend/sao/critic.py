@@ -129,7 +129,13 @@ def write_megatron_role_config(
 def _parse_value(text: str) -> Any:
     import yaml
 
-    return yaml.safe_load(text)
+    value = yaml.safe_load(text)
+    if isinstance(value, str):  # YAML 1.1 reads 5e-6 as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -302,3 +302,58 @@ def test_freeze_on_a_real_megatron_model(mpu, tmp_path, args, monkeypatch):
         if n in frozen:
             assert torch.equal(p, before[n]) and p not in opt.state, n
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "mlp" in n)
+
+
+@pytest.mark.slow
+def test_generated_configs_configure_stock_slime(tmp_path):
+    """`slime-ascend config sao` YAML + the role config + the printed flags through slime's parse_args."""
+    import json
+    import os
+    import subprocess
+
+    from transformers import Qwen3Config
+
+    from conftest import REPO
+    from slime_ascend import config
+
+    Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                tie_word_embeddings=False).save_pretrained(tmp_path / "hf")
+    (tmp_path / "sao.yaml").write_text(config.build(["sao"]).yaml_text)
+    critic.write_megatron_role_config(str(tmp_path / "sao_megatron.yaml"), lr=5e-6)
+    flags = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
+             "--num-query-groups 2 --kv-channels 16 --qk-layernorm --seq-length 256 --max-position-embeddings 256 "
+             "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear "
+             "--untie-embeddings-and-output-weights --position-embedding-type rope --vocab-size 1024 "
+             "--micro-batch-size 1 --rollout-batch-size 4 --global-batch-size 4 --actor-num-nodes 1 "
+             "--actor-num-gpus-per-node 1 --num-rollout 2 --advantage-estimator ppo --n-samples-per-prompt 1 "
+             "--rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async").split()
+    script = f"""
+import sys, typing, typing_extensions, json
+typing.override = getattr(typing, "override", typing_extensions.override)
+sys.argv = ["train_async.py", "--hf-checkpoint", {str(tmp_path / 'hf')!r}, *{flags!r},
+            "--megatron-config-path", {str(tmp_path / 'sao_megatron.yaml')!r},
+            "--custom-config-path", {str(tmp_path / 'sao.yaml')!r}]
+from slime.utils.arguments import parse_args, parse_megatron_role_args
+from slime_ascend.plugins import runtime
+args = parse_args()
+actor = runtime.active(args).selection.names
+critic = parse_megatron_role_args(args, args.megatron_config_path, "critic")
+runtime.reset()
+runtime.active(critic)
+print("RESULT", json.dumps([list(actor), args.use_critic, args.calculate_per_token_loss, args.loss_type,
+      args.custom_advantage_function_path, critic.freeze_params_name_list, critic.lr,
+      critic.custom_advantage_function_path]))
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SLIME_ASCEND_PLUGINS="sao")
+    import importlib.util
+
+    slime_root = os.path.dirname(next(iter(importlib.util.find_spec("slime").submodule_search_locations)))
+    env["PYTHONPATH"] = os.pathsep.join([slime_root, str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
+    assert json.loads(line.split(" ", 1)[1]) == [
+        ["sao"], True, True, "custom_loss", DISPATCH + "advantage_function", ["self_attention"], 5e-6, None,
+    ]  # the critic's path is None until the critic's megatron_init installs train.critic_advantage_function
