@@ -120,10 +120,12 @@ def run(quick: bool = False) -> list[dict]:
         if not (same8 and same4):
             raise AssertionError(f"values differ from compressed-tensors: int8 same={same8}, int4 same={same4}")
         t2 = _interleaved({"ct8": ref8, "ours8": ours8, "ct4": ref4, "ours4": ours4}, repeats)
-        for a, b, label in (("ct8", "ours8", "int8_vs_compressed_tensors"), ("ct4", "ours4", "int4_vs_compressed_tensors")):
+        for a, b, label in (("ct8", "ours8", "int8_vs_compressed_tensors"),
+                            ("ct4", "ours4", "int4_vs_compressed_tensors")):
             ratio = t2[a] / t2[b]
             rows.append({"name": label, "ratio": ratio, "target": ">=2", "passed": ratio >= 2.0,
-                         "detail": f"{n}x{k}: library {t2[a] * 1e3:.1f} ms, ours {t2[b] * 1e3:.1f} ms, identical values"})
+                         "detail": f"{n}x{k}: library {t2[a] * 1e3:.1f} ms, ours {t2[b] * 1e3:.1f} ms, "
+                                   "identical values"})
     return rows
 
 

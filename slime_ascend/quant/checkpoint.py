@@ -334,7 +334,8 @@ def load_state_dict_dequantized(
     qcfg = read_checkpoint_quant_config(p)
     spec = spec_from_quantization_config(qcfg) if qcfg else None
     if qcfg and spec is None:
-        raise ValueError(f"{p}: unsupported quantization config {qcfg.get('quant_method', qcfg.get('model_quant_type'))!r}")
+        method = qcfg.get("quant_method", qcfg.get("model_quant_type"))
+        raise ValueError(f"{p}: unsupported quantization config {method!r}")
     with CheckpointReader(p, device=device) as reader:
         named = dict(reader.items())
     if spec is None:

@@ -142,7 +142,9 @@ def format_from_quantization_config(cfg: Mapping[str, Any] | None) -> str | None
     return None
 
 
-def spec_from_quantization_config(cfg: Mapping[str, Any] | None, numerics: str = "compressed-tensors") -> QuantSpec | None:
+def spec_from_quantization_config(
+    cfg: Mapping[str, Any] | None, numerics: str = "compressed-tensors"
+) -> QuantSpec | None:
     """The QuantSpec that reproduces a checkpoint's format, ignore rules included (None if not ours)."""
     fmt = format_from_quantization_config(cfg)
     if fmt is None:

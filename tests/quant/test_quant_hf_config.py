@@ -60,7 +60,8 @@ def test_ascend_description():
 def test_format_detection_and_spec_round_trip():
     assert format_from_quantization_config(None) is None
     assert format_from_quantization_config({"quant_method": "mxfp4"}) is None
-    assert format_from_quantization_config({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}) is None
+    per_tensor_fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    assert format_from_quantization_config(per_tensor_fp8) is None
     assert format_from_quantization_config(fp8_block_quantization_config((64, 32))) == "fp8-block"
     assert spec_from_quantization_config(fp8_block_quantization_config((64, 32))).fp8.block_size == (64, 32)
     assert spec_from_quantization_config(fp8_block_quantization_config()).ignore is None
