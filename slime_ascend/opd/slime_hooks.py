@@ -529,11 +529,9 @@ async def teacher_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
 def _ensure_forward_metadata(args: Any) -> None:
     if not forward_metadata_available():
         return
-    from .. import patch
+    from ..patch.rollout.forward_metadata import install_rollout_side
 
-    p = patch.get(FORWARD_METADATA_PATCH)
-    if not p.applied:
-        p.install(args)
+    install_rollout_side(args)
 
 
 def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any], rewards: list[Any]):
@@ -625,6 +623,10 @@ def per_sample_coefs(ctx: OPDContext, rollout_data: Mapping[str, Any], n: int) -
     the single coefficient all teachers share (else an error naming the fix)."""
     metadata = rollout_data.get("metadata")
     if metadata is not None:
+        # slime's train-side rollout logger cannot sum a list of dicts: hide the key from it
+        from ..patch.rollout.forward_metadata import install_train_side
+
+        install_train_side()
         if len(metadata) != n:
             raise ValueError(f"rollout_data['metadata'] has {len(metadata)} entries for {n} samples")
         out = []

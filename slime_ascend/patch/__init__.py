@@ -15,6 +15,8 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.critic_train_iters | MegatronTrainRayActor.train_critic: K value-loss passes | 0003-critic-train-iters |
 | train.critic_advantage_function | critic's compute_advantages_and_returns keeps our GAE | 0003-critic-train-iters |
 | train.quantize_params | megatron_to_hf.quantize_params funnel -> our formats | 0005-quantizer-hook |
+| train.quant_post_process | updaters' engine restore/post-process gate also for Ascend W8A8_DYNAMIC | 0005-quantizer-hook |
+| train.weight_sync_metrics | updaters' update_weights timed, pop_metrics gets perf/weight_sync_* | 0005-quantizer-hook |
 | rollout.forward_metadata | RolloutManager._split_train_data_by_dp forwards segment metadata | 0004-forward-metadata-extra-batch-keys |
 | engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
 
@@ -37,9 +39,13 @@ LEDGER: dict[str, str] = {
     "train.disable_torch_compile": "slime_ascend.patch.train.disable_torch_compile",
     "train.fc1_gather_layout": "slime_ascend.patch.train.fc1_gather_layout",
     "train.mindspeed_repatch": "slime_ascend.patch.train.mindspeed_repatch",
+    "rollout.forward_metadata": "slime_ascend.patch.rollout.forward_metadata",
     "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",
     "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",
     "train.critic_advantage_function": "slime_ascend.patch.train.critic_advantage_function",
+    "train.quantize_params": "slime_ascend.patch.train.quantize_params",
+    "train.quant_post_process": "slime_ascend.patch.train.quant_post_process",
+    "train.weight_sync_metrics": "slime_ascend.patch.train.weight_sync_metrics",
 }
 
 

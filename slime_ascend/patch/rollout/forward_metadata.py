@@ -1,0 +1,134 @@
+"""Forward each sample's ``train_metadata`` to the trainer as ``rollout_data["metadata"]``.
+
+slime builds ``train_data["metadata"]`` from ``Sample.train_metadata`` but
+``RolloutManager._split_train_data_by_dp`` ships only a fixed list of keys to each data-parallel
+rank, so per-sample facts a plugin needs in the trainer (e.g. which OPD teacher scored a sample,
+and its coefficient) are dropped. On the train side, ``log_rollout_data`` sums every list it
+does not know, which a list of dicts would break.
+
+How (rollout side): while ``_split_train_data_by_dp`` runs, the full ``data`` is remembered, and
+``tensorize_rollout_data_for_training`` (called by it once per rank with that rank's dict, which
+holds ``partition``) adds ``metadata = [data["metadata"][j] for j in partition]``. How (train
+side): ``log_rollout_data`` is called without the ``metadata`` key. Install the rollout side in
+the RolloutManager (:func:`install_rollout_side`) and the train side in each train actor
+(:func:`install_train_side`); each checks only its own targets.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from types import ModuleType
+from typing import Any
+
+from ..base import AttributeStack, RuntimePatch, missing_attrs, missing_source, param_mismatch
+
+ROLLOUT = "slime.ray.rollout"
+TRAIN_METRICS = "slime.observability.train_metric_utils"
+KEY = "metadata"
+
+_current = threading.local()
+
+
+def _wrap_split(original):
+    @functools.wraps(original)
+    def _split_train_data_by_dp(self, data):
+        _current.data = data
+        try:
+            return original(self, data)
+        finally:
+            _current.data = None
+
+    return _split_train_data_by_dp
+
+
+def _wrap_tensorize(original):
+    @functools.wraps(original)
+    def tensorize_rollout_data_for_training(rollout_data):
+        data = getattr(_current, "data", None)
+        if data is not None and KEY in data and "partition" in rollout_data and KEY not in rollout_data:
+            rollout_data[KEY] = [data[KEY][j] for j in rollout_data["partition"]]
+        return original(rollout_data)
+
+    return tensorize_rollout_data_for_training
+
+
+def _wrap_log(original):
+    @functools.wraps(original)
+    def log_rollout_data(rollout_id, args, rollout_data, *rest, **kwargs):
+        if KEY not in rollout_data:
+            return original(rollout_id, args, rollout_data, *rest, **kwargs)
+        metadata = rollout_data.pop(KEY)
+        try:
+            return original(rollout_id, args, rollout_data, *rest, **kwargs)
+        finally:
+            rollout_data[KEY] = metadata
+
+    return log_rollout_data
+
+
+class ForwardMetadata(RuntimePatch):
+    def check(self, modules: dict[str, ModuleType]) -> list[str]:
+        problems: list[str] = []
+        rollout = modules.get(ROLLOUT)
+        if rollout is not None:
+            problems += missing_attrs(rollout, ["tensorize_rollout_data_for_training"])
+            manager = getattr(rollout, "RolloutManager", None)
+            cls = getattr(manager, "__ray_actor_class__", manager)
+            split = getattr(cls, "_split_train_data_by_dp", None)
+            if split is None:
+                problems.append("RolloutManager._split_train_data_by_dp is missing")
+            else:
+                problems += param_mismatch(split, ["self", "data"], "RolloutManager._split_train_data_by_dp")
+                problems += missing_source(split, ['"partition": partition', "tensorize_rollout_data_for_training(rollout_data)"],
+                                           "RolloutManager._split_train_data_by_dp")
+            convert = getattr(cls, "_convert_samples_to_train_data", None)
+            if convert is not None:
+                problems += missing_source(convert, ['train_data["metadata"]'], "RolloutManager._convert_samples_to_train_data")
+        metrics = modules.get(TRAIN_METRICS)
+        if metrics is not None:
+            problems += missing_attrs(metrics, ["log_rollout_data"])
+            if not problems:
+                problems += param_mismatch(metrics.log_rollout_data, ["rollout_id", "args", "rollout_data"])
+        return problems
+
+    def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
+        rollout = modules.get(ROLLOUT)
+        if rollout is not None:
+            manager = rollout.RolloutManager
+            self.wrap(getattr(manager, "__ray_actor_class__", manager), "_split_train_data_by_dp", _wrap_split)
+            self.wrap(rollout, "tensorize_rollout_data_for_training", _wrap_tensorize)
+        metrics = modules.get(TRAIN_METRICS)
+        if metrics is not None:
+            self.wrap(metrics, "log_rollout_data", _wrap_log)
+
+
+PATCH = ForwardMetadata(
+    id="rollout.forward_metadata",
+    targets=(f"{ROLLOUT}:RolloutManager._split_train_data_by_dp", f"{ROLLOUT}:tensorize_rollout_data_for_training",
+             f"{TRAIN_METRICS}:log_rollout_data"),
+    why="slime drops train_data['metadata'] (Sample.train_metadata) before training; plugins need per-sample "
+    "facts in the trainer (OPD teacher and coefficient).",
+    how="Slice metadata by each DP rank's partition inside the per-rank tensorize call; hide it from the "
+    "train-side rollout logger, which cannot sum dicts.",
+    upstream="patches/0004-forward-metadata-extra-batch-keys.patch",
+    checked_on=("0.3.1",),
+)
+
+
+def _install(module_name: str, args: Any = None) -> None:
+    """Apply to one target module, once (wrapping twice would be harmless but is skipped)."""
+    module = importlib.import_module(module_name)
+    owners = {id(stack.owner) for stack in AttributeStack.owned_by(PATCH.id)}
+    if id(module) in owners:
+        return
+    PATCH.install(args, modules={module_name: module})
+
+
+def install_rollout_side(args: Any = None) -> None:
+    _install(ROLLOUT, args)
+
+
+def install_train_side(args: Any = None) -> None:
+    _install(TRAIN_METRICS, args)
