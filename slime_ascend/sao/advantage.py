@@ -113,8 +113,9 @@ def sao_gae(
     per_token = terminal_rewards_on_last_action([float(r) for r in rewards], masks, token_rewards)
     adv, ret = skip_observation_gae([v.to(torch.float32) for v in full_v], per_token, masks, gamma, lambdas)
     if cp_size > 1:
-        adv = [cp_slice(a, cp_rank, cp_size, t, r) for a, t, r in zip(adv, total_lengths, response_lengths, strict=True)]
-        ret = [cp_slice(x, cp_rank, cp_size, t, r) for x, t, r in zip(ret, total_lengths, response_lengths, strict=True)]
+        shapes = list(zip(total_lengths, response_lengths, strict=True))
+        adv = [cp_slice(a, cp_rank, cp_size, t, r) for a, (t, r) in zip(adv, shapes, strict=True)]
+        ret = [cp_slice(x, cp_rank, cp_size, t, r) for x, (t, r) in zip(ret, shapes, strict=True)]
     return adv, ret
 
 

@@ -44,9 +44,9 @@ def validate(args: Any, settings: Any) -> None:
     if (getattr(args, "use_rollout_logprobs", False) and float(getattr(args, "kl_coef", 0) or 0) != 0
             and getattr(args, "megatron_config_path", None) is None):
         raise SettingsError(
-            "sao: kl_coef != 0 with use_rollout_logprobs and no --megatron-config-path: the critic inherits kl_coef and "
-            "slime's critic would compute KL without reference log-probs. Fix: pass --megatron-config-path (slime sets "
-            "the critic's kl_coef to 0 there), or set kl_coef 0"
+            "sao: kl_coef != 0 with use_rollout_logprobs and no --megatron-config-path: the critic inherits "
+            "kl_coef and slime's critic would compute KL without reference log-probs. Fix: pass "
+            "--megatron-config-path (slime sets the critic's kl_coef to 0 there), or set kl_coef 0"
         )
     from slime_ascend.plugins import runtime
 

@@ -16,7 +16,8 @@ from slime_ascend.sao import critic, freeze
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.self_attention = torch.nn.ModuleDict({"linear_qkv": torch.nn.Linear(4, 12), "linear_proj": torch.nn.Linear(4, 4)})
+        self.self_attention = torch.nn.ModuleDict({"linear_qkv": torch.nn.Linear(4, 12),
+                                                   "linear_proj": torch.nn.Linear(4, 4)})
         self.mlp = torch.nn.ModuleDict({"linear_fc1": torch.nn.Linear(4, 8), "linear_fc2": torch.nn.Linear(8, 4)})
 
 
@@ -68,9 +69,10 @@ def test_role_config_writer_merge_and_check(tmp_path):
     with pytest.raises(FileExistsError):
         critic.write_megatron_role_config(str(path))
     mine = tmp_path / "mine.yaml"
-    mine.write_text(yaml.safe_dump({"megatron": [{"name": "default", "role": "actor", "overrides": {"lr": 1e-6}},
-                                                {"name": "default", "role": "critic",
-                                                 "overrides": {"lr": 1e-5, "freeze_params_name_list": ["embedding"]}}]}))
+    critic_entry = {"name": "default", "role": "critic",
+                    "overrides": {"lr": 1e-5, "freeze_params_name_list": ["embedding"]}}
+    actor_entry = {"name": "default", "role": "actor", "overrides": {"lr": 1e-6}}
+    mine.write_text(yaml.safe_dump({"megatron": [actor_entry, critic_entry]}))
     out = tmp_path / "merged.yaml"
     assert critic.main(["-o", str(out), "--merge", str(mine), "--set", "save=/ck"]) == 0
     merged = yaml.safe_load(out.read_text())["megatron"]

@@ -120,7 +120,8 @@ def run(args, modules, iterations, seed=0):
         log["value_loss"].append(float(loss.detach()))
 
     a_value_clip = args.value_clip
-    sao_toy_actor.forward_only, sao_toy_actor.compute_advantages_and_returns = forward_only, compute_advantages_and_returns
+    sao_toy_actor.forward_only = forward_only
+    sao_toy_actor.compute_advantages_and_returns = compute_advantages_and_returns
     sao_toy_actor.train = train
     install(args, modules)
     actor = sao_toy_actor.MegatronTrainRayActor(args, value_net, critic_opt, scheduler)
