@@ -136,14 +136,16 @@ def _json_safe(x: Any) -> Any:
 
 
 def fake_quant_int8_per_channel(weight: torch.Tensor) -> torch.Tensor:
-    """Symmetric per-output-channel INT8 fake quant of a [out, in] weight (returned in its dtype)."""
+    """Symmetric per-output-channel INT8 fake quant of a [out, in] weight (returned in its dtype).
+
+    The Ascend W8A8 rule of :mod:`slime_ascend.quant` (the same function the weight sync and the
+    offline converter use), so the contract measures what the rollout engine will run.
+    """
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / safe).clamp(-127, 127)  # torch.round: half to even
-    return torch.where(scale > 0, q * scale, torch.zeros_like(w)).to(weight.dtype)
+    from ..quant import fake_quantize_values, make_spec
+
+    return fake_quantize_values(weight.detach(), make_spec("int8-w8a8")).to(weight.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

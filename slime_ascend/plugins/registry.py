@@ -76,7 +76,8 @@ def parse_names(text: str | Iterable[str] | None) -> list[str]:
     """``"npu, sao"`` or ``["npu", "sao"]`` -> ``["npu", "sao"]``; ``"all"`` is kept as is."""
     if text is None:
         return []
-    parts = text.split(",") if isinstance(text, str) else list(text)
+    items = [text] if isinstance(text, str) else list(text)
+    parts = [part for item in items for part in str(item).split(",")]
     names: list[str] = []
     for part in parts:
         name = str(part).strip().lower()

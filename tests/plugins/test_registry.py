@@ -11,6 +11,7 @@ def P(name, **kw):
 def test_parse_names():
     assert parse_names(" npu, SAO ,,npu") == ["npu", "sao"]
     assert parse_names(["a", "b"]) == ["a", "b"]
+    assert parse_names(["a,b", "c"]) == ["a", "b", "c"]
     assert parse_names(None) == []
 
 
