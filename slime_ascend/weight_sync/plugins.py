@@ -64,7 +64,6 @@ FP8_SYNC = Plugin(
     settings=_common(_F),
     contributions=_contributions("fp8-block"),
     patches=PATCHES,
-    validate=_W + "funnel.validate",
 )
 
 _I8 = "ascend_int8_sync_"
@@ -83,7 +82,6 @@ INT8_SYNC = Plugin(
     ),
     contributions=_contributions("int8"),
     patches=PATCHES,
-    validate=_W + "funnel.validate",
 )
 
 _I4 = "ascend_int4_sync_"
@@ -98,7 +96,6 @@ INT4_SYNC = Plugin(
     ),
     contributions=_contributions("int4-group"),
     patches=PATCHES,
-    validate=_W + "funnel.validate",
 )
 
 PLUGINS = (FP8_SYNC, INT8_SYNC, INT4_SYNC)

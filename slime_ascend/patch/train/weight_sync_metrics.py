@@ -1,0 +1,83 @@
+"""Weight-sync bytes, quantisation time and GB/s on slime's perf log.
+
+What: slime's updaters expose ``pop_metrics()``, which the actor drains into ``log_perf_data``
+after each train step; only the delta updater fills it.
+
+Why: the sync plugins report what each sync cost (bytes sent, quantisation time, GB/s).
+
+How: wraps ``update_weights`` of every updater class (distributed, tensor, disk, disk-delta) in
+``slime_ascend.weight_sync.metrics.sync_timer`` and ``pop_metrics`` of the classes that define
+it so that it merges ``metrics.drain()`` (keys ``perf/weight_sync_*``) into slime's dict.
+Upstream: the quantizer hook proposal lets a hook return metrics with its tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import Any
+
+from ..base import RuntimePatch, missing_attrs
+
+_U = "slime.backends.megatron_utils.update_weight."
+UPDATERS = {
+    _U + "update_weight_from_distributed": "UpdateWeightFromDistributed",
+    _U + "update_weight_from_tensor": "UpdateWeightFromTensor",
+    _U + "update_weight_from_disk": "UpdateWeightFromDisk",
+}
+OPTIONAL = {_U + "update_weight_from_disk_delta": "UpdateWeightFromDiskDelta"}  # needs zstd etc.
+
+
+def _wrap_update(original):
+    @functools.wraps(original)
+    def update_weights(self, *a, **kw):
+        from slime_ascend.weight_sync import metrics
+
+        with metrics.sync_timer():
+            return original(self, *a, **kw)
+
+    return update_weights
+
+
+def _wrap_pop(original):
+    @functools.wraps(original)
+    def pop_metrics(self, *a, **kw):
+        from slime_ascend.weight_sync import metrics
+
+        out = dict(original(self, *a, **kw) or {})
+        out.update(metrics.drain())
+        return out
+
+    return pop_metrics
+
+
+class WeightSyncMetrics(RuntimePatch):
+    def check(self, modules: dict[str, ModuleType]) -> list[str]:
+        problems: list[str] = []
+        for module_name, cls_name in UPDATERS.items():
+            problems += missing_attrs(modules[module_name], [f"{cls_name}.update_weights", f"{cls_name}.pop_metrics"])
+        return problems
+
+    def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
+        classes = [getattr(modules[m], c) for m, c in UPDATERS.items()]
+        for module_name, cls_name in OPTIONAL.items():
+            try:
+                classes.append(getattr(importlib.import_module(module_name), cls_name))
+            except (ImportError, AttributeError):
+                pass
+        for cls in classes:
+            if "update_weights" in vars(cls):
+                self.wrap(cls, "update_weights", _wrap_update)
+            if "pop_metrics" in vars(cls):
+                self.wrap(cls, "pop_metrics", _wrap_pop)
+
+
+PATCH = WeightSyncMetrics(
+    id="train.weight_sync_metrics",
+    targets=tuple(f"{m}:{c}.{a}" for m, c in UPDATERS.items() for a in ("update_weights", "pop_metrics")),
+    why="slime's updaters report no bytes / quantisation time / throughput for a weight sync.",
+    how="Time update_weights of every updater and merge our counters (perf/weight_sync_*) into pop_metrics().",
+    upstream="patches/0005-quantizer-hook.patch",
+    checked_on=("0.3.1",),
+)

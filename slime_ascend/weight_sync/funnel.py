@@ -1,0 +1,220 @@
+"""Our contribution to slime's quantizer funnel, and the sync plugins' megatron-init step.
+
+slime converts every Megatron parameter to HF tensors and hands them to ``quantize_params``
+(``megatron_to_hf/processors``) on every transport. With ``train.quantize_params`` installed, our
+dispatcher runs first and lands in :func:`quantize_params`, which returns the rollout
+checkpoint's format (same function, names and name policy as the offline converter, so the bytes
+are identical) or None for configs that are not the enabled plugin's, letting slime's own
+quantizer run.
+
+Which config: the one slime passes (``--hf-checkpoint``'s ``config.json`` ``quantization_config``).
+When slime passes None, the Ascend msModelSlim description (``quant_model_description.json`` in
+``--hf-checkpoint``) is used if the enabled plugin is ``int8-sync``: msModelSlim removes
+``quantization_config`` from config.json, so slime never sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..plugins import runtime
+from ..plugins.settings import SettingsError
+from ..quant.hf_config import format_from_quantization_config, read_checkpoint_quant_config, spec_from_quantization_config
+from ..quant.schemes import FP8_BLOCK, INT4_GROUP, INT8_CT, INT8_W8A8, QuantSpec
+from . import metrics
+from .engine_gate import source_config
+from .plugins import NAMES, PATCHES
+
+logger = logging.getLogger("slime_ascend.weight_sync")
+
+PLUGIN_FORMATS: dict[str, tuple[str, ...]] = {
+    "fp8-sync": (FP8_BLOCK,),
+    "int8-sync": (INT8_W8A8, INT8_CT),
+    "int4-sync": (INT4_GROUP,),
+}
+ENGINE_POST_PROCESS_FORMATS = (INT8_W8A8,)  # formats slime's gate misses but whose engine layout differs
+
+
+# ---------------------------------------------------------------------------------------------- plugin
+def sync_plugin(args: Any) -> str | None:
+    """The enabled sync plugin (at most one: they conflict), or None."""
+    names = [n for n in runtime.active(args).selection.names if n in NAMES]
+    return names[0] if names else None
+
+
+def _numerics(args: Any, plugin: str) -> str:
+    return runtime.settings(args, plugin).numerics if plugin == "int4-sync" else "compressed-tensors"
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    path: str
+    config: dict[str, Any] | None  # quantization_config, or the Ascend description
+    fmt: str | None  # one of FORMATS, or None (unquantised / not ours)
+
+
+_ckpt_lock = threading.Lock()
+_ckpt_cache: dict[str, CheckpointFormat] = {}
+
+
+def checkpoint_format(args: Any) -> CheckpointFormat:
+    """The quantisation format of ``args.hf_checkpoint`` (read once per process and path)."""
+    path = getattr(args, "hf_checkpoint", None)
+    if not path:
+        raise SettingsError("weight-sync plugins need --hf-checkpoint (the rollout engine's checkpoint)")
+    path = os.fspath(path)
+    with _ckpt_lock:
+        cached = _ckpt_cache.get(path)
+    if cached is not None:
+        return cached
+    config = read_checkpoint_quant_config(path) if os.path.isdir(path) else None
+    result = CheckpointFormat(path, config, format_from_quantization_config(config))
+    with _ckpt_lock:
+        _ckpt_cache[path] = result
+    return result
+
+
+def clear_caches() -> None:
+    with _ckpt_lock:
+        _ckpt_cache.clear()
+        _spec_cache.clear()
+
+
+# ---------------------------------------------------------------------------------------------- specs
+_spec_cache: dict[tuple[int, str], tuple[Any, QuantSpec | None]] = {}
+
+
+def _spec_of(cfg: Mapping[str, Any], numerics: str) -> QuantSpec | None:
+    key = (id(cfg), numerics)
+    hit = _spec_cache.get(key)
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    spec = None if cfg.get("scale_fmt") not in (None, "fp32", "float32") else spec_from_quantization_config(cfg, numerics)
+    if len(_spec_cache) > 64:
+        _spec_cache.clear()
+    _spec_cache[key] = (cfg, spec)
+    return spec
+
+
+def spec_for(args: Any, quantization_config: Mapping[str, Any] | None) -> QuantSpec | None:
+    """Our spec for this call of the funnel, or None when the config is not the plugin's format."""
+    plugin = sync_plugin(args)
+    if plugin is None:
+        return None
+    cfg = source_config(quantization_config)
+    if cfg is None:
+        ckpt = checkpoint_format(args)
+        if plugin != "int8-sync" or ckpt.fmt != INT8_W8A8:
+            return None
+        cfg = ckpt.config
+    spec = _spec_of(cfg, _numerics(args, plugin))
+    if spec is None or spec.fmt not in PLUGIN_FORMATS[plugin]:
+        return None
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------- funnel
+def _synchronize(tensors: list[Any]) -> None:
+    for t in tensors:
+        if getattr(t, "device", None) is not None and t.device.type != "cpu":
+            import torch
+
+            acc = getattr(torch, "accelerator", None)
+            if acc is not None and hasattr(acc, "synchronize"):
+                acc.synchronize(t.device)
+            else:
+                torch.get_device_module(t.device).synchronize(t.device)
+            return
+
+
+def quantize_params(args, megatron_name, converted_named_params, quantization_config, transform_ue8m0=True):
+    """The ``quantize_params`` contribution: our format's tensors, or None (not ours)."""
+    spec = spec_for(args, quantization_config)
+    if spec is None:
+        return None
+    from ..quant.params import quantize_named_params
+
+    settings = runtime.settings(args, sync_plugin(args))
+    named = list(converted_named_params)
+    exact = settings.exact_timing
+    if exact:
+        _synchronize([t for _, t in named])
+    start = time.perf_counter()
+    out = quantize_named_params(named, spec)
+    if exact:
+        _synchronize([t for _, t in out])
+    seconds = time.perf_counter() - start
+    if settings.metrics:
+        bytes_in = sum(t.numel() * t.element_size() for _, t in named)
+        bytes_out = sum(t.numel() * t.element_size() for _, t in out)
+        passed = {id(t) for _, t in named}
+        quantized = len(named) - sum(1 for _, t in out if id(t) in passed)
+        metrics.record_quantization(bytes_in, bytes_out, seconds, quantized)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- init
+def check_engine_format(args: Any, plugin: str) -> CheckpointFormat:
+    """Fail clearly unless ``--hf-checkpoint`` holds a format of ``plugin``."""
+    ckpt = checkpoint_format(args)
+    allowed = PLUGIN_FORMATS[plugin]
+    prefix = "ascend_" + plugin.replace("-", "_") + "_"
+    wanted = allowed[0]
+    if plugin == "int8-sync":
+        choice = runtime.settings(args, plugin)["ascend_int8_sync_format"]
+        if choice != "auto":
+            allowed = (choice,)
+            wanted = choice
+    cfg = ckpt.config or {}
+    if cfg.get("scale_fmt") not in (None, "fp32", "float32"):
+        raise SettingsError(
+            f"plugin {plugin!r}: --hf-checkpoint {ckpt.path} uses FP8 scale_fmt={cfg.get('scale_fmt')!r}, which our "
+            f"converter does not produce. Fix: convert the BF16 model with `slime-ascend quantize HF_DIR OUT_DIR "
+            f"--format fp8-block` and pass OUT_DIR as --hf-checkpoint, or disable the plugin (slime's own FP8 path)."
+        )
+    if ckpt.fmt not in allowed:
+        what = ckpt.fmt or ("unquantised" if not ckpt.config else
+                            f"unsupported ({cfg.get('quant_method', cfg.get('model_quant_type'))!r})")
+        raise SettingsError(
+            f"plugin {plugin!r} syncs {' or '.join(allowed)}, but the rollout engine's checkpoint --hf-checkpoint "
+            f"{ckpt.path} is {what}. The engine loads that checkpoint, so the synced tensors would not match its "
+            f"layers. Fix: `slime-ascend quantize HF_DIR OUT_DIR --format {wanted}` and pass OUT_DIR as "
+            f"--hf-checkpoint (or set {prefix}check_engine_format: false to skip this check)."
+        )
+    return ckpt
+
+
+def megatron_init(args: Any) -> None:
+    """megatron_init contribution (order 300): check the engine's format, install the patches."""
+    from .. import patch
+
+    plugin = sync_plugin(args)
+    if plugin is None:
+        return
+    settings = runtime.settings(args, plugin)
+    if settings.check_engine_format:
+        ckpt = check_engine_format(args, plugin)
+        logger.info("%s: rollout checkpoint %s is %s", plugin, ckpt.path, ckpt.fmt)
+    patch.install("train.quantize_params", args)
+    patch.install("train.quant_post_process", args)
+    if settings.metrics:
+        patch.install("train.weight_sync_metrics", args)
+
+
+def needs_engine_post_process(args: Any, quantization_config: Any) -> bool:
+    """True when this sync must open slime's engine post-process gate although slime would not."""
+    from .engine_gate import slime_gate_opens
+
+    plugin = sync_plugin(args)
+    if plugin != "int8-sync" or slime_gate_opens(quantization_config):
+        return False
+    if not runtime.settings(args, plugin).engine_post_process:
+        return False
+    return checkpoint_format(args).fmt in ENGINE_POST_PROCESS_FORMATS
+
