@@ -1,0 +1,112 @@
+"""`slime-ascend quantize` and `slime-ascend verify-quant`: conversion, refusals, exit codes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "weight_sync"))
+from _ws_helpers import hf_tensors, write_hf  # noqa: E402
+
+from slime_ascend.quant.checkpoint import CheckpointReader, tensors_bit_equal  # noqa: E402
+from slime_ascend.quant.cli import main_quantize, main_verify  # noqa: E402
+from slime_ascend.quant.params import quantize_named_params  # noqa: E402
+
+SRC = hf_tensors(3)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return write_hf(tmp_path_factory.mktemp("cli") / "hf", SRC)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "int8-w8a8", "int8-ct", "int4-group"])
+def test_quantize_then_verify_online_tensors(fmt, hf, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main_quantize([str(hf), str(out), "--format", fmt]) == 0
+    assert "tensors quantised" in capsys.readouterr().out
+    reader = CheckpointReader(out)
+    online = dict(quantize_named_params(list(SRC.items()), fmt))  # what a sync sends
+    assert set(online) == set(reader.keys())
+    assert all(tensors_bit_equal(v, reader.get(k)) for k, v in online.items())
+    synced = tmp_path / "synced"
+    synced.mkdir()
+    save_file({k: v.contiguous() for k, v in online.items()}, str(synced / "model-00001-of-00001.safetensors"))
+    assert main_verify([str(out), str(synced)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK")
+
+
+def test_refuses_overwrite_without_force(hf, tmp_path, capsys):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert main_quantize([str(hf), str(out), "--format", "int8-ct"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert (out / "keep.txt").exists()
+    assert main_quantize([str(hf), str(out), "--format", "int8-ct", "--force"]) == 0
+    assert not (out / "keep.txt").exists()
+
+
+@pytest.mark.parametrize("case", ["bad_format", "no_dir", "no_config", "no_safetensors", "same_dir", "quantised"])
+def test_clear_errors(case, hf, tmp_path, capsys):
+    out = str(tmp_path / "q")
+    if case == "bad_format":
+        argv, needle = [str(hf), out, "--format", "int3"], "--format 'int3' is not supported"
+    elif case == "no_dir":
+        argv, needle = [str(tmp_path / "nope"), out, "--format", "int8-ct"], "is not a directory"
+    elif case == "no_config":
+        d = tmp_path / "nc"
+        d.mkdir()
+        argv, needle = [str(d), out, "--format", "int8-ct"], "no config.json"
+    elif case == "no_safetensors":
+        d = tmp_path / "ns"
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        torch.save({}, d / "pytorch_model.bin")
+        argv, needle = [str(d), out, "--format", "int8-ct"], "safetensors"
+    elif case == "same_dir":
+        argv, needle = [str(hf), str(hf), "--format", "int8-ct"], "must differ"
+    else:
+        q = tmp_path / "q1"
+        assert main_quantize([str(hf), str(q), "--format", "int8-ct"]) == 0
+        argv, needle = [str(q), out, "--format", "fp8-block"], "already quantised"
+    capsys.readouterr()
+    assert main_quantize(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_verify_detects_a_flipped_bit_and_missing(hf, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main_quantize([str(hf), str(out), "--format", "int4-group"]) == 0
+    online = dict(quantize_named_params(list(SRC.items()), "int4-group"))
+    name = "model.layers.0.mlp.up_proj.weight_packed"
+    bad = online[name].clone()
+    bad.view(-1)[5] ^= 1
+    f = tmp_path / "bucket.safetensors"
+    save_file({name: bad}, str(f))
+    capsys.readouterr()
+    assert main_verify([str(out), str(f)]) == 1
+    text = capsys.readouterr().out
+    assert name in text and "FAIL" in text
+    # a file with one good tensor passes; --names picks tensors
+    save_file({name: online[name].contiguous()}, str(f))
+    assert main_verify([str(out), str(f)]) == 0
+    assert main_verify([str(out), str(f), "--names", name, "model.norm.weight"]) == 1  # norm not in the file
+    # a directory lacking offline tensors fails unless --partial
+    d = tmp_path / "partial"
+    d.mkdir()
+    save_file({name: online[name].contiguous()}, str(d / "model.safetensors"))
+    assert main_verify([str(out), str(d)]) == 1
+    assert main_verify([str(out), str(d), "--partial"]) == 0
+    assert main_verify([str(tmp_path / "nope"), str(d)]) == 2
+
+
+def test_cli_passthrough_wired():
+    from slime_ascend import cli
+
+    assert cli.PASSTHROUGH["quantize"][0] == "slime_ascend.quant.cli:main_quantize"
+    assert cli.PASSTHROUGH["verify-quant"][0] == "slime_ascend.quant.cli:main_verify"
