@@ -120,7 +120,8 @@ def full_keep_masks(
         full[pos + b0 : pos + b1] = local[src + n0 : src + n0 + n1]
         pos, src = pos + resp, src + n0 + n1
     dist.all_reduce(full, op=dist.ReduceOp.SUM, group=cp.group)
-    return [m * (k > 0.5).to(device=m.device, dtype=m.dtype) for m, k in zip(loss_masks, full.split(list(response_lengths)))]
+    pieces = full.split(list(response_lengths))
+    return [m * (k > 0.5).to(device=m.device, dtype=m.dtype) for m, k in zip(loss_masks, pieces)]
 
 
 def _check_inputs(pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, cp):
@@ -263,7 +264,8 @@ def _check_tis_args(args: Any, plugin: str) -> None:
     if not (getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False)):
         raise SettingsError(
             f"plugin {plugin!r} acts through slime's TIS hook, which slime calls only with use_tis or "
-            "get_mismatch_metrics. Fix: keep `use_tis: true` from the YAML `slime-ascend config` writes, or pass --use-tis"
+            "get_mismatch_metrics. Fix: keep `use_tis: true` from the YAML `slime-ascend config` writes, "
+            "or pass --use-tis"
         )
     if getattr(args, "use_rollout_logprobs", False):
         raise SettingsError(

@@ -263,14 +263,15 @@ def check_samples(args: Any, samples: list, raw_rewards: list, rewards: list) ->
         raise TitoError(
             f"{len(bad)} of {len(samples)} samples would not train on their rollout tokens:\n  " + "\n  ".join(bad[:10])
             + ("\n  ..." if len(bad) > 10 else "")
-            + "\nFix: keep sample.tokens exactly as the engine returned them (append with Sample.append_response_tokens; "
-            "never re-tokenize text between generation and training)"
+            + "\nFix: keep sample.tokens exactly as the engine returned them (append with "
+            "Sample.append_response_tokens; never re-tokenize text between generation and training)"
         )
     if missing and require:
         raise TitoError(
             f"{len(missing)} of {len(samples)} samples (indices {missing[:10]}) carry no tito record, so their tokens "
             "cannot be checked: the rollout did not run slime's rollout sample hooks (slime_ascend.hooks."
-            "rollout_sample_hook). Fix: use a rollout function that applies them, or set ascend_tito_require_record: false"
+            "rollout_sample_hook). Fix: use a rollout function that applies them, or set "
+            "ascend_tito_require_record: false"
         )
     return raw_rewards, rewards
 
