@@ -626,7 +626,10 @@ def per_sample_coefs(ctx: OPDContext, rollout_data: Mapping[str, Any], n: int) -
         # slime's train-side rollout logger cannot sum a list of dicts: hide the key from it
         from ..patch.rollout.forward_metadata import install_train_side
 
-        install_train_side()
+        try:
+            install_train_side()
+        except ImportError:  # no slime in this process: no slime logger to protect
+            pass
         if len(metadata) != n:
             raise ValueError(f"rollout_data['metadata'] has {len(metadata)} entries for {n} samples")
         out = []
