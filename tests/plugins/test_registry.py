@@ -80,3 +80,9 @@ def test_installed_entry_points_load():
             from slime_ascend.plugins.base import resolve
 
             assert callable(resolve(path))
+
+
+def test_no_installed_plugin_is_broken():
+    from slime_ascend.plugins import registry
+
+    assert registry.broken() == {}
