@@ -1,0 +1,304 @@
+"""The demo's closed loop on a local Ray cluster: rollout -> rewards -> train -> quantised weight sync.
+
+:func:`run_demo` prepares the task's checkpoints, starts Ray (``num_cpus`` local cluster), starts a
+rollout actor (engines + generation, :mod:`.rollout`) and a train actor (:mod:`.trainer`), and runs
+slime's one-step-off-policy schedule (``train_async.py``): rollout ``t + 1`` is generated while
+the trainer learns from rollout ``t``; then the engine loads the new weights (version ``t + 1``).
+Each step appends one JSON line to ``metrics.jsonl``; the end writes ``summary.json``, the contract
+report (``slime-ascend check``) and ``curves.png``. Ray is shut down on every exit, Ctrl-C included.
+
+The slime ``args`` are an ``argparse.Namespace`` with slime's field names, plus the YAML that
+``slime-ascend config <plugins>`` writes, loaded and set key by key as slime's
+``--custom-config-path`` does (``out/ascend.yaml`` keeps the file used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_PLUGINS", "DemoConfig", "build_args", "run_demo"]
+
+DEFAULT_PLUGINS = ("sao", "compaction", "opd", "staleness", "int8-sync")
+SYNC_PLUGINS = {"int8-sync": "int8", "fp8-sync": "fp8"}
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    steps: int = 30
+    plugins: tuple[str, ...] = DEFAULT_PLUGINS
+    seed: int = 0
+    out: str = "slime_ascend_demo"
+    batch: int = 16  # rollouts per step (one sample per prompt, as SAO wants)
+    long_fraction: float = 0.25
+    fillers: tuple[int, int] = (3, 5)
+    lr: float = 5e-4
+    critic_lr: float = 3e-3
+    max_new_tokens: int = 2
+    context_budget: int = 192
+    trigger_tokens: int = 64
+    staleness_tau: int = 1
+    opd_coef: float = 0.5
+    opd_clip: float | None = 1.0
+    late_long_episodes: bool = True
+    num_cpus: int = 2
+    concurrency: int = 4
+    contract_check: bool = True
+    progress: bool = True
+
+
+def _sync_format(plugins: tuple[str, ...]) -> str | None:
+    fmts = [SYNC_PLUGINS[p] for p in plugins if p in SYNC_PLUGINS]
+    return fmts[0] if fmts else None
+
+
+def available_plugins(requested: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:
+    """The requested plugins that load here; the others (e.g. a sync plugin not installed yet) with why."""
+    from slime_ascend.plugins import registry
+
+    known, broken = registry.available(), registry.broken()
+    keep, notes = [], []
+    for name in requested:
+        if name in known:
+            keep.append(name)
+        elif name in SYNC_PLUGINS and name in broken:
+            notes.append(f"plugin {name!r} is not loadable here ({broken[name]}); the demo calls the "
+                         "slime_ascend.quant function it wraps directly")
+        else:
+            registry.resolve_selection([name])  # raises the registry's explanatory error
+    return tuple(keep), notes
+
+
+def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str], urls: dict[str, str]
+               ) -> argparse.Namespace:
+    """slime-shaped args: slime defaults for the flags the hooks read, then the plugins' YAML on top."""
+    import yaml
+
+    from slime_ascend import config as ascend_config
+    from slime_ascend.rollout.reference_model import TINY_QWEN3_KWARGS
+
+    host, port = urls["engine"].removeprefix("http://").rsplit(":", 1)
+    args = argparse.Namespace(
+        # the command line slime needs for these plugins (printed by `slime-ascend config`)
+        advantage_estimator="ppo", n_samples_per_prompt=1, megatron_config_path=paths.get("megatron_config"),
+        rollout_batch_size=cfg.batch, global_batch_size=cfg.batch, num_rollout=cfg.steps,
+        hf_checkpoint=paths["policy"], vocab_size=TINY_QWEN3_KWARGS["vocab_size"], seed=cfg.seed,
+        sglang_router_ip=host, sglang_router_port=int(port), rollout_temperature=1.0,
+        rollout_max_response_len=cfg.max_new_tokens, rollout_max_context_len=cfg.context_budget,
+        # slime defaults of what the hooks and loss read
+        kl_coef=0.0, gamma=1.0, lambd=1.0, eps_clip=0.2, eps_clip_high=None, value_clip=0.2, reward_key=None,
+        rewards_normalization=False, normalize_advantages=False, use_kl_loss=False, entropy_coef=0.0,
+        use_tis=False, use_opd=False, opd_type="sglang", opd_kl_coef=0.0, opd_teacher_load=None,
+        custom_advantage_function_path=None, custom_loss_function_path=None, loss_type="policy_loss",
+        calculate_per_token_loss=False, use_rollout_logprobs=False, log_probs_chunk_size=-1, allgather_cp=False,
+        group_rm=False, partial_rollout=False, use_critic=True, freeze_params_name_list=None,
+    )
+    generated = ascend_config.build(list(plugins))
+    values = yaml.safe_load(generated.yaml_text)
+    # the demo's edits of the generated YAML (what a user edits before launching)
+    edits: dict[str, Any] = {}
+    if "sao" in plugins:
+        edits.update(ascend_sao_freeze_patterns=["self_attn"], ascend_sao_dis_preset="maths")
+    if "compaction" in plugins:
+        edits.update(ascend_compaction_env="slime_ascend.demo.task.DigitsEnv", ascend_compaction_env_kwargs={},
+                     ascend_compaction_context_budget=cfg.context_budget,
+                     ascend_compaction_trigger_tokens=cfg.trigger_tokens, ascend_compaction_keep_pairs=1,
+                     ascend_compaction_max_compactions=2, ascend_compaction_summary_max_tokens=4,
+                     ascend_compaction_use_chat_template=False,
+                     # the opd reward model must run on every segment: slime skips the RM when generate
+                     # already set a reward, so the environment's reward goes through the task RM instead
+                     ascend_compaction_env_reward=False,
+                     ascend_compaction_summary_prompt_path=paths["summary_prompt"],
+                     ascend_compaction_resume_template_path=paths["resume_template"])
+    if "opd" in plugins:
+        edits.update(ascend_opd_teachers=[{"name": "copy", "checkpoint_dir": paths["copy"], "domains": ["copy"]},
+                                          {"name": "next", "checkpoint_dir": paths["next"], "domains": ["next"]}],
+                     ascend_opd_switch_engine_urls=[urls["teacher"]],
+                     ascend_opd_task_rm_path="slime_ascend.demo.task.task_reward",
+                     ascend_opd_stage_dir=paths["teacher_stage"], ascend_opd_prefetch=True,
+                     ascend_opd_coef=cfg.opd_coef, ascend_opd_clip=cfg.opd_clip)
+    if "staleness" in plugins:
+        edits.update(ascend_staleness_tau=cfg.staleness_tau)
+    unknown = [k for k in edits if k not in values]
+    if unknown:
+        raise RuntimeError(f"demo edits keys the generated YAML does not have: {unknown}")
+    values.update(edits)
+    Path(paths["yaml"]).write_text(yaml.safe_dump(values, sort_keys=False))
+    for key, value in yaml.safe_load(Path(paths["yaml"]).read_text()).items():  # slime's --custom-config-path
+        setattr(args, key, value)
+    return args
+
+
+def _episodes(cfg: DemoConfig, step: int) -> list[dict[str, Any]]:
+    from slime_ascend.demo.task import make_episodes
+
+    rng = random.Random(cfg.seed * 7919 + step)
+    return [e.to_task() for e in make_episodes(rng, cfg.batch, cfg.long_fraction, cfg.fillers)]
+
+
+def _write_prompts(root: Path) -> dict[str, str]:
+    root.mkdir(parents=True, exist_ok=True)
+    summary, resume = root / "summary_prompt.txt", root / "resume_template.txt"
+    summary.write_text("Summarize:\n")
+    resume.write_text("{task}\nnotes: {summary}\n")
+    return {"summary_prompt": str(summary), "resume_template": str(resume)}
+
+
+def _step_line(step: int, steps: int, m: dict[str, Any]) -> str:
+    def f(key: str, fmt: str = "{:.3f}") -> str:
+        v = m.get(key)
+        return "-" if v is None else fmt.format(v)
+
+    return (f"step {step + 1:>3}/{steps} | reward {f('reward')} | kl {f('kl')} | masked {f('masked_frac')} | "
+            f"stale drops {f('staleness_drops', '{:d}')} | teacher switches {f('teacher_switches', '{:d}')} | "
+            f"sync {f('sync_gbps', '{:.3f}')} GB/s v{f('version', '{:d}')} | compactions {f('compactions', '{:d}')}")
+
+
+def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the closed loop; returns the summary (also written to ``<out>/summary.json``)."""
+    import ray
+
+    t_start = time.perf_counter()
+    out = Path(cfg.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    plugins, notes = available_plugins(tuple(cfg.plugins))
+    if "sao" not in plugins:
+        raise ValueError("the demo trains with the loss hook of an enabled plugin: include 'sao' in --plugins "
+                         "(it provides the policy/value loss and the critic's advantage path)")
+    for note in notes:
+        log(f"note: {note}")
+    os.environ["SLIME_ASCEND_PLUGINS"] = ",".join(plugins)
+    from slime_ascend.demo.rollout import RolloutWorker
+    from slime_ascend.demo.task import prepare_checkpoints
+    from slime_ascend.demo.trainer import Trainer
+
+    log(f"slime-ascend demo: plugins {', '.join(plugins)}; seed {cfg.seed}; {cfg.steps} steps; output {out}")
+    t0 = time.perf_counter()
+    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
+    log(f"prepared the initial policy and two teachers in {time.perf_counter() - t0:.1f}s")
+    paths = dict(ckpt, yaml=str(out / "ascend.yaml"), teacher_stage=str(out / "teacher_stage"),
+                 **_write_prompts(out / "prompts"))
+    if "sao" in plugins:
+        from slime_ascend.sao.critic import write_megatron_role_config
+
+        paths["megatron_config"] = str(out / "sao_megatron.yaml")
+        write_megatron_role_config(paths["megatron_config"], ["self_attn"], force=True)
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.write_text("")
+    history: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {"plugins": list(plugins), "seed": cfg.seed, "steps_requested": cfg.steps,
+                               "notes": notes, "interrupted": False}
+    env = {"SLIME_ASCEND_PLUGINS": ",".join(plugins), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1"}
+    bar = None
+    try:
+        t0 = time.perf_counter()
+        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 runtime_env={"env_vars": env}, configure_logging=False)
+        log(f"ray: local cluster with {cfg.num_cpus} CPUs in {time.perf_counter() - t0:.1f}s")
+        rollout = ray.remote(num_cpus=1)(RolloutWorker).remote(ckpt["policy"], ckpt["copy"], cfg.seed)
+        urls = ray.get(rollout.urls.remote())
+        args = build_args(cfg, plugins, paths, urls)
+        sampling = {"temperature": 1.0, "max_new_tokens": cfg.max_new_tokens}
+        trainer = ray.remote(num_cpus=1)(Trainer).remote(
+            args, ckpt["policy"], str(out), lr=cfg.lr, critic_lr=cfg.critic_lr, seed=cfg.seed,
+            sync_format=_sync_format(tuple(cfg.plugins)))
+        ray.get(rollout.set_args.remote(args, sampling, cfg.concurrency, cfg.late_long_episodes))
+        log(f"engines: rollout {urls['engine']}, teachers {urls['teacher']}; actors ready in "
+            f"{time.perf_counter() - t0:.1f}s")
+        if cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, desc="demo", unit="step", file=sys.stderr, dynamic_ncols=True)
+        pending = rollout.generate.remote(0, _episodes(cfg, 0))
+        for step in range(cfg.steps):
+            data, rm = ray.get(pending)
+            if step + 1 < cfg.steps:  # train_async: the next rollout overlaps this training step
+                pending = rollout.generate.remote(step + 1, _episodes(cfg, step + 1))
+            tm = ray.get(trainer.train.remote(step, data))
+            sync = ray.get(rollout.update_weights.remote(tm["weights_dir"], tm["version"]))
+            m = _merge(step, rm, tm, sync)
+            history.append(m)
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(m) + "\n")
+            line = _step_line(step, cfg.steps, m)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward']:.2f}")
+                bar.write(line)
+            else:
+                log(line)
+        final_dir = ray.get(trainer.save_final.remote(str(out / "checkpoints" / "policy_final")))
+        summary["final_policy"] = final_dir
+    except KeyboardInterrupt:
+        summary["interrupted"] = True
+        log("interrupted: shutting Ray down; metrics written so far are kept")
+    finally:
+        if bar is not None:
+            bar.close()
+        ray.shutdown()
+    summary.update(_summarise(history))
+    if history:
+        from slime_ascend.demo.plots import plot_curves
+
+        summary["plot"] = plot_curves(history, str(out / "curves.png"))
+    if cfg.contract_check and not summary["interrupted"]:
+        from slime_ascend.contracts.check import format_table, run_check
+
+        report = run_check(None, seed=cfg.seed, out_json=str(out / "contracts.json"),
+                           topk_shape=(4, 2048, 128))
+        summary["contracts_passed"] = report.passed
+        table = format_table(report)
+        (out / "contracts.txt").write_text(table + "\n")
+        log("\ncontract report (slime-ascend check, this device):\n" + table)
+    summary["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    log(_summary_text(summary, out))
+    return summary
+
+
+def _merge(step: int, rm: dict[str, Any], tm: dict[str, Any], sync: dict[str, Any]) -> dict[str, Any]:
+    m: dict[str, Any] = {"step": step, **rm, **{k: v for k, v in tm.items() if k != "weights_dir"}, **sync}
+    seconds = tm.get("sync_export_s", 0.0) + sync.get("engine_load_s", 0.0)
+    m["sync_gbps"] = tm.get("sync_bytes", 0) / max(seconds, 1e-9) / 1e9
+    m["kl"] = rm.get("opd_kl")
+    m["masked_frac"] = tm.get("actor/dis_masked_frac")
+    m["mismatch"] = tm.get("actor/train_rollout_logprob_abs_diff")
+    return m
+
+
+def _summarise(history: list[dict[str, Any]]) -> dict[str, Any]:
+    if not history:
+        return {"steps_done": 0}
+    rewards = [h["reward"] for h in history]
+    k = max(1, min(5, len(rewards) // 3))
+    return {
+        "steps_done": len(history),
+        "reward_first": sum(rewards[:k]) / k,
+        "reward_last": sum(rewards[-k:]) / k,
+        "teacher_switches": history[-1].get("teacher_switches"),
+        "sync_versions": [h.get("engine_version") for h in history],
+        "compactions": sum(h.get("compactions", 0) for h in history),
+        "staleness_drops": sum(h.get("staleness_drops", 0) for h in history),
+        "sync_gbps_median": sorted(h["sync_gbps"] for h in history)[len(history) // 2],
+        "sync_bytes_ratio": history[-1].get("sync_bytes", 0) / max(1, history[-1].get("sync_unquantised_bytes", 1)),
+    }
+
+
+def _summary_text(s: dict[str, Any], out: Path) -> str:
+    if not s.get("steps_done"):
+        return f"no step finished; outputs in {out}"
+    return (f"\nreward {s['reward_first']:.3f} -> {s['reward_last']:.3f} over {s['steps_done']} steps; "
+            f"teacher switches {s['teacher_switches']}; compactions {s['compactions']}; staleness drops "
+            f"{s['staleness_drops']}; synced versions up to {s['sync_versions'][-1]} "
+            f"({s['sync_bytes_ratio']:.2f}x the unquantised fp32 bytes, median {s['sync_gbps_median']:.3f} GB/s)\n"
+            f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'} "
+            f"in {s.get('elapsed_s', '?')}s")
