@@ -32,6 +32,16 @@ def rows_per_chunk(cols: int, chunk_elems: int, multiple: int = 1) -> int:
     return rows
 
 
+def clamp_is_noop(tmax: torch.Tensor, limit: float) -> bool:
+    """True when max(tmax) <= limit, i.e. a clamp to +-limit of values bounded by tmax changes nothing.
+
+    Decided on the host only for CPU tensors (free there); elsewhere it returns False so the
+    clamp always runs (no device sync per chunk). The result is the same either way."""
+    if tmax.device.type != "cpu" or tmax.numel() == 0:
+        return False
+    return bool(tmax.max() <= limit)  # NaN -> False
+
+
 def check_out(t: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, what: str) -> None:
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
         raise ValueError(f"{what} must be a contiguous {dtype} tensor of shape {tuple(shape)}, "

@@ -13,7 +13,9 @@ import math
 
 import torch
 
-from ._common import DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, raise_if_not_finite, rows_per_chunk
+from ._common import (
+    DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, clamp_is_noop, raise_if_not_finite, rows_per_chunk,
+)
 from .schemes import FP8BlockScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -90,15 +92,28 @@ def _quantize_2d(
             torch.amax(ra[: full * bn].view(full, bn, kb), dim=1, out=scale[:full])
         if tail:
             torch.amax(ra[full * bn :], dim=0, out=scale[full])
-        scale.clamp_(min=scheme.amax_floor).div_(fmax)
+        amax_f = scale.clamp_(min=scheme.amax_floor)
+        scale = amax_f / fmax
         ok = ok & torch.isfinite(scale).all()
         s_out[r0 // bn : r0 // bn + nbr].copy_(scale)
-        scale_cols = scale.repeat_interleave(bk, dim=1)[:, :k] if bk > 1 else scale[:, :k]
-        if full:
-            y[: full * bn].view(full, bn, k).div_(scale_cols[:full].unsqueeze(1))
-        if tail:
-            y[full * bn :].div_(scale_cols[full])
-        y.clamp_(-fmax, fmax)
+        if k_main:  # whole column blocks: broadcast the block scale, no expanded copy
+            kbm = k_main // bk
+            if full:
+                y[: full * bn, :k_main].unflatten(1, (kbm, bk)).unflatten(0, (full, bn)).div_(
+                    scale[:full, None, :kbm, None])
+            if tail:
+                y[full * bn :, :k_main].unflatten(1, (kbm, bk)).div_(scale[full, None, :kbm, None])
+        if k_main < k:
+            if full:
+                y[: full * bn, k_main:].unflatten(0, (full, bn)).div_(scale[:full, None, kb - 1 :])
+            if tail:
+                y[full * bn :, k_main:].div_(scale[full, kb - 1 :])
+        # |x| <= block amax and division is monotone, so |y| <= tmax = max(amax / scale) (about fmax,
+        # an ulp above at most). The clamp is skipped when it cannot change the cast: tmax <= fmax, or
+        # tmax itself casts to fmax (the cast is monotone, so everything in (fmax, tmax] does too).
+        tmax = (amax_f / scale).amax()
+        if not (clamp_is_noop(tmax, fmax) or clamp_is_noop(tmax.to(FP8_DTYPE).float(), fmax)):
+            y.clamp_(-fmax, fmax)
         q_out[r0:r1].copy_(y)
     return ok
 

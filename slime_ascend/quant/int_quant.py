@@ -15,7 +15,9 @@ from typing import NamedTuple
 
 import torch
 
-from ._common import DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, raise_if_not_finite, rows_per_chunk
+from ._common import (
+    DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, clamp_is_noop, raise_if_not_finite, rows_per_chunk,
+)
 from .schemes import IntScheme
 
 
@@ -84,7 +86,8 @@ def quantize_int(
         y.view(rows, k).copy_(w2[r0:r1])  # fp32 staging; bf16/fp16 -> fp32 is exact
         mx, mn = y.amax(dim=-1), y.amin(dim=-1)  # (separate reductions vectorise; aminmax does not on CPU)
         if scheme.symmetric:
-            raw = torch.maximum(mx.abs_(), mn.abs()).div_(scheme.sym_divisor)
+            amax = torch.maximum(mx.abs_(), mn.abs())
+            raw = amax / scheme.sym_divisor
         else:
             mn.clamp_(max=0.0)
             raw = mx.clamp_(min=0.0).sub_(mn).div_(qmax - qmin)
@@ -98,11 +101,17 @@ def quantize_int(
         s2[r0:r1].copy_(s)
         safe = torch.where(s == 0, torch.ones_like(s), s) if scheme.zero_rule == "zero" else s
         if scheme.reciprocal:
-            y.mul_(torch.reciprocal(safe).unsqueeze_(-1))
+            inv = torch.reciprocal(safe)
+            y.mul_(inv.unsqueeze(-1))
         else:
             y.div_(safe.unsqueeze(-1))
         if scheme.symmetric:
             y.round_()
+            # |x| <= amax and division, multiplication and rounding are monotone: |q| <= round(amax / s),
+            # so when that is inside the range the clamp is a no-op and is skipped
+            tmax = (amax * inv if scheme.reciprocal else amax / safe).round_()
+            if not clamp_is_noop(tmax, min(qmax, -qmin)):
+                y.clamp_(qmin, qmax)
         else:
             if scheme.zp_after_round:
                 z = mn.div_(safe).round_().neg_().add_(qmin).clamp_(qmin, qmax)
@@ -111,7 +120,7 @@ def quantize_int(
                 z = mn.div_(safe).neg_().add_(qmin).round_().clamp_(qmin, qmax)
                 y.add_(z.unsqueeze(-1)).round_()
             z2[r0:r1].copy_(z)
-        y.clamp_(qmin, qmax)
+            y.clamp_(qmin, qmax)
         q2[r0:r1].copy_(y.view(rows, k))
     raise_if_not_finite(ok, name)
     return IntQuantized(q, scale, zp)
