@@ -49,6 +49,7 @@ class DemoConfig:
     opd_coef: float = 0.5
     opd_clip: float | None = 1.0
     late_long_episodes: bool = True
+    overlap: bool = True  # train_async.py (next rollout overlaps training); False: train.py, on-policy
     num_cpus: int = 2
     concurrency: int = 4
     contract_check: bool = True
@@ -221,10 +222,12 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, A
         pending = rollout.generate.remote(0, _episodes(cfg, 0))
         for step in range(cfg.steps):
             data, rm = ray.get(pending)
-            if step + 1 < cfg.steps:  # train_async: the next rollout overlaps this training step
+            if cfg.overlap and step + 1 < cfg.steps:  # train_async: the next rollout overlaps this training step
                 pending = rollout.generate.remote(step + 1, _episodes(cfg, step + 1))
             tm = ray.get(trainer.train.remote(step, data))
             sync = ray.get(rollout.update_weights.remote(tm["weights_dir"], tm["version"]))
+            if not cfg.overlap and step + 1 < cfg.steps:  # train.py: generate with the weights just synced
+                pending = rollout.generate.remote(step + 1, _episodes(cfg, step + 1))
             m = _merge(step, rm, tm, sync)
             history.append(m)
             with metrics_path.open("a") as f:
