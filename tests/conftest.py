@@ -6,6 +6,7 @@ not importable: put an unpacked slime source tree on PYTHONPATH to run them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -53,6 +54,32 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 12
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=str(REPO / "tests")
     )
+
+
+@contextlib.contextmanager
+def single_process_megatron():
+    """A one-rank gloo process group and Megatron's parallel state (TP = PP = CP = 1), as slime's
+    own CPU tests set them up; torn down afterwards if this call created them."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    created = False
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+        created = True
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(1, 1)
+    try:
+        yield mpu
+    finally:
+        if created:
+            mpu.destroy_model_parallel()
+            dist.destroy_process_group()
 
 
 @pytest.fixture

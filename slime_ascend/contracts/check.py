@@ -41,6 +41,7 @@ import torch
 from slime_ascend.algorithms.masks import DIS_PRESETS, dis_mask, icepop_weights
 from slime_ascend.algorithms.mismatch import mismatch_stats
 from slime_ascend.algorithms.topk import deterministic_topk_indices, replay_topk_indices
+from slime_ascend.rollout.reference_model import TINY_QWEN3_KWARGS
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
@@ -66,18 +67,9 @@ DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
 #:   topk_unstable: top-k under test breaks ties by *highest* index on every other call.
 INJECTIONS = ("logprob_noise", "logprob_nan", "topk_unstable")
 
-_TINY = dict(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    initializer_range=0.1,
-)
+# the reference engine's tiny model, with a shorter context and a wider init (the default init gives
+# near-uniform log-probs, which would make every numeric path look alike)
+_TINY = dict(TINY_QWEN3_KWARGS, max_position_embeddings=256, initializer_range=0.1)
 _DIS_PRESET = "glm5"
 _ICEPOP_BETA = 2.0
 

@@ -9,9 +9,10 @@ import argparse
 import asyncio
 import functools
 import random
-import socket
 
 import pytest
+
+from conftest import single_process_megatron
 import torch
 
 from slime_ascend.opd import slime_hooks as hooks
@@ -122,22 +123,8 @@ def test_advantage_equals_slimes_apply_opd_kl_to_advantages(coef):
 
 @pytest.fixture(scope="module")
 def megatron_parallel_state():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    created = False
-    if not dist.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
-        created = True
-    if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(1, 1)
-    yield mpu
-    if created:
-        mpu.destroy_model_parallel()
-        dist.destroy_process_group()
+    with single_process_megatron() as state:
+        yield state
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus_baseline"])

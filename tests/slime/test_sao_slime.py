@@ -11,11 +11,12 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import types
 
 import pytest
+
+from conftest import single_process_megatron
 import torch
 
 from slime_ascend.patch.train import critic_advantage_function as caf
@@ -31,22 +32,8 @@ DISPATCH = "slime_ascend.hooks."
 
 @pytest.fixture(scope="module")
 def mpu():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    created = False
-    if not dist.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
-        created = True
-    if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(1, 1)
-    yield mpu
-    if created:
-        mpu.destroy_model_parallel()
-        dist.destroy_process_group()
+    with single_process_megatron() as state:
+        yield state
 
 
 @pytest.fixture
