@@ -165,8 +165,6 @@ def _step_line(step: int, steps: int, m: dict[str, Any]) -> str:
 
 def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the closed loop; returns the summary (also written to ``<out>/summary.json``)."""
-    import ray
-
     t_start = time.perf_counter()
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -176,7 +174,22 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, A
                          "(it provides the policy/value loss and the critic's advantage path)")
     for note in notes:
         log(f"note: {note}")
+    # this process plays slime's driver: the plugins it runs must match the YAML (restored at the end)
+    previous_env = os.environ.get("SLIME_ASCEND_PLUGINS")
     os.environ["SLIME_ASCEND_PLUGINS"] = ",".join(plugins)
+    try:
+        return _run(cfg, log, out, plugins, notes, t_start)
+    finally:
+        if previous_env is None:
+            os.environ.pop("SLIME_ASCEND_PLUGINS", None)
+        else:
+            os.environ["SLIME_ASCEND_PLUGINS"] = previous_env
+
+
+def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[str], t_start: float
+         ) -> dict[str, Any]:
+    import ray
+
     from slime_ascend.demo.rollout import RolloutWorker
     from slime_ascend.demo.task import prepare_checkpoints
     from slime_ascend.demo.trainer import Trainer

@@ -7,6 +7,7 @@ summary.json. The reward margin is fixed here, not tuned to one seed.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -18,12 +19,16 @@ STEPS = 16
 REWARD_MARGIN = 0.10  # mean reward of the last 4 steps minus the first 4 steps
 
 
+ENV_BEFORE: list = []
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     from slime_ascend.demo.loop import DemoConfig, run_demo
     from slime_ascend.plugins import runtime
 
     out = tmp_path_factory.mktemp("demo")
+    ENV_BEFORE.append(os.environ.get("SLIME_ASCEND_PLUGINS"))
     runtime.reset()
     summary = run_demo(DemoConfig(steps=STEPS, out=str(out), progress=False, contract_check=False), log=lambda _: None)
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -69,3 +74,7 @@ def test_every_plugin_leaves_evidence(demo_run):
         assert all("staleness_report" in h for h in history)
         # late long episodes arrive with an older weight version than the fresh ones of their batch
         assert any(len(h["weight_versions"]) >= 2 for h in history[2:])
+
+
+def test_demo_leaves_the_callers_environment_alone(demo_run):
+    assert os.environ.get("SLIME_ASCEND_PLUGINS") == ENV_BEFORE[0]
