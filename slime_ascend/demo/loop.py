@@ -142,7 +142,9 @@ def _episodes(cfg: DemoConfig, step: int) -> list[dict[str, Any]]:
     from slime_ascend.demo.task import make_episodes
 
     rng = random.Random(cfg.seed * 7919 + step)
-    return [e.to_task() for e in make_episodes(rng, cfg.batch, cfg.long_fraction, cfg.fillers)]
+    tasks = [e.to_task() for e in make_episodes(rng, cfg.batch, cfg.long_fraction, cfg.fillers)]
+    # ordered by teacher (domain), so the shared teacher engine switches about once per step
+    return sorted(tasks, key=lambda t: str(t.get("domain", "")))
 
 
 def _write_prompts(root: Path) -> dict[str, str]:
