@@ -58,6 +58,7 @@ def convert_samples_to_train_data(args: Any, samples: list[Any]) -> dict[str, An
     except ImportError:
         RolloutManager = None
     if RolloutManager is not None:
+        RolloutManager = getattr(RolloutManager, "__ray_actor_class__", RolloutManager)  # the @ray.remote class
         manager = object.__new__(RolloutManager)  # slime's method needs only these attributes
         manager.args = args
         manager.custom_convert_samples_to_train_data_func = None
