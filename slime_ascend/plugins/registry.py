@@ -8,11 +8,10 @@ ordered list of contributions its dispatcher runs.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Iterable
-from importlib.metadata import entry_points
 
 from .base import Contribution, Plugin
+from .entry_points import EntryPointRegistry
 from .slots import SLOTS
 
 GROUP = "slime_ascend.plugins"
@@ -22,54 +21,30 @@ class PluginError(RuntimeError):
     """A plugin selection cannot be used as given; the message says why and what to change."""
 
 
-_lock = threading.Lock()
-_cache: dict[str, Plugin] | None = None
-_broken: dict[str, str] = {}  # entry-point name -> why it could not be loaded
-_extra: dict[str, Plugin] = {}
+_REGISTRY: EntryPointRegistry[Plugin] = EntryPointRegistry(GROUP, Plugin, "plugin")
+_extra = _REGISTRY._extra  # test helpers save and restore directly registered plugins
 
 
 def register(plugin: Plugin) -> None:
     """Register a plugin object directly (tests, and code that cannot ship an entry point)."""
-    with _lock:
-        _extra[plugin.name] = plugin
+    _REGISTRY.register(plugin)
 
 
 def unregister(name: str) -> None:
-    with _lock:
-        _extra.pop(name, None)
+    _REGISTRY.unregister(name)
 
 
 def available() -> dict[str, Plugin]:
-    """All known plugins by name: entry points of every installed distribution, plus registered ones."""
-    global _cache
-    with _lock:
-        if _cache is None:
-            found: dict[str, Plugin] = {}
-            for ep in entry_points(group=GROUP):
-                # A plugin that fails to load is reported (broken()) and refused by name; it does
-                # not take the others down.
-                try:
-                    plugin = ep.load()
-                except Exception as exc:  # noqa: BLE001
-                    _broken[ep.name] = f"entry point {ep.value} failed to load: {type(exc).__name__}: {exc}"
-                    continue
-                if not isinstance(plugin, Plugin):
-                    _broken[ep.name] = f"entry point {ep.value} is not a slime_ascend Plugin"
-                elif plugin.name != ep.name:
-                    _broken[ep.name] = f"entry point {ep.value} loads a plugin named {plugin.name!r}"
-                elif plugin.name in found:
-                    _broken[ep.name] = "two installed distributions provide this plugin"
-                    found.pop(plugin.name)
-                else:
-                    found[plugin.name] = plugin
-            _cache = found
-        return {**_cache, **_extra}
+    """All known plugins by name: entry points of every installed distribution, plus registered ones.
+
+    A plugin that fails to load is reported (:func:`broken`) and refused by name; it does not take
+    the others down."""
+    return _REGISTRY.available()
 
 
 def broken() -> dict[str, str]:
     """Installed plugins that could not be loaded, with the reason."""
-    available()
-    return dict(_broken)
+    return _REGISTRY.broken()
 
 
 def parse_names(text: str | Iterable[str] | None) -> list[str]:
@@ -114,8 +89,8 @@ def resolve_selection(names: Iterable[str], known: dict[str, Plugin] | None = No
     def add(name: str, why: str) -> None:
         if name in ordered:
             return
-        if name not in known and name in _broken:
-            raise PluginError(f"plugin {name!r} ({why}) is installed but broken: {_broken[name]}")
+        if name not in known and _REGISTRY.why_broken(name):
+            raise PluginError(f"plugin {name!r} ({why}) is installed but broken: {_REGISTRY.why_broken(name)}")
         if name not in known:
             raise PluginError(
                 f"unknown plugin {name!r} ({why}). Known plugins: {', '.join(sorted(known)) or 'none'}. "

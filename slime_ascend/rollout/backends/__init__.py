@@ -16,10 +16,10 @@ fails to load is reported by :func:`broken`, not fatal to the others.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
-from importlib.metadata import entry_points
 from typing import Any
+
+from ...plugins.entry_points import EntryPointRegistry
 
 GROUP = "slime_ascend.rollout_backends"
 
@@ -122,48 +122,25 @@ def _plugin_settings(plugin_name: str) -> tuple:
     return registry.available()[plugin_name].settings
 
 
-_lock = threading.Lock()
-_cache: dict[str, RolloutBackend] | None = None
-_broken: dict[str, str] = {}
-_extra: dict[str, RolloutBackend] = {}
+_REGISTRY: EntryPointRegistry[RolloutBackend] = EntryPointRegistry(GROUP, RolloutBackend, "rollout backend")
 
 
 def register(backend: RolloutBackend) -> None:
     """Register a backend object directly (tests, code that ships no entry point)."""
-    with _lock:
-        _extra[backend.name] = backend
+    _REGISTRY.register(backend)
 
 
 def unregister(name: str) -> None:
-    with _lock:
-        _extra.pop(name, None)
+    _REGISTRY.unregister(name)
 
 
 def available() -> dict[str, RolloutBackend]:
     """Every known backend by name: installed entry points plus registered ones."""
-    global _cache
-    with _lock:
-        if _cache is None:
-            found: dict[str, RolloutBackend] = {}
-            for ep in entry_points(group=GROUP):
-                try:
-                    backend = ep.load()
-                except Exception as exc:  # noqa: BLE001 - reported by broken(), not fatal
-                    _broken[ep.name] = f"entry point {ep.value} failed to load: {type(exc).__name__}: {exc}"
-                    continue
-                if not isinstance(backend, RolloutBackend):
-                    _broken[ep.name] = f"entry point {ep.value} is not a RolloutBackend"
-                elif backend.name != ep.name:
-                    _broken[ep.name] = f"entry point {ep.value} loads a backend named {backend.name!r}"
-                else:
-                    found[backend.name] = backend
-            _cache = found
-        return {**_cache, **_extra}
+    return _REGISTRY.available()
 
 
 def broken() -> dict[str, str]:
-    available()
-    return dict(_broken)
+    return _REGISTRY.broken()
 
 
 def get(name: str) -> RolloutBackend:
@@ -171,8 +148,8 @@ def get(name: str) -> RolloutBackend:
     key = name.strip().lower()
     if key in known:
         return known[key]
-    if key in _broken:
-        raise BackendError(f"rollout backend {name!r} is installed but broken: {_broken[key]}")
+    if _REGISTRY.why_broken(key):
+        raise BackendError(f"rollout backend {name!r} is installed but broken: {_REGISTRY.why_broken(key)}")
     raise BackendError(
         f"unknown rollout backend {name!r}. Known: {', '.join(sorted(known)) or 'none'}. "
         "Fix: pick one of them, or install the package that provides it."
@@ -180,7 +157,4 @@ def get(name: str) -> RolloutBackend:
 
 
 def _reset_for_tests() -> None:
-    global _cache
-    with _lock:
-        _cache = None
-        _broken.clear()
+    _REGISTRY.reset()
