@@ -114,6 +114,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:  # tell the client, so it does not reuse a connection we are closing
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
