@@ -13,11 +13,11 @@ sequence-global algorithm such as GAE under CP.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["cp_local_length", "cp_response_ranges", "cp_slice", "cp_unslice"]
+__all__ = ["cp_full_vectors", "cp_local_length", "cp_response_ranges", "cp_slice", "cp_unslice"]
 
 
 def _check(cp_rank: int | None, cp_size: int, total_length: int, response_length: int) -> None:
@@ -83,3 +83,36 @@ def cp_unslice(
         full[a0:a1] = piece[:n0]
         full[b0:b1] = piece[n0:]
     return full
+
+
+def cp_full_vectors(
+    local: Sequence[torch.Tensor],
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    cp_rank: int,
+    cp_size: int,
+    all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None,
+) -> list[torch.Tensor]:
+    """CP-local response-aligned vectors -> full ones, with one all-gather of this rank's concatenation.
+
+    ``all_gather(x)`` returns the equally shaped tensors of every CP rank in rank order.
+    """
+    if cp_size == 1:
+        return list(local)
+    if all_gather is None:
+        raise ValueError("cp_size > 1 needs an all_gather callable")
+    lens = [[cp_local_length(r, cp_size, t, n) for t, n in zip(total_lengths, response_lengths, strict=True)]
+            for r in range(cp_size)]
+    for i, x in enumerate(local):
+        if x.shape[0] != lens[cp_rank][i]:
+            raise ValueError(
+                f"sample {i}: local vector has {x.shape[0]} entries, CP rank {cp_rank} owns {lens[cp_rank][i]}"
+            )
+    width = max(sum(row) for row in lens)
+    flat = torch.cat(list(local)) if local else torch.zeros(0)
+    padded = torch.nn.functional.pad(flat, (0, width - flat.shape[0]))
+    pieces = [g[: sum(row)].split(row) for g, row in zip(all_gather(padded), lens, strict=True)]
+    return [
+        cp_unslice([pieces[r][i] for r in range(cp_size)], cp_size, t, n)
+        for i, (t, n) in enumerate(zip(total_lengths, response_lengths, strict=True))
+    ]

@@ -35,13 +35,15 @@ per-rollout token mean over all segments, and a step counts rollouts.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from slime_ascend.algorithms.cp import cp_local_length, cp_slice, cp_unslice
+from slime_ascend.algorithms.cp import cp_full_vectors, cp_slice
+from slime_ascend.megatron_state import cp_state as _cp_state
+from slime_ascend.megatron_state import dp_group as _dp_group
 from slime_ascend.algorithms.gae import (
     apply_segment_decay,
     length_adaptive_lambda,
@@ -55,7 +57,6 @@ __all__ = [
     "SegmentLayout",
     "all_gather_rows",
     "base_advantages",
-    "cp_full_vectors",
     "decay_advantages",
     "prepare_segments",
     "segment_layout",
@@ -249,80 +250,6 @@ def segment_layout(
         rollout_trainable=[totals[r] for r, _, _ in local],
         trainable_after=[after[(r, s)] for r, s, _ in local],
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# megatron parallel state (lazy; absent or uninitialised means one rank)
-# ----------------------------------------------------------------------------------------------
-
-
-def _mpu() -> Any:
-    try:
-        from megatron.core import mpu
-    except ImportError:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and mpu.model_parallel_is_initialized()):
-        return None
-    return mpu
-
-
-def _dp_group() -> Any:
-    mpu = _mpu()
-    if mpu is None or mpu.get_data_parallel_world_size(with_context_parallel=False) == 1:
-        return None
-    return mpu.get_data_parallel_group(with_context_parallel=False)
-
-
-def _cp_state() -> tuple[int, int, Callable[[torch.Tensor], list[torch.Tensor]] | None]:
-    mpu = _mpu()
-    if mpu is None or mpu.get_context_parallel_world_size() == 1:
-        return 0, 1, None
-    import torch.distributed as dist
-
-    group = mpu.get_context_parallel_group()
-    size = mpu.get_context_parallel_world_size()
-
-    def gather(x: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(out, x.contiguous(), group=group)
-        return out
-
-    return mpu.get_context_parallel_rank(), size, gather
-
-
-def cp_full_vectors(
-    local: Sequence[torch.Tensor],
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    cp_rank: int,
-    cp_size: int,
-    all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None,
-) -> list[torch.Tensor]:
-    """CP-local response-aligned vectors -> full ones, with one all-gather of this rank's concatenation.
-
-    ``all_gather(x)`` returns the equally shaped tensors of every CP rank in rank order.
-    """
-    if cp_size == 1:
-        return list(local)
-    if all_gather is None:
-        raise ValueError("cp_size > 1 needs an all_gather callable")
-    lens = [[cp_local_length(r, cp_size, t, n) for t, n in zip(total_lengths, response_lengths, strict=True)]
-            for r in range(cp_size)]
-    for i, x in enumerate(local):
-        if x.shape[0] != lens[cp_rank][i]:
-            raise ValueError(
-                f"sample {i}: local vector has {x.shape[0]} entries, CP rank {cp_rank} owns {lens[cp_rank][i]}"
-            )
-    width = max(sum(row) for row in lens)
-    flat = torch.cat(list(local)) if local else torch.zeros(0)
-    padded = torch.nn.functional.pad(flat, (0, width - flat.shape[0]))
-    pieces = [g[: sum(row)].split(row) for g, row in zip(all_gather(padded), lens, strict=True)]
-    return [
-        cp_unslice([pieces[r][i] for r in range(cp_size)], cp_size, t, n)
-        for i, (t, n) in enumerate(zip(total_lengths, response_lengths, strict=True))
-    ]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,43 +18,18 @@ used are stored in ``rollout_data["gae_lambdas"]`` for later chain steps (compac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from slime_ascend.algorithms.cp import cp_slice
+from slime_ascend.algorithms.cp import cp_full_vectors, cp_slice
 from slime_ascend.algorithms.gae import length_adaptive_lambda, skip_observation_gae, terminal_rewards_on_last_action
-from slime_ascend.compaction.credit import cp_full_vectors
+from slime_ascend.megatron_state import AllGather, cp_state
 
 __all__ = ["cp_state", "policy_lambdas", "sao_gae", "skip_observation_advantages"]
 
 PLUGIN_NAME = "sao"
-AllGather = Callable[[torch.Tensor], list[torch.Tensor]]
-
-
-def cp_state() -> tuple[int, int, AllGather | None]:
-    """(cp_rank, cp_size, all_gather over the CP group) from Megatron's parallel state; (0, 1, None)
-    when Megatron is absent or not initialised."""
-    try:
-        from megatron.core import mpu
-    except ImportError:
-        return 0, 1, None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and mpu.model_parallel_is_initialized()):
-        return 0, 1, None
-    size = mpu.get_context_parallel_world_size()
-    if size == 1:
-        return 0, 1, None
-    group = mpu.get_context_parallel_group()
-
-    def all_gather(x: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(out, x.contiguous(), group=group)
-        return out
-
-    return mpu.get_context_parallel_rank(), size, all_gather
 
 
 def policy_lambdas(loss_masks: Sequence[torch.Tensor], alpha: float,

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slime_ascend import hooks
-from slime_ascend.algorithms.cp import cp_local_length, cp_slice
+from slime_ascend.algorithms.cp import cp_full_vectors, cp_local_length, cp_slice
 from slime_ascend.compaction import credit
 from slime_ascend.compat.sample import get_sample_class
 from slime_ascend.plugins import runtime
@@ -345,12 +345,12 @@ def test_cp_full_vectors_reassembles_and_checks_lengths():
     fulls = [torch.arange(n, dtype=torch.float32) + 10 * i for i, n in enumerate(resps)]
     for rank in range(2):
         pieces = [cp_slice(f, rank, 2, t, n) for f, t, n in zip(fulls, totals, resps)]
-        out = credit.cp_full_vectors(pieces, totals, resps, rank, 2,
-                                     lambda x: [_padded(fulls, r, 2, totals, resps) for r in range(2)])
+        out = cp_full_vectors(pieces, totals, resps, rank, 2,
+                              lambda x: [_padded(fulls, r, 2, totals, resps) for r in range(2)])
         for a, b in zip(out, fulls):
             assert torch.equal(a, b)
     with pytest.raises(ValueError, match="owns"):
-        credit.cp_full_vectors(fulls, totals, resps, 0, 2, lambda x: [x, x])
+        cp_full_vectors(fulls, totals, resps, 0, 2, lambda x: [x, x])
 
 
 # ----------------------------------------------------------------------------------------------
