@@ -191,6 +191,11 @@ def main(
     server = make_server(engine, host=host, port=port)
     bound_host, bound_port = server.server_address[:2]
     print(f"reference engine serving {engine.server_info()['model_path']} at http://{bound_host}:{bound_port}", flush=True)
+    serve_until_interrupted(server)
+
+
+def serve_until_interrupted(server: ThreadingHTTPServer) -> None:
+    """Serve until Ctrl-C, then close the listening socket."""
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -404,12 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     adapter = VLLMAdapter(ns.vllm_url, ns.model, tp_size=ns.tp_size, sleep_level=ns.sleep_level)
     server = make_adapter_server(adapter, ns.host, ns.port)
     print(f"vllm adapter at http://{ns.host}:{server.server_address[1]} -> {ns.vllm_url}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    from ..http_api import serve_until_interrupted
+
+    serve_until_interrupted(server)
     return 0
 
 
