@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 from collections.abc import Callable
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit

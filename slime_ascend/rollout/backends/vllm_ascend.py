@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="SGLang-surface adapter in front of a vLLM (vllm-ascend) server")
     parser.add_argument("--vllm-url", required=True, help="http://host:port of the vLLM OpenAI server")
     parser.add_argument("--model", required=True, help="served model name (vLLM's --served-model-name or path)")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="bind address (default loopback; give the node's address when slime runs elsewhere)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--tp-size", type=int, default=1, help="reported to slime as the engine's GPU count")
     parser.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
