@@ -94,13 +94,17 @@ def dis_ratio(train_logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Ten
     return _ratio(train_logp, rollout_logp)
 
 
+def in_dis_band(r: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """Bool tensor: True where 1 - eps_low < r < 1 + eps_high (the strict open band; NaN is outside)."""
+    return (r > 1.0 - eps_low) & (r < 1.0 + eps_high)
+
+
 def dis_mask(
     train_logp: torch.Tensor, rollout_logp: torch.Tensor, eps_low: float, eps_high: float
 ) -> torch.Tensor:
     """Bool tensor: True where 1 - eps_low < exp(train_logp - rollout_logp) < 1 + eps_high (strict)."""
     _check_eps(eps_low, eps_high)
-    r = dis_ratio(train_logp, rollout_logp)
-    return (r > 1.0 - eps_low) & (r < 1.0 + eps_high)
+    return in_dis_band(dis_ratio(train_logp, rollout_logp), eps_low, eps_high)
 
 
 def token_mean(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -147,7 +151,7 @@ def dis_policy_loss(
             raise ValueError(f"{name} must be a tensor of shape {tuple(train_logp.shape)}")
     _check_eps(eps_low, eps_high)
     r = _ratio(train_logp, rollout_logp)
-    in_band = (r > 1.0 - eps_low) & (r < 1.0 + eps_high)
+    in_band = in_dis_band(r, eps_low, eps_high)
     trainable = loss_mask.bool()
     keep = trainable & in_band
     weight = torch.where(keep, r, torch.zeros_like(r)).to(train_logp.dtype)

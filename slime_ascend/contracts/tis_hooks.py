@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ..algorithms.cp import cp_local_length, cp_response_ranges
-from ..algorithms.masks import DIS_PRESETS, icepop_weights
+from ..algorithms.masks import DIS_PRESETS, icepop_weights, in_dis_band
 from ..algorithms.mismatch import SAFETY_BOUND
 from ..plugins.settings import SettingsError
 
@@ -199,7 +199,7 @@ def dis_apply(
     delta = _log_ratio(train_log_probs, rollout_log_probs, pg_loss.device)
     w = torch.exp(delta)  # same ratio and strict band as masks.dis_mask
     low, high = w <= 1.0 - eps_low, w >= 1.0 + eps_high
-    keep = (w > 1.0 - eps_low) & (w < 1.0 + eps_high)
+    keep = in_dis_band(w, eps_low, eps_high)
     weight = w.to(pg_loss.dtype) if reweight else torch.ones_like(pg_loss)
     new_loss = torch.where(keep, pg_loss * weight, torch.zeros_like(pg_loss))
     masks = full_keep_masks(keep, loss_masks, total_lengths, response_lengths, cp)
