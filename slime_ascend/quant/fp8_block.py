@@ -16,6 +16,7 @@ import torch
 from ._common import (
     DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, clamp_is_noop, raise_if_not_finite, rows_per_chunk,
 )
+from . import fused as _fused
 from .schemes import FP8BlockScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -33,12 +34,36 @@ def quantize_fp8_block(
     name: str = "weight",
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (q float8_e4m3fn, same shape as `weight`; scale_inv fp32 [.., ceil(N/bn), ceil(K/bk)]).
 
     `out`: optional preallocated (q, scale_inv) to write into (e.g. a reused sync buffer).
+    `fused`: run the bulk passes as torch.compile kernels (cpu/cuda; self-checked bit-identical
+    on first use, else eager); None: the `SLIME_ASCEND_QUANT_FUSED` environment variable.
     """
     check_float_weight(weight, name)
+    n, k = weight.shape[-2:]
+    if (_fused.fused_requested(fused) and _fused.fused_supported(weight.device)
+            and _fused.eligible(weight.numel(), n, k // scheme.block_size[1]) and _fused_ok(scheme, weight.dtype,
+                                                                                          weight.device)):
+        try:
+            q, s, ok = _quantize(weight, scheme, name, chunk_elems, out, True)
+            raise_if_not_finite(ok, name)
+            return q, s
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - compile/runtime failure: eager from now on
+            _fused.disable(("fp8", scheme, weight.dtype, weight.device.type), e)
+    q, s, ok = _quantize(weight, scheme, name, chunk_elems, out, False)
+    raise_if_not_finite(ok, name)
+    return q, s
+
+
+def _quantize(
+    weight: torch.Tensor, scheme: FP8BlockScheme, name: str, chunk_elems: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None, use_fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s_shape = fp8_scale_shape(weight.shape, scheme.block_size)
     if out is None:
         q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
@@ -48,13 +73,13 @@ def quantize_fp8_block(
         check_out(q, weight.shape, FP8_DTYPE, f"{name}: out[0]")
         check_out(s, s_shape, torch.float32, f"{name}: out[1]")
     ok = torch.ones((), dtype=torch.bool, device=weight.device)
+    one = _quantize_2d_fused if use_fused else _quantize_2d
     if weight.dim() == 2:
-        ok = _quantize_2d(weight, q, s, scheme, chunk_elems, ok)
+        ok = one(weight, q, s, scheme, chunk_elems, ok)
     else:
         for e in range(weight.shape[0]):
-            ok = _quantize_2d(weight[e], q[e], s[e], scheme, chunk_elems, ok)
-    raise_if_not_finite(ok, name)
-    return q, s
+            ok = one(weight[e], q[e], s[e], scheme, chunk_elems, ok)
+    return q, s, ok
 
 
 def _quantize_2d(
@@ -87,13 +112,7 @@ def _quantize_2d(
         if k_main < k:
             yt = y[:, k_main:]
             torch.maximum(yt.amax(dim=-1), yt.amin(dim=-1).neg_(), out=ra[:, kb - 1])
-        scale = torch.empty((nbr, kb), dtype=torch.float32, device=w.device)
-        if full:
-            torch.amax(ra[: full * bn].view(full, bn, kb), dim=1, out=scale[:full])
-        if tail:
-            torch.amax(ra[full * bn :], dim=0, out=scale[full])
-        amax_f = scale.clamp_(min=scheme.amax_floor)
-        scale = amax_f / fmax
+        amax_f, scale = _block_scale(ra, scheme, full, tail)
         ok = ok & torch.isfinite(scale).all()
         s_out[r0 // bn : r0 // bn + nbr].copy_(scale)
         if k_main:  # whole column blocks: broadcast the block scale, no expanded copy
@@ -116,6 +135,68 @@ def _quantize_2d(
             y.clamp_(-fmax, fmax)
         q_out[r0:r1].copy_(y)
     return ok
+
+
+def _block_scale(ra: torch.Tensor, scheme: FP8BlockScheme, full: int, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(row, column block) |max| `ra` -> (clamped block amax, scale) for `full` row blocks + a
+    `tail`-row partial block."""
+    bn = scheme.block_size[0]
+    scale = torch.empty((full + (1 if tail else 0), ra.shape[1]), dtype=torch.float32, device=ra.device)
+    if full:
+        torch.amax(ra[: full * bn].view(full, bn, ra.shape[1]), dim=1, out=scale[:full])
+    if tail:
+        torch.amax(ra[full * bn :], dim=0, out=scale[full])
+    amax_f = scale.clamp_(min=scheme.amax_floor)
+    return amax_f, amax_f / scheme.fp8_max
+
+
+def _quantize_2d_fused(
+    w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, scheme: FP8BlockScheme, chunk_elems: int,
+    ok: torch.Tensor,
+) -> torch.Tensor:
+    """`_quantize_2d` on the whole matrix with the compiled |max| and divide/clamp/cast passes."""
+    bn, bk = scheme.block_size
+    n, k = w.shape
+    if n == 0 or k == 0:
+        return ok
+    kb, kbm = math.ceil(k / bk), k // bk
+    k_main = kbm * bk
+    ra = torch.empty((n, kb), dtype=torch.float32, device=w.device)
+    if kbm:
+        ra[:, :kbm] = _fused.absmax_last(w[:, :k_main].unflatten(1, (kbm, bk)))
+    if k_main < k:
+        yt = w[:, k_main:].float()
+        torch.maximum(yt.amax(dim=-1), yt.amin(dim=-1).neg_(), out=ra[:, kb - 1])
+    _, scale = _block_scale(ra, scheme, n // bn, n % bn)
+    s_out.copy_(scale)
+    rows = scale.repeat_interleave(bn, dim=0)[:n]  # [n, kb]: each row's block scales
+    if kbm:
+        _fused.fp8_quantize(w[:, :k_main].unflatten(1, (kbm, bk)), rows[:, :kbm, None].contiguous(),
+                            q_out[:, :k_main].unflatten(1, (kbm, bk)), scheme.fp8_max)
+    if k_main < k:
+        q_out[:, k_main:].copy_(w[:, k_main:].float().div_(rows[:, kb - 1 :]).clamp_(-scheme.fp8_max, scheme.fp8_max))
+    return ok & torch.isfinite(scale).all()
+
+
+def _fused_ok(scheme: FP8BlockScheme, dtype: torch.dtype, device: torch.device) -> bool:
+    def check() -> bool:
+        bn, bk = scheme.block_size
+        fmax = scheme.fp8_max
+        probes = [_fused.probe_weight(dtype, device, rows=2 * bn + 5, cols=3 * bk + 7)]
+        ties = _fused.near_ties(dtype, device, lambda a: a.clamp(min=scheme.amax_floor) / fmax,
+                                lambda t: t.clamp(-fmax, fmax).to(FP8_DTYPE).view(torch.uint8), groups=8)
+        if ties.numel():  # one block per near-tie row: [bn, groups * bk], zeros elsewhere
+            w = torch.zeros(max(bn, 2), ties.shape[0] * bk, dtype=dtype, device=device)
+            w.view(w.shape[0], ties.shape[0], bk)[0, :, : min(bk, ties.shape[1])] = ties[:, :bk]
+            probes.append(w)
+        for w in probes:
+            a = _quantize(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, False)
+            b = _quantize(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, True)
+            if not (bool(a[2]) and bool(b[2]) and _fused.bits_equal(a[0], b[0]) and _fused.bits_equal(a[1], b[1])):
+                return False
+        return True
+
+    return _fused.verified(("fp8", scheme, dtype, device.type), check)
 
 
 def dequantize_fp8_block(

@@ -18,6 +18,7 @@ import torch
 from ._common import (
     DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, clamp_is_noop, raise_if_not_finite, rows_per_chunk,
 )
+from . import fused as _fused
 from .schemes import IntScheme
 
 
@@ -42,12 +43,38 @@ def quantize_int(
     name: str = "weight",
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     out: IntQuantized | None = None,
+    fused: bool | None = None,
 ) -> IntQuantized:
     """Quantise a [N, K] or [E, N, K] float weight with `scheme`.
 
     `out`: optional preallocated IntQuantized (q, scale, zero_point) to write into.
+    `fused`: run the bulk passes as torch.compile kernels (symmetric schemes on cpu/cuda;
+    self-checked bit-identical on first use, else eager); None: `SLIME_ASCEND_QUANT_FUSED`.
     """
     check_float_weight(weight, name)
+    rows = math.prod(weight.shape[:-1])
+    if (scheme.symmetric and _fused.fused_requested(fused) and _fused.fused_supported(weight.device)
+            and _fused.eligible(weight.numel(), rows, weight.shape[-1]) and _fused_ok(scheme, weight.dtype, weight.device)):
+        try:
+            r, ok = _quantize_int(weight, scheme, name, chunk_elems, out, True)
+            raise_if_not_finite(ok, name)
+            return r
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - compile/runtime failure: eager from now on
+            _fused.disable(_fused_key(scheme, weight), e)
+    r, ok = _quantize_int(weight, scheme, name, chunk_elems, out, False)
+    raise_if_not_finite(ok, name)
+    return r
+
+
+def _fused_key(scheme: IntScheme, weight: torch.Tensor) -> tuple:
+    return ("int", scheme, weight.dtype, weight.device.type)
+
+
+def _quantize_int(
+    weight: torch.Tensor, scheme: IntScheme, name: str, chunk_elems: int, out: IntQuantized | None, use_fused: bool,
+) -> IntQuantized:
     *lead, n, k = weight.shape
     g = _group(scheme, k, name) if k else 1
     ngroups = k // g if k else 0
@@ -68,13 +95,15 @@ def quantize_int(
             check_out(zp, (*lead, n, ngroups), torch.int8, f"{name}: out.zero_point")
     m = math.prod(lead) * n
     if m == 0 or k == 0:
-        return IntQuantized(q, scale, zp)
+        return IntQuantized(q, scale, zp), torch.ones((), dtype=torch.bool)
     w2 = weight.reshape(m, k)
     q2, s2 = q.view(m, k), scale.view(m, ngroups)
     z2 = None if zp is None else zp.view(m, ngroups)
     eps = scheme.eps
     if eps is None:
         eps = torch.finfo(round_dtype).eps if scheme.zero_rule == "eps" else torch.finfo(weight.dtype).smallest_normal
+    if use_fused:
+        return IntQuantized(q, scale, zp), _quantize_sym_fused(w2, scheme, g, eps, round_dtype, q2, s2)
     step = rows_per_chunk(k, chunk_elems)
     buf = torch.empty(min(step, m) * k, dtype=torch.float32, device=dev)
     ok = torch.ones((), dtype=torch.bool, device=dev)
@@ -91,15 +120,9 @@ def quantize_int(
         else:
             mn.clamp_(max=0.0)
             raw = mx.clamp_(min=0.0).sub_(mn).div_(qmax - qmin)
-        if scheme.zero_rule == "clamp":
-            raw.clamp_(min=eps)
-        s = raw.to(round_dtype).float()
-        if scheme.zero_rule == "eps":
-            s = torch.where(s == 0, torch.tensor(eps, dtype=torch.float32, device=dev), s)
-            s = s.to(round_dtype).float()
+        s, safe = _scale(raw, scheme, eps, round_dtype)
         ok = ok & torch.isfinite(s).all()
         s2[r0:r1].copy_(s)
-        safe = torch.where(s == 0, torch.ones_like(s), s) if scheme.zero_rule == "zero" else s
         if scheme.reciprocal:
             inv = torch.reciprocal(safe)
             y.mul_(inv.unsqueeze(-1))
@@ -122,8 +145,55 @@ def quantize_int(
             z2[r0:r1].copy_(z)
             y.clamp_(qmin, qmax)
         q2[r0:r1].copy_(y.view(rows, k))
-    raise_if_not_finite(ok, name)
-    return IntQuantized(q, scale, zp)
+    return IntQuantized(q, scale, zp), ok
+
+
+def _scale(raw: torch.Tensor, scheme: IntScheme, eps: float, round_dtype: torch.dtype):
+    """Steps 2-4 of `IntScheme` on the raw fp32 scale: (scale, divisor with zeros made safe)."""
+    if scheme.zero_rule == "clamp":
+        raw.clamp_(min=eps)
+    s = raw.to(round_dtype).float()
+    if scheme.zero_rule == "eps":
+        s = torch.where(s == 0, torch.tensor(eps, dtype=torch.float32, device=raw.device), s)
+        s = s.to(round_dtype).float()
+    safe = torch.where(s == 0, torch.ones_like(s), s) if scheme.zero_rule == "zero" else s
+    return s, safe
+
+
+def _quantize_sym_fused(
+    w2: torch.Tensor, scheme: IntScheme, g: int, eps: float, round_dtype: torch.dtype,
+    q2: torch.Tensor, s2: torch.Tensor,
+) -> torch.Tensor:
+    """The symmetric steps on the whole [M, K] weight with the compiled bulk passes; returns `ok`."""
+    m, k = w2.shape
+    # per channel: 2-D ([M, K] / [M, 1]); per group: 3-D ([M, G, g] / [M, G, 1])
+    x, q = (w2, q2) if g == k else (w2.unflatten(1, (k // g, g)), q2.view(m, k // g, g))
+    amax = _fused.absmax_last(x.unsqueeze(1) if g == k else x)
+    s, safe = _scale(amax / scheme.sym_divisor, scheme, eps, round_dtype)
+    s2.copy_(s)
+    div = torch.reciprocal(safe) if scheme.reciprocal else safe
+    _fused.int_quantize(x, div if g == k else div.unsqueeze(-1), q, float(scheme.qmin), float(scheme.qmax),
+                        scheme.reciprocal)
+    return torch.isfinite(s).all()
+
+
+def _fused_ok(scheme: IntScheme, dtype: torch.dtype, device: torch.device) -> bool:
+    def check() -> bool:
+        g = 32 if scheme.group_size is None else scheme.group_size
+        rounding = scheme.scale_round_dtype or dtype
+        ties = _fused.near_ties(dtype, device, lambda a: (a / scheme.sym_divisor).to(rounding).float(),
+                                torch.round, width=g)
+        probes = [_fused.probe_weight(dtype, device, cols=389 if scheme.group_size is None else 3 * g)]
+        if ties.numel():
+            probes.append(ties)  # one group per row
+        for w in probes:
+            a, _ = _quantize_int(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, False)
+            b, _ = _quantize_int(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, True)
+            if not (_fused.bits_equal(a.q, b.q) and _fused.bits_equal(a.scale, b.scale)):
+                return False
+        return True
+
+    return _fused.verified(("int", scheme, dtype, device.type), check)  # = _fused_key
 
 
 def dequantize_int(

@@ -1,0 +1,217 @@
+"""The opt-in torch.compile path (`fused=True`) equals the eager path and plain references bit
+for bit, and falls back to eager (one warning) when compile fails or differs."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slime_ascend.quant import fused as F
+from slime_ascend.quant import int_quant
+from slime_ascend.quant.fp8_block import quantize_fp8_block
+from slime_ascend.quant.int_quant import quantize_int
+from slime_ascend.quant.schemes import INT8_ASCEND_SCHEME, INT8_CT_SCHEME, FP8BlockScheme, int4_scheme
+
+FP8 = torch.float8_e4m3fn
+SCHEMES = {"ascend": INT8_ASCEND_SCHEME, "ct": INT8_CT_SCHEME, "int4": int4_scheme(32)}
+FP8_SMALL = FP8BlockScheme((16, 32))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def int8_sym_reference(w: torch.Tensor, divisor: float, qmin: int, qmax: int, zero_rule: str):
+    """Row by row: s = round_bf16(amax/divisor) (0 -> eps or 'quantise to 0'), q = clamp(round(x/s))."""
+    rows = w.reshape(-1, w.shape[-1])
+    q = torch.empty(rows.shape, dtype=torch.int8)
+    s = torch.empty(rows.shape[0], 1, dtype=torch.float32)
+    for i in range(rows.shape[0]):
+        x = rows[i].float()
+        sc = (x.abs().max() / divisor).to(w.dtype).float()
+        if sc == 0:
+            sc = torch.tensor(torch.finfo(w.dtype).eps).to(w.dtype).float() if zero_rule == "eps" else sc
+        s[i] = sc
+        q[i] = torch.round(x / (sc if sc != 0 else 1.0)).clamp(qmin, qmax).to(torch.int8)
+    return q.view(w.shape), s
+
+
+def fp8_reference(w: torch.Tensor, bn: int, bk: int):
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=FP8)
+    s = torch.empty(math.ceil(n / bn), math.ceil(k / bk), dtype=torch.float32)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].float()
+            sc = torch.tensor(max(float(blk.abs().max()), 1e-12), dtype=torch.float32) / 448.0
+            s[i, j] = sc
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / sc).clamp(-448, 448).to(FP8)
+    return q, s
+
+
+@st.composite
+def weights(draw, multiple: int = 1):
+    """bf16 weights of awkward shapes (1xN, N not a multiple of the block, 3-D experts) with
+    zero rows, ±max entries, exact .5 ties and -0.0."""
+    experts = draw(st.sampled_from([None, 1, 3]))
+    n = draw(st.integers(1, 40))  # n == 1 (and a single column block) take the eager path by design
+    k = multiple * draw(st.integers(1, 9)) if multiple > 1 else draw(st.integers(1, 300))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, k) if experts is None else (experts, n, k)
+    w = torch.randn(shape, generator=g) * 10.0 ** draw(st.integers(-3, 1))
+    flat = w.view(-1, k)
+    kind = draw(st.sampled_from(["plain", "zero_row", "max", "ties", "negzero"]))
+    r = draw(st.integers(0, flat.shape[0] - 1))
+    if kind == "zero_row":
+        flat[r] = 0.0
+    elif kind == "max":
+        flat[r, 0] = torch.finfo(torch.bfloat16).max * (1 if seed % 2 else -1)
+    elif kind == "ties":  # row max 127 -> scale 1 (ascend): every j + .5 is an exact tie
+        flat[r] = torch.randint(-127, 127, (k,), generator=g).float() + 0.5
+        flat[r, 0] = 127.0
+    elif kind == "negzero":
+        flat[r] = -0.0
+    return w.to(torch.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts(monkeypatch):
+    monkeypatch.setattr(F, "MIN_FUSED_NUMEL", 0)  # small shapes take the fused path too
+    F.reset()
+    yield
+    F.reset()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=weights(), name=st.sampled_from(["ascend", "ct"]))
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a disabled fused path fails the test
+def test_int8_fused_equals_eager_and_reference(w, name):
+    scheme = SCHEMES[name]
+    eager = quantize_int(w, scheme, fused=False)
+    fast = quantize_int(w, scheme, fused=True)
+    assert torch.equal(bits(fast.q), bits(eager.q))
+    assert torch.equal(bits(fast.scale), bits(eager.scale))
+    ref_q, ref_s = int8_sym_reference(w, scheme.sym_divisor, scheme.qmin, scheme.qmax, scheme.zero_rule)
+    assert torch.equal(eager.q, ref_q)
+    assert torch.equal(bits(eager.scale.float().reshape(-1, 1)), bits(ref_s))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=weights(multiple=32))
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a disabled fused path fails the test
+def test_int4_group_fused_equals_eager(w):
+    eager = quantize_int(w, SCHEMES["int4"], fused=False)
+    fast = quantize_int(w, SCHEMES["int4"], fused=True)
+    assert torch.equal(fast.q, eager.q) and torch.equal(bits(fast.scale), bits(eager.scale))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=weights())
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a disabled fused path fails the test
+def test_fp8_fused_equals_eager_and_reference(w):
+    eager = quantize_fp8_block(w, FP8_SMALL, fused=False)
+    fast = quantize_fp8_block(w, FP8_SMALL, fused=True)
+    assert torch.equal(bits(fast[0]), bits(eager[0])) and torch.equal(bits(fast[1]), bits(eager[1]))
+    for e in range(w.shape[0] if w.dim() == 3 else 1):
+        we, qe, se = (w[e], eager[0][e], eager[1][e]) if w.dim() == 3 else (w, eager[0], eager[1])
+        rq, rs = fp8_reference(we, *FP8_SMALL.block_size)
+        assert torch.equal(bits(qe), bits(rq)) and torch.equal(bits(se), bits(rs))
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a disabled fused path fails the test
+def test_fused_writes_into_out_and_handles_the_probe():
+    w = F.probe_weight(torch.bfloat16, torch.device("cpu"), rows=70, cols=300)
+    out = quantize_int(w, INT8_CT_SCHEME, fused=False)
+    mine = int_quant.IntQuantized(torch.full_like(out.q, 5), torch.zeros_like(out.scale), None)
+    res = quantize_int(w, INT8_CT_SCHEME, fused=True, out=mine)
+    assert res.q is mine.q and torch.equal(mine.q, out.q) and torch.equal(bits(mine.scale), bits(out.scale))
+
+
+def test_nan_still_refused_on_the_fused_path():
+    w = torch.randn(4, 256, dtype=torch.bfloat16)
+    w[2, 7] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_int(w, INT8_ASCEND_SCHEME, fused=True)
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_fp8_block(w, FP8_SMALL, fused=True)
+
+
+def _reciprocal_int(x, safe, out, qmin, qmax, reciprocal):  # a plausible but wrong kernel
+    out.copy_((x.float() * torch.reciprocal(safe)).round().clamp(qmin, qmax).to(torch.int8))
+
+
+def _reciprocal_fp8(x, scale, out, fmax):
+    out.copy_((x.float() * torch.reciprocal(scale)).clamp(-fmax, fmax).to(FP8))
+
+
+def test_self_check_catches_multiply_by_reciprocal_and_falls_back(monkeypatch):
+    """The probe has teeth: x * (1/s) instead of x / s is detected, and the result is the eager one."""
+    monkeypatch.setattr(F, "int_quantize", _reciprocal_int)
+    monkeypatch.setattr(F, "fp8_quantize", _reciprocal_fp8)
+    w = torch.randn(9, 300, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="differs from the eager path"):
+        got = quantize_int(w, INT8_ASCEND_SCHEME, fused=True)
+    assert torch.equal(got.q, quantize_int(w, INT8_ASCEND_SCHEME, fused=False).q)
+    with pytest.warns(RuntimeWarning, match="differs"):
+        q, s = quantize_fp8_block(w, FP8BlockScheme(), fused=True)
+    assert torch.equal(bits(q), bits(quantize_fp8_block(w, fused=False)[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per key, not per call
+        quantize_int(w, INT8_ASCEND_SCHEME, fused=True)
+
+
+def test_compile_error_falls_back_with_one_warning(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(F, "absmax_last", boom)
+    w = torch.randn(5, 64, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="no compiler"):
+        got = quantize_int(w, INT8_CT_SCHEME, fused=True)
+    assert torch.equal(got.q, quantize_int(w, INT8_CT_SCHEME).q)
+    with pytest.warns(RuntimeWarning, match="no compiler"):
+        quantize_fp8_block(w, FP8_SMALL, fused=True)
+
+
+def test_recompile_failure_falls_back(monkeypatch):
+    w = torch.randn(8, 256, dtype=torch.bfloat16)
+    quantize_int(w, INT8_CT_SCHEME, fused=True)  # self-check passed
+
+    def limit(*a, **k):
+        raise RuntimeError("recompile limit")
+
+    monkeypatch.setattr(F, "int_quantize", limit)
+    with pytest.warns(RuntimeWarning, match="recompile limit"):
+        got = quantize_int(w, INT8_CT_SCHEME, fused=True)
+    assert torch.equal(got.q, quantize_int(w, INT8_CT_SCHEME).q)
+
+
+def test_tiny_weights_stay_eager(monkeypatch):
+    monkeypatch.setattr(F, "MIN_FUSED_NUMEL", 1 << 16)
+    monkeypatch.setattr(F, "absmax_last", lambda *a: (_ for _ in ()).throw(AssertionError("fused used")))
+    quantize_int(torch.randn(3, 64, dtype=torch.bfloat16), INT8_CT_SCHEME, fused=True)
+    quantize_fp8_block(torch.randn(1, 4096, dtype=torch.bfloat16), fused=True)
+
+
+def test_switch(monkeypatch):
+    monkeypatch.delenv(F.ENV_VAR, raising=False)
+    assert F.fused_requested(None) is False
+    monkeypatch.setenv(F.ENV_VAR, "compile")
+    assert F.fused_requested(None) is True and F.fused_requested(False) is False
+    monkeypatch.setenv(F.ENV_VAR, "turbo")
+    with pytest.raises(ValueError, match=F.ENV_VAR):
+        F.fused_requested(None)
+    assert not F.fused_supported(torch.device("meta"))  # only cpu / cuda get compiled kernels
+    assert F.fused_supported(torch.device("cpu"))
+
+
+def test_asymmetric_schemes_stay_eager(monkeypatch):
+    monkeypatch.setattr(F, "absmax_last", lambda *a: (_ for _ in ()).throw(AssertionError("fused used")))
+    w = torch.randn(3, 64, dtype=torch.bfloat16)
+    quantize_int(w, int4_scheme(32, symmetric=False), fused=True)
