@@ -37,10 +37,11 @@ class DemoConfig:
     plugins: tuple[str, ...] = DEFAULT_PLUGINS
     seed: int = 0
     out: str = "slime_ascend_demo"
-    batch: int = 16  # rollouts per step (one sample per prompt, as SAO wants)
-    long_fraction: float = 0.25
-    fillers: tuple[int, int] = (3, 5)
-    lr: float = 5e-4
+    batch: int = 32  # rollouts per step (one sample per prompt, as SAO wants)
+    long_fraction: float = 0.125
+    fillers: tuple[int, int] = (2, 3)
+    lr: float = 1e-3
+    lr_warmup_steps: int = 3
     critic_lr: float = 3e-3
     max_new_tokens: int = 1
     context_budget: int = 192
@@ -148,10 +149,12 @@ def _episodes(cfg: DemoConfig, step: int) -> list[dict[str, Any]]:
 
 
 def _write_prompts(root: Path) -> dict[str, str]:
+    from slime_ascend.demo.task import RESUME_TEMPLATE, SUMMARY_PROMPT
+
     root.mkdir(parents=True, exist_ok=True)
     summary, resume = root / "summary_prompt.txt", root / "resume_template.txt"
-    summary.write_text("Summarize:\n")
-    resume.write_text("{task}\nnotes: {summary}\n")
+    summary.write_text(SUMMARY_PROMPT)
+    resume.write_text(RESUME_TEMPLATE)
     return {"summary_prompt": str(summary), "resume_template": str(resume)}
 
 
@@ -226,6 +229,7 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
         sampling = {"temperature": 1.0, "max_new_tokens": cfg.max_new_tokens}
         trainer = ray.remote(num_cpus=1)(Trainer).remote(
             args, ckpt["policy"], str(out), lr=cfg.lr, critic_lr=cfg.critic_lr, seed=cfg.seed,
+            lr_warmup_steps=cfg.lr_warmup_steps,
             sync_format=_sync_format(tuple(cfg.plugins)))
         ray.get(rollout.set_args.remote(args, sampling, cfg.concurrency, cfg.late_long_episodes))
         log(f"engines: rollout {urls['engine']}, teachers {urls['teacher']}; actors ready in "

@@ -9,11 +9,11 @@
 
 Starting points, all seeded and trained here in seconds (``prepare_checkpoints``):
 
-* the initial policy: the tiny random Qwen3 fine-tuned to answer *a uniformly random digit* then
-  ``</s>`` (the answer format), then a short, deliberately incomplete pass on the right answers (a weak
-  SFT start, about 20-30% reward), which RL then improves;
-* two teachers from that same policy (same origin), each fine-tuned on the right answers of one
-  domain: the ``copy`` teacher and the ``next`` teacher.
+* the initial policy: the tiny random Qwen3 fine-tuned on the right answers, then its ``lm_head``
+  alone calibrated to hedge (about 30% on the right digit, the rest spread over the other digits):
+  it "knows but hedges", which RL then sharpens;
+* two teachers from that same policy (same origin), each fine-tuned to answer its own domain
+  confidently (about 90%) while it still hedges on the other: the ``copy`` and ``next`` teachers.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ __all__ = [
 ]
 
 DOMAINS = ("copy", "next")
+LONG_TASK_TEXT = "read the log, then answer"  # the first user turn of a long episode
+SUMMARY_PROMPT = "Summarize:\n"  # the compaction plugin's summary instruction, as the demo configures it
+RESUME_TEMPLATE = "{task}\nnotes: {summary}\n"  # ... and its resume template
 _FILLER_WORDS = ("cache", "warm", "queue", "idle", "shard", "ready", "flush", "tick", "scan", "node", "sync", "ok")
 
 
@@ -112,7 +115,7 @@ class DigitsEnv:
         self._done = False
         if self._left == 0:
             return question_text(task["domain"], int(task["digit"]))
-        return "read the log, then answer"
+        return LONG_TASK_TEXT
 
     def step(self, action: str) -> StepResult:
         if self._done:
@@ -154,42 +157,94 @@ async def async_task_reward(args: Any, sample: Any, **kwargs: Any) -> float:
 # ---------------------------------------------------------------------------------------------------
 # starting checkpoints
 # ---------------------------------------------------------------------------------------------------
-def _sft(model: Any, examples: Sequence[tuple[list[int], list[int]]], steps: int, lr: float, seed: int,
-         uniform_first: Sequence[int] | None = None) -> float:
-    """Full-batch supervised steps on (prompt ids, target ids) pairs; loss on the targets only.
+@dataclass(frozen=True)
+class Transcript:
+    """A supervised token sequence: ``targets`` are ``(position, token)`` pairs, the logit at ``position``
+    predicting ``token``; ``answer`` is the index in ``targets`` of the answer digit (or ``None``)."""
 
-    ``uniform_first``: the first target position is trained towards the uniform distribution over these
-    token ids instead of the given token (the answer format without the answer).
+    ids: tuple[int, ...]
+    targets: tuple[tuple[int, int], ...]
+    answer: int | None = None
+    domain: str | None = None
+
+
+def task_transcripts(tok: Any) -> list[Transcript]:
+    """What the starting checkpoints are fine-tuned on: every question of both domains asked at once,
+    answered with its digit and ``eos``. (Long episodes are left to RL: fine-tuning on their contexts
+    made the policy's attention so sharp that one RL step moved its log-probs by several nats.)"""
+    out = []
+    eos = int(tok.eos_token_id)
+    for dom in DOMAINS:
+        for d in range(10):
+            ids = [int(t) for t in tok.encode(prompt_text(dom, d), add_special_tokens=False)]
+            answer = int(tok.encode(answer_for(dom, d), add_special_tokens=False)[0])
+            out.append(Transcript(tuple(ids + [answer, eos]), ((len(ids) - 1, answer), (len(ids), eos)), 0, dom))
+    return out
+
+
+def _buckets(examples: Sequence[Transcript], size: int = 20) -> list[list[int]]:
+    """Example indices grouped by length (short sequences are not padded to long ones)."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def _sft(model: Any, examples: Sequence[Transcript], steps: int, lr: float, seed: int, *,
+         answer_prob: float | Sequence[float] = 1.0, answer_ids: Sequence[int] = (),
+         head_only: bool = False) -> float:
+    """Full-batch supervised steps on transcripts (cross-entropy of every target token); the last loss.
+
+    ``answer_prob < 1`` (one value, or one per example): an example's answer target is trained towards a
+    soft label instead, this probability on the answer and the rest spread evenly over the other
+    ``answer_ids`` (a calibrated answer). ``head_only``: only ``lm_head`` is trained, on features computed
+    once (the rest of the model is fixed, so that is the same optimisation, just cheaper).
     """
     import torch
 
+    probs = [float(answer_prob)] * len(examples) if isinstance(answer_prob, (int, float)) else list(answer_prob)
+    if len(probs) != len(examples) or not all(0.0 < q <= 1.0 for q in probs):
+        raise ValueError(f"answer_prob must be in (0, 1], one value or one per example; got {answer_prob}")
+    if any(q < 1.0 for q in probs) and len(answer_ids) < 2:
+        raise ValueError("answer_ids must list at least two tokens when answer_prob < 1")
     torch.manual_seed(seed)
-    width = max(len(p) + len(t) for p, t in examples)
-    ids = torch.zeros(len(examples), width, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    attn = torch.zeros(len(examples), width, dtype=torch.long)
-    first = torch.zeros(len(examples), dtype=torch.long)
-    for i, (p, t) in enumerate(examples):
-        seq = p + t
-        ids[i, : len(seq)] = torch.tensor(seq)
-        attn[i, : len(seq)] = 1
-        labels[i, len(p) : len(seq)] = torch.tensor(t)
-        first[i] = len(p) - 1  # logit position predicting the first target
-    soft = None
-    if uniform_first is not None:
-        soft = torch.zeros(model.config.vocab_size)
-        soft[list(uniform_first)] = 1.0 / len(uniform_first)
-        labels[torch.arange(len(examples)), first + 1] = -100
+    vocab = model.config.vocab_size
+    buckets = []
+    for idx in _buckets(examples):
+        width = max(len(examples[i].ids) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        rows, cols, soft = [], [], []
+        for r, i in enumerate(idx):
+            ex = examples[i]
+            ids[r, : len(ex.ids)] = torch.tensor(ex.ids)
+            attn[r, : len(ex.ids)] = 1
+            for k, (pos, token) in enumerate(ex.targets):
+                label = torch.zeros(vocab)
+                q = probs[i] if k == ex.answer else 1.0
+                if q < 1.0:
+                    label[list(answer_ids)] = (1.0 - q) / (len(answer_ids) - 1)
+                label[token] = q
+                rows.append(r)
+                cols.append(pos)
+                soft.append(label)
+        buckets.append((ids, attn, torch.tensor(rows), torch.tensor(cols), torch.stack(soft)))
+
+    def features(ids, attn, rows, cols):  # final hidden states at the target positions
+        return model.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[rows, cols]
+
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    params = [model.lm_head.weight] if head_only else list(model.parameters())
+    opt = torch.optim.Adam(params, lr=lr)
+    fixed = None
+    if head_only:
+        with torch.no_grad():
+            fixed = [features(ids, attn, rows, cols) for ids, attn, rows, cols, _ in buckets]
+    n = len(examples)
     loss_value = float("nan")
     for _ in range(steps):
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
-        shifted = logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1))
-        if soft is not None:
-            lp = torch.log_softmax(logits[torch.arange(len(examples)), first], dim=-1)
-            loss = loss - (lp * soft).sum(-1).mean()
+        loss = torch.zeros(())
+        for k, (ids, attn, rows, cols, soft) in enumerate(buckets):
+            h = fixed[k] if fixed is not None else features(ids, attn, rows, cols)
+            loss = loss - (torch.log_softmax(model.lm_head(h).float(), dim=-1) * soft).sum() / n
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -198,23 +253,54 @@ def _sft(model: Any, examples: Sequence[tuple[list[int], list[int]]], steps: int
     return loss_value
 
 
-def _answer_prob(model: Any, examples: Sequence[tuple[list[int], list[int]]]) -> float:
-    """Mean probability of the first target token (the answer digit) over ``examples``."""
+def _answer_prob(model: Any, examples: Sequence[Transcript]) -> float:
+    """Mean probability of the answer target over ``examples`` that have one."""
     import torch
 
+    total, count = 0.0, 0
     with torch.no_grad():
-        total = 0.0
-        for p, t in examples:
-            logits = model(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1].float()
-            total += float(torch.softmax(logits, -1)[t[0]])
-    return total / len(examples)
+        for ex in examples:
+            if ex.answer is None:
+                continue
+            pos, token = ex.targets[ex.answer]
+            logits = model(input_ids=torch.tensor([ex.ids[: pos + 1]]), use_cache=False).logits[0, -1].float()
+            total += float(torch.softmax(logits, -1)[token])
+            count += 1
+    return total / max(1, count)
 
 
-def prepare_checkpoints(out_dir: str | Path, seed: int, *, warm_steps: int = 40, teacher_steps: int = 40,
-                        start_prob: float = 0.3, teacher_prob: float = 0.95, max_rounds: int = 40,
-                        sft_lr: float = 3e-3,
-                        lr: float = 1e-2) -> dict[str, str]:
+def _sft_until(model: Any, examples: Sequence[Transcript], judged: Sequence[Transcript], level: float,
+               round_steps: int, max_rounds: int, lr: float, seed: int, name: str, **kwargs: Any) -> float:
+    """:func:`_sft` in rounds (a fresh optimizer each) until the answer probability on ``judged`` reaches
+    ``level``; returns it. Raises when ``max_rounds`` do not get there."""
+    prob = _answer_prob(model, judged)
+    for r in range(max_rounds):
+        if prob >= level:
+            return prob
+        _sft(model, examples, round_steps, lr, seed + r, **kwargs)
+        prob = _answer_prob(model, judged)
+    if prob < level:
+        raise RuntimeError(f"fine-tuning {name} reached p(answer) {prob:.3f} < {level:.3f} after {max_rounds} rounds "
+                           f"of {round_steps} steps; raise max_rounds or sft_lr")
+    return prob
+
+
+def prepare_checkpoints(out_dir: str | Path, seed: int, *, sft_lr: float = 3e-3, sft_prob: float = 0.95,
+                        start_prob: float = 0.3, teacher_prob: float = 0.9, calibrate_steps: int = 100,
+                        calibrate_lr: float = 1e-2, round_steps: int = 50, max_rounds: int = 8) -> dict[str, str]:
     """Write ``policy_init``, ``teacher_copy`` and ``teacher_next`` HF directories under ``out_dir``.
+
+    * ``policy_init``: the tiny random Qwen3 fine-tuned on :func:`task_transcripts` (both domains'
+      answers), so its features learn the task; then its ``lm_head`` alone calibrated to an under-confident answer, ``start_prob`` on
+      the right digit and the rest spread over the other digits: a policy that "knows but hedges", as a
+      pretrained model often does, which RL then sharpens.
+    * ``teacher_<domain>``: the same policy (same origin) fine-tuned to ``teacher_prob`` on its own
+      domain's answers (confident, not saturated) while it still hedges (``start_prob``) on the other
+      domain: each teacher is the expert of one domain only.
+
+    Fine-tuning runs in rounds of ``round_steps`` until the answer probability reaches its level
+    (``sft_prob``; ``teacher_prob`` on the teacher's domain), at most ``max_rounds``; it is an error
+    if it does not get there (the demo would then start from a policy that does not know the task).
 
     Returns ``{"policy": dir, "copy": dir, "next": dir}``. Deterministic given ``seed``.
     """
@@ -226,34 +312,37 @@ def prepare_checkpoints(out_dir: str | Path, seed: int, *, warm_steps: int = 40,
 
     out_dir = Path(out_dir)
     tok = build_byte_tokenizer()
-    eos = int(tok.eos_token_id)
-
-    def enc(text: str) -> list[int]:
-        return list(tok.encode(text, add_special_tokens=False))
-
-    digit_ids = [enc(str(d))[0] for d in range(10)]
-    prompts = {(dom, d): enc(prompt_text(dom, d)) for dom in DOMAINS for d in range(10)}
+    digit_ids = [int(tok.encode(str(d), add_special_tokens=False)[0]) for d in range(10)]
+    examples = task_transcripts(tok)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: one thread is fastest and deterministic
-    with torch.random.fork_rng():
-        policy = load_model(None, seed=seed).float()
-        # format only: every digit is a target for every prompt -> uniform over the digits
-        warm = [(p, [digit_ids[0], eos]) for p in prompts.values()]
-        _sft(policy, warm, warm_steps, lr, seed, uniform_first=digit_ids)
-        # then a short, deliberately incomplete pass on the right answers: a weak SFT start (~20-30%)
-        answers = [(p, [digit_ids[int(answer_for(dom, d))], eos]) for (dom, d), p in prompts.items()]
-        for r in range(max_rounds):  # rounds of 10 steps until p(right answer) reaches the start level
-            if _answer_prob(policy, answers) >= start_prob:
-                break
-            _sft(policy, answers, 10, sft_lr, seed + 7 + r)
-        dirs = {"policy": str(save_model(policy, out_dir / "policy_init", tok))}
-        for k, dom in enumerate(DOMAINS):
-            teacher = copy.deepcopy(policy)
-            data = [(p, [digit_ids[int(answer_for(dom, d))], eos]) for (pd, d), p in prompts.items() if pd == dom]
-            for r in range(max_rounds):  # a fresh optimizer per round converges more reliably here
-                if _answer_prob(teacher, data) >= teacher_prob:
-                    break
-                _sft(teacher, data, teacher_steps, lr, seed + 1 + k + 100 * r)
-            dirs[dom] = str(save_model(teacher, out_dir / f"teacher_{dom}", tok))
-    torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng():
+            policy = load_model(None, seed=seed).float()
+            _sft_until(policy, examples, examples, sft_prob, round_steps, max_rounds, sft_lr, seed, "policy_init")
+            _sft(policy, examples, calibrate_steps, calibrate_lr, seed + 1, answer_prob=start_prob,
+                 answer_ids=digit_ids, head_only=True)
+            dirs = {"policy": str(save_model(policy, out_dir / "policy_init", tok))}
+            for k, dom in enumerate(DOMAINS):
+                teacher = copy.deepcopy(policy)  # an expert of its domain; it still hedges on the other one
+                target = [teacher_prob if ex.domain == dom else start_prob for ex in examples]
+                own = [ex for ex in examples if ex.domain == dom]
+                _sft_until(teacher, examples, own, teacher_prob - 0.02, round_steps, max_rounds, sft_lr,
+                           seed + 2 + 100 * k, f"teacher_{dom}", answer_prob=target, answer_ids=digit_ids)
+                dirs[dom] = str(save_model(teacher, out_dir / f"teacher_{dom}", tok))
+    finally:
+        torch.set_num_threads(threads)
     return dirs
+
+
+def checkpoint_answer_probs(dirs: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Mean p(right answer) of each checkpoint per domain over :func:`task_transcripts`."""
+    from slime_ascend.rollout.reference_model import build_byte_tokenizer, load_model
+
+    tok = build_byte_tokenizer()
+    examples = task_transcripts(tok)
+    report: dict[str, dict[str, float]] = {}
+    for name, path in dirs.items():
+        model = load_model(path).float().eval()
+        report[name] = {dom: round(_answer_prob(model, [e for e in examples if e.domain == dom]), 3) for dom in DOMAINS}
+    return report

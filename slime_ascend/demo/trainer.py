@@ -110,7 +110,7 @@ class Trainer:
     """Policy + critic with their optimizers, a weight version, and the sync export."""
 
     def __init__(self, args: argparse.Namespace, policy_dir: str, out_dir: str, *, lr: float, critic_lr: float,
-                 seed: int, sync_format: str | None) -> None:
+                 seed: int, sync_format: str | None, lr_warmup_steps: int = 0) -> None:
         from slime_ascend.demo import slime_train_api
         from slime_ascend.rollout.reference_model import load_model
 
@@ -129,6 +129,9 @@ class Trainer:
         self.frozen_critic_params = sorted(frozen)
         self.policy.role = "actor"
         self.opt = torch.optim.Adam(self.policy.parameters(), lr=lr)
+        # Megatron's --lr-warmup-iters: linear warmup of the actor's learning rate over the first rollouts
+        # (Adam's first updates are sign-like, whatever the gradient's size; warmup keeps them small)
+        self.lr, self.lr_warmup_steps = lr, int(lr_warmup_steps)
         self.critic_opt = torch.optim.Adam([p for p in self.critic.parameters() if p.requires_grad], lr=critic_lr)
         self.version = 0
         self.sync_format = sync_format
@@ -267,6 +270,8 @@ class Trainer:
                         kl=[torch.zeros_like(v) for v in values])
         hooks.advantage_function(self.args, actor_rd)
         adv = torch.cat([a.flatten() for a in actor_rd["advantages"]]) if actor_rd["advantages"] else torch.zeros(0)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr * min(1.0, (step + 1) / self.lr_warmup_steps) if self.lr_warmup_steps else self.lr
         m = self._step(self.args, actor_rd, self.policy, self.opt, self._policy_logits, step, 0)
         metrics.update({f"actor/{k}": v for k, v in m.items()})
         metrics["actor/advantage_mean"] = float(adv.mean()) if adv.numel() else 0.0
