@@ -40,6 +40,7 @@ import torch
 __all__ = [
     "DISBand",
     "DIS_PRESETS",
+    "resolve_dis_band",
     "dis_ratio",
     "dis_mask",
     "dis_policy_loss",
@@ -65,6 +66,31 @@ DIS_PRESETS: dict[str, DISBand] = {
     "maths": DISBand(0.3, 5.0),
     "coding": DISBand(0.8, 3.0),
 }
+
+
+def resolve_dis_band(preset: str, eps_low: float | None, eps_high: float | None, key_prefix: str) -> DISBand:
+    """The band a DIS configuration names: a preset, or ``custom`` with both eps (> 0, finite).
+
+    ``key_prefix`` is the settings prefix the user wrote (``ascend_dis_``, ``ascend_sao_dis_``); the errors
+    name those keys. Eps set together with a named preset is an error too (it would be ignored).
+    """
+    if preset == "custom":
+        for name, value in (("eps_low", eps_low), ("eps_high", eps_high)):
+            if value is None or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"{key_prefix}preset is 'custom' but {key_prefix}{name}={value!r}. Fix: set {key_prefix}{name} "
+                    "to a number > 0 in the YAML"
+                )
+        return DISBand(float(eps_low), float(eps_high))
+    if preset not in DIS_PRESETS:
+        raise ValueError(f"{key_prefix}preset={preset!r}; use one of {sorted(DIS_PRESETS)} or 'custom'")
+    if eps_low is not None or eps_high is not None:
+        raise ValueError(
+            f"{key_prefix}eps_low/eps_high are set but {key_prefix}preset={preset!r} defines the band "
+            f"{tuple(DIS_PRESETS[preset])}. Fix: set the preset to custom ({key_prefix}preset: custom) to use "
+            "your own band, or remove the eps settings"
+        )
+    return DIS_PRESETS[preset]
 
 
 def _check_pair(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> None:

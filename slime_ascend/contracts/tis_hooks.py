@@ -40,7 +40,6 @@ sample).
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 
 from ..algorithms.cp import cp_local_length, cp_response_ranges
-from ..algorithms.masks import DIS_PRESETS, icepop_weights, in_dis_band
+from ..algorithms.masks import icepop_weights, in_dis_band, resolve_dis_band
 from ..algorithms.mismatch import SAFETY_BOUND
 from ..plugins.settings import SettingsError
 
@@ -174,9 +173,7 @@ def _mismatch_metrics(prefix: str, delta: torch.Tensor, keep: torch.Tensor) -> d
 # ---- DIS -------------------------------------------------------------------------------------------
 def dis_band(settings: Any) -> tuple[float, float]:
     """(eps_low, eps_high) from the ``dis`` settings view."""
-    if settings.preset == "custom":
-        return float(settings.eps_low), float(settings.eps_high)
-    band = DIS_PRESETS[settings.preset]
+    band = resolve_dis_band(settings.preset, settings.eps_low, settings.eps_high, "ascend_dis_")
     return band.eps_low, band.eps_high
 
 
@@ -290,19 +287,10 @@ def _check_tis_args(args: Any, plugin: str) -> None:
 
 def validate_dis(args: Any, settings: Any) -> None:
     _check_tis_args(args, "dis")
-    if settings.preset == "custom":
-        for name in ("eps_low", "eps_high"):
-            value = getattr(settings, name)
-            if value is None or not math.isfinite(value) or value <= 0:
-                raise SettingsError(
-                    f"ascend_dis_preset is 'custom' but ascend_dis_{name}={value!r}. Fix: set ascend_dis_{name} "
-                    "to a number > 0 in the YAML"
-                )
-    elif settings.eps_low is not None or settings.eps_high is not None:
-        raise SettingsError(
-            f"ascend_dis_eps_low/eps_high are set but ascend_dis_preset={settings.preset!r} defines the band "
-            f"{tuple(DIS_PRESETS[settings.preset])}. Fix: set ascend_dis_preset: custom, or remove the eps settings"
-        )
+    try:
+        dis_band(settings)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     from ..plugins import runtime
 
     if "icepop" in runtime.enabled_names(args) and settings.weight == "ratio":

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from slime_ascend.algorithms.cp import cp_slice
-from slime_ascend.algorithms.masks import DIS_PRESETS, DISBand, dis_policy_loss, dis_ratio
+from slime_ascend.algorithms.masks import DISBand, dis_policy_loss, dis_ratio, resolve_dis_band
 from slime_ascend.algorithms.value_loss import clipped_value_loss
 
 __all__ = ["dis_band", "dis_loss", "local_loss_masks", "sao_loss", "value_loss"]
@@ -34,21 +34,7 @@ Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 def dis_band(settings: Any) -> DISBand:
     """The DIS band of the sao settings (preset, or the two custom eps)."""
-    preset = settings.dis_preset
-    low, high = settings.dis_eps_low, settings.dis_eps_high
-    if preset == "custom":
-        if low is None or high is None or not low > 0 or not high > 0:
-            raise ValueError(
-                "sao: ascend_sao_dis_preset is 'custom' but ascend_sao_dis_eps_low / ascend_sao_dis_eps_high are "
-                f"({low!r}, {high!r}). Fix: set both to numbers > 0 in the YAML"
-            )
-        return DISBand(float(low), float(high))
-    if low is not None or high is not None:
-        raise ValueError(
-            f"sao: ascend_sao_dis_eps_low/high are set but ascend_sao_dis_preset is {preset!r}. Fix: set the preset "
-            "to 'custom' to use your own band, or set both eps to null"
-        )
-    return DIS_PRESETS[preset]
+    return resolve_dis_band(settings.dis_preset, settings.dis_eps_low, settings.dis_eps_high, "ascend_sao_dis_")
 
 
 def local_loss_masks(loss_masks: Sequence[torch.Tensor], total_lengths: Sequence[int],

@@ -12,6 +12,7 @@ import sao_toy_actor
 import torch
 
 from slime_ascend import hooks
+from slime_ascend.algorithms.masks import DIS_PRESETS
 from slime_ascend.patch.train import critic_advantage_function as caf
 from slime_ascend.patch.train import critic_train_iters as cti
 from slime_ascend.sao import critic, freeze
@@ -143,7 +144,7 @@ def run(args, modules, iterations, seed=0):
         mask = MASK.repeat(B)
         loss, metrics = sao_loss.dis_loss(train_lp.reshape(-1), rollout_lp.reshape(-1),
                                           torch.cat(actor_data["advantages"]), mask,
-                                          lambda x: (x * mask).sum() / mask.sum(), sao_loss.DIS_PRESETS["maths"])
+                                          lambda x: (x * mask).sum() / mask.sum(), DIS_PRESETS["maths"])
         policy_opt.zero_grad()
         loss.backward()
         policy_opt.step()
