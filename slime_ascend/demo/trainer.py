@@ -91,9 +91,8 @@ def quantize_for_sync(args: Any, named: list[tuple[str, torch.Tensor]],
 
     slime calls ``quantize_params(args, megatron_name, converted_named_params, quantization_config,
     transform_ue8m0)`` per Megatron parameter with its HF-named tensors; ``None`` means "not ours"
-    and slime's own quantizer runs. DEMO FALLBACK (to be removed once ``slime_ascend.weight_sync``
-    lands): without an enabled sync plugin the same ``slime_ascend.quant`` function the plugin wraps
-    is called directly.
+    and slime's own quantizer runs. When the sync plugin cannot load here (``available_plugins`` says
+    why at start), the same ``slime_ascend.quant`` function the plugin wraps is called directly.
     """
     if quantization_config is None:
         return named
