@@ -196,13 +196,16 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
     import ray
 
     from slime_ascend.demo.rollout import RolloutWorker
-    from slime_ascend.demo.task import prepare_checkpoints
+    from slime_ascend.demo.task import checkpoint_answer_probs, prepare_checkpoints
     from slime_ascend.demo.trainer import Trainer
 
     log(f"slime-ascend demo: plugins {', '.join(plugins)}; seed {cfg.seed}; {cfg.steps} steps; output {out}")
     t0 = time.perf_counter()
     ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
-    log(f"prepared the initial policy and two teachers in {time.perf_counter() - t0:.1f}s")
+    start = checkpoint_answer_probs(ckpt)
+    levels = ", ".join(("policy" if name == "policy" else f"teacher {name}") + " ("
+                       + ", ".join(f"{dom} {p:.2f}" for dom, p in probs.items()) + ")" for name, probs in start.items())
+    log(f"prepared the initial policy and two teachers in {time.perf_counter() - t0:.1f}s; p(right answer): {levels}")
     paths = dict(ckpt, yaml=str(out / "ascend.yaml"), teacher_stage=str(out / "teacher_stage"),
                  **_write_prompts(out / "prompts"))
     if "sao" in plugins:
@@ -214,7 +217,7 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
     metrics_path.write_text("")
     history: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"plugins": list(plugins), "seed": cfg.seed, "steps_requested": cfg.steps,
-                               "notes": notes, "interrupted": False}
+                               "notes": notes, "interrupted": False, "start_answer_probs": start}
     env = {"SLIME_ASCEND_PLUGINS": ",".join(plugins), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1"}
     bar = None

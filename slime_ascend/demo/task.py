@@ -30,12 +30,15 @@ __all__ = [
     "DOMAINS",
     "DigitsEnv",
     "Episode",
+    "Transcript",
     "answer_for",
+    "checkpoint_answer_probs",
     "make_episodes",
     "prepare_checkpoints",
     "prompt_text",
     "score_action",
     "task_reward",
+    "task_transcripts",
 ]
 
 DOMAINS = ("copy", "next")
