@@ -19,6 +19,7 @@ import pytest
 from conftest import single_process_megatron
 import torch
 
+from slime_ascend.algorithms.masks import DIS_PRESETS
 from slime_ascend.patch.train import critic_advantage_function as caf
 from slime_ascend.patch.train import critic_train_iters as cti
 from slime_ascend.sao import advantage, critic, freeze
@@ -206,7 +207,7 @@ def test_dis_loss_through_slimes_loss_function(mpu, args):
     mask = torch.cat(data["loss_masks"])
     ref, _ = sao_loss.dis_loss(torch.cat(out["log_probs"]), torch.cat(data["rollout_log_probs"]),
                                torch.cat(batch["advantages"]), mask, lambda x: (x * mask).sum(),
-                               sao_loss.DIS_PRESETS["maths"])
+                               DIS_PRESETS["maths"])
     torch.testing.assert_close(loss, ref)  # per-token mode: token sum, slime divides by the token count
     assert int(normalizer) == int(mask.sum())
     assert "dis_masked_frac" in log["keys"]
