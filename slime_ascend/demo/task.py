@@ -191,7 +191,7 @@ def _buckets(examples: Sequence[Transcript], size: int = 20) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
-def _sft(model: Any, examples: Sequence[Transcript], steps: int, lr: float, seed: int, *,
+def _sft(model: Any, examples: Sequence[Transcript], steps: int, lr: float, *,
          answer_prob: float | Sequence[float] = 1.0, answer_ids: Sequence[int] = (),
          head_only: bool = False) -> float:
     """Full-batch supervised steps on transcripts (cross-entropy of every target token); the last loss.
@@ -208,7 +208,6 @@ def _sft(model: Any, examples: Sequence[Transcript], steps: int, lr: float, seed
         raise ValueError(f"answer_prob must be in (0, 1], one value or one per example; got {answer_prob}")
     if any(q < 1.0 for q in probs) and len(answer_ids) < 2:
         raise ValueError("answer_ids must list at least two tokens when answer_prob < 1")
-    torch.manual_seed(seed)
     vocab = model.config.vocab_size
     buckets = []
     for idx in _buckets(examples):
@@ -273,14 +272,14 @@ def _answer_prob(model: Any, examples: Sequence[Transcript]) -> float:
 
 
 def _sft_until(model: Any, examples: Sequence[Transcript], judged: Sequence[Transcript], level: float,
-               round_steps: int, max_rounds: int, lr: float, seed: int, name: str, **kwargs: Any) -> float:
+               round_steps: int, max_rounds: int, lr: float, name: str, **kwargs: Any) -> float:
     """:func:`_sft` in rounds (a fresh optimizer each) until the answer probability on ``judged`` reaches
     ``level``; returns it. Raises when ``max_rounds`` do not get there."""
     prob = _answer_prob(model, judged)
-    for r in range(max_rounds):
+    for _ in range(max_rounds):
         if prob >= level:
             return prob
-        _sft(model, examples, round_steps, lr, seed + r, **kwargs)
+        _sft(model, examples, round_steps, lr, **kwargs)
         prob = _answer_prob(model, judged)
     if prob < level:
         raise RuntimeError(f"fine-tuning {name} reached p(answer) {prob:.3f} < {level:.3f} after {max_rounds} rounds "
@@ -294,9 +293,10 @@ def prepare_checkpoints(out_dir: str | Path, seed: int, *, sft_lr: float = 3e-3,
     """Write ``policy_init``, ``teacher_copy`` and ``teacher_next`` HF directories under ``out_dir``.
 
     * ``policy_init``: the tiny random Qwen3 fine-tuned on :func:`task_transcripts` (both domains'
-      answers), so its features learn the task; then its ``lm_head`` alone calibrated to an under-confident answer, ``start_prob`` on
-      the right digit and the rest spread over the other digits: a policy that "knows but hedges", as a
-      pretrained model often does, which RL then sharpens.
+      answers), so its features learn the task; then its ``lm_head`` alone calibrated to an
+      under-confident answer, ``start_prob`` on the right digit and the rest spread over the other
+      digits: a policy that "knows but hedges", as a pretrained model often does, which RL sharpens.
+      Full-batch training with no dropout: ``seed`` only sets the random initial weights.
     * ``teacher_<domain>``: the same policy (same origin) fine-tuned to ``teacher_prob`` on its own
       domain's answers (confident, not saturated) while it still hedges (``start_prob``) on the other
       domain: each teacher is the expert of one domain only.
@@ -322,16 +322,16 @@ def prepare_checkpoints(out_dir: str | Path, seed: int, *, sft_lr: float = 3e-3,
     try:
         with torch.random.fork_rng():
             policy = load_model(None, seed=seed).float()
-            _sft_until(policy, examples, examples, sft_prob, round_steps, max_rounds, sft_lr, seed, "policy_init")
-            _sft(policy, examples, calibrate_steps, calibrate_lr, seed + 1, answer_prob=start_prob,
-                 answer_ids=digit_ids, head_only=True)
+            _sft_until(policy, examples, examples, sft_prob, round_steps, max_rounds, sft_lr, "policy_init")
+            _sft(policy, examples, calibrate_steps, calibrate_lr, answer_prob=start_prob, answer_ids=digit_ids,
+                 head_only=True)
             dirs = {"policy": str(save_model(policy, out_dir / "policy_init", tok))}
-            for k, dom in enumerate(DOMAINS):
+            for dom in DOMAINS:
                 teacher = copy.deepcopy(policy)  # an expert of its domain; it still hedges on the other one
                 target = [teacher_prob if ex.domain == dom else start_prob for ex in examples]
                 own = [ex for ex in examples if ex.domain == dom]
                 _sft_until(teacher, examples, own, teacher_prob - 0.02, round_steps, max_rounds, sft_lr,
-                           seed + 2 + 100 * k, f"teacher_{dom}", answer_prob=target, answer_ids=digit_ids)
+                           f"teacher_{dom}", answer_prob=target, answer_ids=digit_ids)
                 dirs[dom] = str(save_model(teacher, out_dir / f"teacher_{dom}", tok))
     finally:
         torch.set_num_threads(threads)

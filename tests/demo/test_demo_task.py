@@ -101,14 +101,14 @@ def test_soft_label_sft_reaches_the_requested_probability():
     examples = task_transcripts(tok)[:4]
     model = load_model(None, seed=0).float()
     digits = [int(tok.encode(str(d), add_special_tokens=False)[0]) for d in range(10)]
-    _sft(model, examples, 150, 3e-3, 0, answer_prob=0.5, answer_ids=digits)
+    _sft(model, examples, 150, 3e-3, answer_prob=0.5, answer_ids=digits)
     assert _answer_prob(model, examples) == pytest.approx(0.5, abs=0.05)
     # head only: nothing but lm_head moves
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    _sft(model, examples, 5, 1e-2, 0, answer_prob=0.3, answer_ids=digits, head_only=True)
+    _sft(model, examples, 5, 1e-2, answer_prob=0.3, answer_ids=digits, head_only=True)
     changed = {k for k, v in model.state_dict().items() if not v.equal(before[k])}
     assert changed == {"lm_head.weight"}
     with pytest.raises(ValueError, match="answer_prob"):
-        _sft(model, examples, 1, 1e-3, 0, answer_prob=[0.5])
+        _sft(model, examples, 1, 1e-3, answer_prob=[0.5])
     with pytest.raises(ValueError, match="answer_ids"):
-        _sft(model, examples, 1, 1e-3, 0, answer_prob=0.5)
+        _sft(model, examples, 1, 1e-3, answer_prob=0.5)
