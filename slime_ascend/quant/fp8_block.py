@@ -16,7 +16,9 @@ import torch
 from ._common import (
     DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, clamp_is_noop, raise_if_not_finite, rows_per_chunk,
 )
+from . import compiled as _compiled
 from . import fused as _fused
+from . import native as _native
 from .schemes import FP8BlockScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -34,35 +36,38 @@ def quantize_fp8_block(
     name: str = "weight",
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fused: bool | None = None,
+    fused: bool | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (q float8_e4m3fn, same shape as `weight`; scale_inv fp32 [.., ceil(N/bn), ceil(K/bk)]).
 
     `out`: optional preallocated (q, scale_inv) to write into (e.g. a reused sync buffer).
-    `fused`: run the bulk passes as torch.compile kernels (cpu/cuda; self-checked bit-identical
-    on first use, else eager); None: the `SLIME_ASCEND_QUANT_FUSED` environment variable.
+    `fused`: which kernels run the bulk passes (see `quant.fused`): False / 'off' eager, True /
+    'auto' the native CPU kernels where they build, 'native', 'compile'; every fast path is
+    self-checked bit-identical to eager on first use. None: `SLIME_ASCEND_QUANT_FUSED` (default auto).
     """
     check_float_weight(weight, name)
     n, k = weight.shape[-2:]
-    if (_fused.fused_requested(fused) and _fused.fused_supported(weight.device)
-            and _fused.eligible(weight.numel(), n, k // scheme.block_size[1]) and _fused_ok(scheme, weight.dtype,
-                                                                                          weight.device)):
+    kind = _fused.backend(fused, weight)
+    if kind == "native" and not 0 < scheme.fp8_max <= _native.FP8_MAX_SUPPORTED:
+        kind = None
+    if (kind is not None and _fused.eligible(kind, weight.numel(), n, k // scheme.block_size[1])
+            and _fused_ok(scheme, weight.dtype, weight.device, kind)):
         try:
-            q, s, ok = _quantize(weight, scheme, name, chunk_elems, out, True)
+            q, s, ok = _quantize(weight, scheme, name, chunk_elems, out, kind)
             raise_if_not_finite(ok, name)
             return q, s
         except ValueError:
             raise
-        except Exception as e:  # noqa: BLE001 - compile/runtime failure: eager from now on
-            _fused.disable(("fp8", scheme, weight.dtype, weight.device.type), e)
-    q, s, ok = _quantize(weight, scheme, name, chunk_elems, out, False)
+        except Exception as e:  # noqa: BLE001 - kernel failure: eager from now on
+            _fused.disable(("fp8", kind, scheme, weight.dtype, weight.device.type), e)
+    q, s, ok = _quantize(weight, scheme, name, chunk_elems, out, None)
     raise_if_not_finite(ok, name)
     return q, s
 
 
 def _quantize(
     weight: torch.Tensor, scheme: FP8BlockScheme, name: str, chunk_elems: int,
-    out: tuple[torch.Tensor, torch.Tensor] | None, use_fused: bool,
+    out: tuple[torch.Tensor, torch.Tensor] | None, kind: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s_shape = fp8_scale_shape(weight.shape, scheme.block_size)
     if out is None:
@@ -73,7 +78,7 @@ def _quantize(
         check_out(q, weight.shape, FP8_DTYPE, f"{name}: out[0]")
         check_out(s, s_shape, torch.float32, f"{name}: out[1]")
     ok = torch.ones((), dtype=torch.bool, device=weight.device)
-    one = _quantize_2d_fused if use_fused else _quantize_2d
+    one = {None: _quantize_2d, "compile": _quantize_2d_compiled, "native": _quantize_2d_native}[kind]
     if weight.dim() == 2:
         ok = one(weight, q, s, scheme, chunk_elems, ok)
     else:
@@ -141,16 +146,38 @@ def _block_scale(ra: torch.Tensor, scheme: FP8BlockScheme, full: int, tail: int)
     """Per-(row, column block) |max| `ra` -> (clamped block amax, scale) for `full` row blocks + a
     `tail`-row partial block."""
     bn = scheme.block_size[0]
-    scale = torch.empty((full + (1 if tail else 0), ra.shape[1]), dtype=torch.float32, device=ra.device)
+    amax = torch.empty((full + (1 if tail else 0), ra.shape[1]), dtype=torch.float32, device=ra.device)
     if full:
-        torch.amax(ra[: full * bn].view(full, bn, ra.shape[1]), dim=1, out=scale[:full])
+        torch.amax(ra[: full * bn].view(full, bn, ra.shape[1]), dim=1, out=amax[:full])
     if tail:
-        torch.amax(ra[full * bn :], dim=0, out=scale[full])
-    amax_f = scale.clamp_(min=scheme.amax_floor)
+        torch.amax(ra[full * bn :], dim=0, out=amax[full])
+    return _scale_of(amax, scheme)
+
+
+def _scale_of(amax: torch.Tensor, scheme: FP8BlockScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block |max| (fp32, clamped in place) -> (clamped amax, scale = amax / fp8_max): the scale rule."""
+    amax_f = amax.clamp_(min=scheme.amax_floor)
     return amax_f, amax_f / scheme.fp8_max
 
 
-def _quantize_2d_fused(
+def _quantize_2d_native(
+    w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, scheme: FP8BlockScheme, chunk_elems: int,
+    ok: torch.Tensor,
+) -> torch.Tensor:
+    """`_quantize_2d` with the native |max| and divide/clamp/cast kernels, one sweep each."""
+    bn, bk = scheme.block_size
+    n, k = w.shape
+    if n == 0 or k == 0:
+        return ok
+    if k > 1 and w.stride(1) != 1:
+        w = w.contiguous()
+    _, scale = _scale_of(_native.block_absmax(w, bn, bk), scheme)
+    s_out.copy_(scale)
+    _native.fp8_quantize(w, scale, bn, bk, scheme.fp8_max, q_out)
+    return ok & torch.isfinite(scale).all()
+
+
+def _quantize_2d_compiled(
     w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, scheme: FP8BlockScheme, chunk_elems: int,
     ok: torch.Tensor,
 ) -> torch.Tensor:
@@ -163,7 +190,7 @@ def _quantize_2d_fused(
     k_main = kbm * bk
     ra = torch.empty((n, kb), dtype=torch.float32, device=w.device)
     if kbm:
-        ra[:, :kbm] = _fused.absmax_last(w[:, :k_main].unflatten(1, (kbm, bk)))
+        ra[:, :kbm] = _compiled.absmax_last(w[:, :k_main].unflatten(1, (kbm, bk)))
     if k_main < k:
         yt = w[:, k_main:].float()
         torch.maximum(yt.amax(dim=-1), yt.amin(dim=-1).neg_(), out=ra[:, kb - 1])
@@ -171,14 +198,14 @@ def _quantize_2d_fused(
     s_out.copy_(scale)
     rows = scale.repeat_interleave(bn, dim=0)[:n]  # [n, kb]: each row's block scales
     if kbm:
-        _fused.fp8_quantize(w[:, :k_main].unflatten(1, (kbm, bk)), rows[:, :kbm, None].contiguous(),
+        _compiled.fp8_quantize(w[:, :k_main].unflatten(1, (kbm, bk)), rows[:, :kbm, None].contiguous(),
                             q_out[:, :k_main].unflatten(1, (kbm, bk)), scheme.fp8_max)
     if k_main < k:
         q_out[:, k_main:].copy_(w[:, k_main:].float().div_(rows[:, kb - 1 :]).clamp_(-scheme.fp8_max, scheme.fp8_max))
     return ok & torch.isfinite(scale).all()
 
 
-def _fused_ok(scheme: FP8BlockScheme, dtype: torch.dtype, device: torch.device) -> bool:
+def _fused_ok(scheme: FP8BlockScheme, dtype: torch.dtype, device: torch.device, kind: str) -> bool:
     def check() -> bool:
         bn, bk = scheme.block_size
         fmax = scheme.fp8_max
@@ -190,13 +217,13 @@ def _fused_ok(scheme: FP8BlockScheme, dtype: torch.dtype, device: torch.device) 
             w.view(w.shape[0], ties.shape[0], bk)[0, :, : min(bk, ties.shape[1])] = ties[:, :bk]
             probes.append(w)
         for w in probes:
-            a = _quantize(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, False)
-            b = _quantize(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, True)
+            a = _quantize(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, None)
+            b = _quantize(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, kind)
             if not (bool(a[2]) and bool(b[2]) and _fused.bits_equal(a[0], b[0]) and _fused.bits_equal(a[1], b[1])):
                 return False
         return True
 
-    return _fused.verified(("fp8", scheme, dtype, device.type), check)
+    return _fused.verified(("fp8", kind, scheme, dtype, device.type), check)
 
 
 def dequantize_fp8_block(

@@ -1,18 +1,23 @@
-"""Opt-in `torch.compile` (inductor) kernels for the quantisers' two bulk passes.
+"""Which kernels run the quantisers' bulk passes, and the machinery that keeps them honest.
 
-Only the element-wise bulk work is compiled: the per-group |max| reduction and the
-divide / round / clamp / cast pass. Scales are still computed by the eager code on the
-small reduced tensors, so the formula that decides every output bit lives in one place.
-The compiled passes read the bf16/fp16/fp32 weight directly (no fp32 staging copy), so
-the transient memory is the reduced tensors only.
+The bulk work of a quantiser is two passes over the weight: the per-group |max| reduction and
+the divide / round / clamp / cast pass. Scales are always computed by the eager code on the
+small reduced tensors, so the formula that decides every scale lives in one place. Three ways
+to run the bulk passes:
 
-Switch: the `fused` argument of `quantize_int` / `quantize_fp8_block`, or the environment
-variable `SLIME_ASCEND_QUANT_FUSED=compile` when the argument is None (default: eager).
-Only for device types whose inductor backend we trust (cpu, cuda); elsewhere (npu, ...)
-the eager path runs. On first use per (kernel, weight dtype, device type) the fused path
-quantises a probe tensor (exact .5 ties, near ties, zeros, -0.0, subnormals, ±max, odd
-shapes) both ways; any bit difference or compile error disables it for that key with
-one warning, and the eager path is used from then on.
+- ``eager``: plain torch ops in row chunks (any device; the reference).
+- ``native``: the C kernels of `native.py` (CPU only; one vectorised sweep per pass on torch's
+  OpenMP pool). The default on CPU when they build.
+- ``compile``: the `torch.compile` (inductor) kernels of `compiled.py` (cpu / cuda).
+
+Switch: the `fused` argument of `quantize_int` / `quantize_fp8_block` (False: eager, True:
+``auto``, or one of ``auto`` / ``native`` / ``compile`` / ``off``), or when it is None the
+environment variable `SLIME_ASCEND_QUANT_FUSED` (same words; unset means ``auto``). ``auto``
+picks ``native`` for CPU weights when the kernels build, else eager; accelerators (npu, cuda)
+stay eager unless ``compile`` is asked for. On first use per (kernel, backend, scheme, weight
+dtype, device type) the fast path quantises probe tensors (exact .5 ties, near ties, zeros,
+-0.0, subnormals, ±max, odd shapes) both ways; any bit difference or error disables it for
+that key with one warning, and the eager path is used from then on.
 """
 
 from __future__ import annotations
@@ -24,94 +29,64 @@ from collections.abc import Callable
 
 import torch
 
+from . import compiled as _compiled
+from . import native as _native
+
 ENV_VAR = "SLIME_ASCEND_QUANT_FUSED"
-FUSED_DEVICE_TYPES = ("cpu", "cuda")
-_OPTIONS = {"emulate_precision_casts": True}  # keep every dtype round trip the eager code does
-
-# Smaller weights (and size-1 dims, which dynamo specialises on) stay eager: no gain there, and
-# every specialisation is a recompile.
-MIN_FUSED_NUMEL = 1 << 16
-
+CHOICES = ("auto", "native", "compile", "off")
+_OFF = ("0", "off", "eager", "false", "no")
 _lock = threading.Lock()
-_kernels: dict[tuple, Callable] = {}
 _verdict: dict[tuple, bool] = {}
+_warned_unavailable = False
 
 
-def fused_requested(fused: bool | None) -> bool:
-    """The argument if given, else the environment switch (`compile` / `1` / `on`)."""
-    if fused is not None:
-        return bool(fused)
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    if value in ("", "0", "off", "eager", "false", "no"):
-        return False
-    if value in ("compile", "1", "on", "true", "yes"):
-        return True
-    raise ValueError(f"{ENV_VAR}={value!r}: use 'compile' to enable the fused path or 'off'")
+def requested(fused: bool | str | None) -> str:
+    """The user's choice as one of CHOICES: the argument if given, else the environment switch."""
+    if isinstance(fused, bool):
+        return "auto" if fused else "off"
+    source = "fused" if fused is not None else ENV_VAR
+    value = (fused if fused is not None else os.environ.get(ENV_VAR, "auto")).strip().lower() or "auto"
+    if value in _OFF:
+        return "off"
+    if value in ("1", "on", "true", "yes"):
+        return "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{source}={value!r}: use one of {', '.join(CHOICES)} (auto: native kernels on CPU, "
+                         f"eager elsewhere)")
+    return value
 
 
-def fused_supported(device: torch.device) -> bool:
-    return device.type in FUSED_DEVICE_TYPES and hasattr(torch, "compile")
+def backend(fused: bool | str | None, weight: torch.Tensor) -> str | None:
+    """The backend that will run `weight`'s bulk passes: 'native', 'compile' or None (eager)."""
+    choice = requested(fused)
+    if choice == "compile":
+        return "compile" if _compiled.supports(weight) else None
+    if choice in ("auto", "native") and _native.supports(weight):
+        if _native.available():
+            return "native"
+        if choice == "native":
+            _warn_native_unavailable()
+    return None
 
 
-def _compiled(key: tuple, fn: Callable) -> Callable:
+def _warn_native_unavailable() -> None:
+    global _warned_unavailable
     with _lock:
-        k = _kernels.get(key)
-        if k is None:
-            k = _kernels[key] = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(_OPTIONS))
-    return k
+        first, _warned_unavailable = not _warned_unavailable, True
+    if first:
+        warnings.warn(f"slime_ascend.quant: native kernels unavailable ({_native.unavailable_reason()}); using the "
+                      f"eager path", RuntimeWarning, stacklevel=4)
 
 
-# --- the compiled passes (formulas identical to the eager code's) -------------------------------
-
-def _absmax_last(x: torch.Tensor) -> torch.Tensor:
-    """max(|max|, |min|) over the last dim, in fp32 (exact: max/min/abs of widened values)."""
-    y = x.float()
-    return torch.maximum(y.amax(dim=-1).abs(), y.amin(dim=-1).abs())
-
-
-# The passes write into the caller's output (a fresh result would cost page faults and a copy).
-def _int_divide(x: torch.Tensor, safe: torch.Tensor, out: torch.Tensor, qmin: float, qmax: float) -> None:
-    out.copy_((x.float() / safe).round().clamp(qmin, qmax).to(torch.int8))
-
-
-def _int_reciprocal(x: torch.Tensor, inv: torch.Tensor, out: torch.Tensor, qmin: float, qmax: float) -> None:
-    out.copy_((x.float() * inv).round().clamp(qmin, qmax).to(torch.int8))
-
-
-def _fp8_divide(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmax: float) -> None:
-    out.copy_((x.float() / scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn))
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as a non-view tensor: dynamo guards on a view's base (its shape, its
-    strides), which would recompile for every weight a slice was taken from."""
-    if t._base is None:
-        return t
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
-                                                              t.stride())
-
-
-def absmax_last(x: torch.Tensor) -> torch.Tensor:
-    return _compiled(("absmax", x.device.type), _absmax_last)(_plain(x))
-
-
-def int_quantize(
-    x: torch.Tensor, safe: torch.Tensor, out: torch.Tensor, qmin: float, qmax: float, reciprocal: bool,
-) -> None:
-    """out = int8(clamp(round(x / safe))) (x * safe when `reciprocal`: `safe` is then 1/scale)."""
-    fn = _int_reciprocal if reciprocal else _int_divide
-    _compiled(("int", reciprocal, x.device.type), fn)(_plain(x), _plain(safe), _plain(out), qmin, qmax)
-
-
-def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmax: float) -> None:
-    """out = float8_e4m3fn(clamp(x / scale, ±fmax))."""
-    _compiled(("fp8", x.device.type), _fp8_divide)(_plain(x), _plain(scale), _plain(out), fmax)
+def eligible(kind: str, numel: int, *dims: int) -> bool:
+    """Worth a compiled kernel (`compile` only; native kernels take every shape)."""
+    return kind != "compile" or _compiled.worth_compiling(numel, *dims)
 
 
 # --- first-use self-check -----------------------------------------------------------------------
 
 def verified(key: tuple, check: Callable[[], bool]) -> bool:
-    """Run `check` (fused == eager on a probe) once per key; False (with one warning) on a
+    """Run `check` (fast path == eager on a probe) once per key; False (with one warning) on a
     difference or an error."""
     with _lock:
         if key in _verdict:
@@ -125,7 +100,7 @@ def verified(key: tuple, check: Callable[[], bool]) -> bool:
         if key not in _verdict:
             _verdict[key] = ok
             if not ok:
-                warnings.warn(f"slime_ascend.quant: fused (torch.compile) quantisation disabled for {key}: {why}; "
+                warnings.warn(f"slime_ascend.quant: fused ({key[1]}) quantisation disabled for {key}: {why}; "
                               f"using the eager path", RuntimeWarning, stacklevel=3)
         return _verdict[key]
 
@@ -136,24 +111,22 @@ def verdict(key: tuple) -> bool | None:
         return _verdict.get(key)
 
 
-def eligible(numel: int, *dims: int) -> bool:
-    return numel >= MIN_FUSED_NUMEL and all(d >= 2 for d in dims)
-
-
 def disable(key: tuple, error: BaseException) -> None:
-    """A fused call failed after its self-check passed (e.g. a recompile limit): eager from now on."""
+    """A fast-path call failed after its self-check passed (e.g. a recompile limit): eager from now on."""
     with _lock:
         first = _verdict.get(key, True)
         _verdict[key] = False
     if first:
-        warnings.warn(f"slime_ascend.quant: fused (torch.compile) quantisation disabled for {key}: "
+        warnings.warn(f"slime_ascend.quant: fused ({key[1]}) quantisation disabled for {key}: "
                       f"{type(error).__name__}: {error}; using the eager path", RuntimeWarning, stacklevel=3)
 
 
 def reset() -> None:
-    """Forget the self-check verdicts (tests); compiled kernels are kept."""
+    """Forget the self-check verdicts and the unavailability warning (tests); kernels are kept."""
+    global _warned_unavailable
     with _lock:
         _verdict.clear()
+        _warned_unavailable = False
 
 
 def probe_weight(dtype: torch.dtype, device: torch.device, rows: int = 133, cols: int = 389) -> torch.Tensor:

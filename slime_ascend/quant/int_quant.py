@@ -18,7 +18,9 @@ import torch
 from ._common import (
     DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, clamp_is_noop, raise_if_not_finite, rows_per_chunk,
 )
+from . import compiled as _compiled
 from . import fused as _fused
+from . import native as _native
 from .schemes import IntScheme
 
 
@@ -43,37 +45,40 @@ def quantize_int(
     name: str = "weight",
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     out: IntQuantized | None = None,
-    fused: bool | None = None,
+    fused: bool | str | None = None,
 ) -> IntQuantized:
     """Quantise a [N, K] or [E, N, K] float weight with `scheme`.
 
     `out`: optional preallocated IntQuantized (q, scale, zero_point) to write into.
-    `fused`: run the bulk passes as torch.compile kernels (symmetric schemes on cpu/cuda;
-    self-checked bit-identical on first use, else eager); None: `SLIME_ASCEND_QUANT_FUSED`.
+    `fused`: which kernels run the bulk passes of symmetric schemes (see `quant.fused`): False /
+    'off' eager, True / 'auto' the native CPU kernels where they build, 'native', 'compile'; every
+    fast path is self-checked bit-identical to eager on first use. None: `SLIME_ASCEND_QUANT_FUSED`
+    (default auto). Asymmetric schemes always run eager.
     """
     check_float_weight(weight, name)
     rows = math.prod(weight.shape[:-1])
-    if (scheme.symmetric and _fused.fused_requested(fused) and _fused.fused_supported(weight.device)
-            and _fused.eligible(weight.numel(), rows, weight.shape[-1]) and _fused_ok(scheme, weight.dtype, weight.device)):
+    kind = _fused.backend(fused, weight) if scheme.symmetric else None
+    if (kind is not None and _fused.eligible(kind, weight.numel(), rows, weight.shape[-1])
+            and _fused_ok(scheme, weight.dtype, weight.device, kind)):
         try:
-            r, ok = _quantize_int(weight, scheme, name, chunk_elems, out, True)
+            r, ok = _quantize_int(weight, scheme, name, chunk_elems, out, kind)
             raise_if_not_finite(ok, name)
             return r
         except ValueError:
             raise
-        except Exception as e:  # noqa: BLE001 - compile/runtime failure: eager from now on
-            _fused.disable(_fused_key(scheme, weight), e)
-    r, ok = _quantize_int(weight, scheme, name, chunk_elems, out, False)
+        except Exception as e:  # noqa: BLE001 - kernel failure: eager from now on
+            _fused.disable(_fused_key(scheme, weight, kind), e)
+    r, ok = _quantize_int(weight, scheme, name, chunk_elems, out, None)
     raise_if_not_finite(ok, name)
     return r
 
 
-def _fused_key(scheme: IntScheme, weight: torch.Tensor) -> tuple:
-    return ("int", scheme, weight.dtype, weight.device.type)
+def _fused_key(scheme: IntScheme, weight: torch.Tensor, kind: str) -> tuple:
+    return ("int", kind, scheme, weight.dtype, weight.device.type)
 
 
 def _quantize_int(
-    weight: torch.Tensor, scheme: IntScheme, name: str, chunk_elems: int, out: IntQuantized | None, use_fused: bool,
+    weight: torch.Tensor, scheme: IntScheme, name: str, chunk_elems: int, out: IntQuantized | None, kind: str | None,
 ) -> IntQuantized:
     *lead, n, k = weight.shape
     g = _group(scheme, k, name) if k else 1
@@ -102,8 +107,10 @@ def _quantize_int(
     eps = scheme.eps
     if eps is None:
         eps = torch.finfo(round_dtype).eps if scheme.zero_rule == "eps" else torch.finfo(weight.dtype).smallest_normal
-    if use_fused:
-        return IntQuantized(q, scale, zp), _quantize_sym_fused(w2, scheme, g, eps, round_dtype, q2, s2)
+    if kind == "compile":
+        return IntQuantized(q, scale, zp), _quantize_sym_compiled(w2, scheme, g, eps, round_dtype, q2, s2)
+    if kind == "native":
+        return IntQuantized(q, scale, zp), _quantize_sym_native(w2, scheme, g, eps, round_dtype, q2, s2)
     step = rows_per_chunk(k, chunk_elems)
     buf = torch.empty(min(step, m) * k, dtype=torch.float32, device=dev)
     ok = torch.ones((), dtype=torch.bool, device=dev)
@@ -160,7 +167,22 @@ def _scale(raw: torch.Tensor, scheme: IntScheme, eps: float, round_dtype: torch.
     return s, safe
 
 
-def _quantize_sym_fused(
+def _quantize_sym_native(
+    w2: torch.Tensor, scheme: IntScheme, g: int, eps: float, round_dtype: torch.dtype,
+    q2: torch.Tensor, s2: torch.Tensor,
+) -> torch.Tensor:
+    """The symmetric steps on the whole [M, K] weight with the native |max| and divide/round/clamp
+    kernels, one sweep each; returns `ok`."""
+    if w2.shape[1] > 1 and w2.stride(1) != 1:
+        w2 = w2.contiguous()
+    s, safe = _scale(_native.group_absmax(w2, g) / scheme.sym_divisor, scheme, eps, round_dtype)
+    s2.copy_(s)
+    div = torch.reciprocal(safe) if scheme.reciprocal else safe
+    _native.int_quantize(w2, div.contiguous(), g, float(scheme.qmin), float(scheme.qmax), scheme.reciprocal, q2)
+    return torch.isfinite(s).all()
+
+
+def _quantize_sym_compiled(
     w2: torch.Tensor, scheme: IntScheme, g: int, eps: float, round_dtype: torch.dtype,
     q2: torch.Tensor, s2: torch.Tensor,
 ) -> torch.Tensor:
@@ -168,16 +190,16 @@ def _quantize_sym_fused(
     m, k = w2.shape
     # per channel: 2-D ([M, K] / [M, 1]); per group: 3-D ([M, G, g] / [M, G, 1])
     x, q = (w2, q2) if g == k else (w2.unflatten(1, (k // g, g)), q2.view(m, k // g, g))
-    amax = _fused.absmax_last(x.unsqueeze(1) if g == k else x)
+    amax = _compiled.absmax_last(x.unsqueeze(1) if g == k else x)
     s, safe = _scale(amax / scheme.sym_divisor, scheme, eps, round_dtype)
     s2.copy_(s)
     div = torch.reciprocal(safe) if scheme.reciprocal else safe
-    _fused.int_quantize(x, div if g == k else div.unsqueeze(-1), q, float(scheme.qmin), float(scheme.qmax),
+    _compiled.int_quantize(x, div if g == k else div.unsqueeze(-1), q, float(scheme.qmin), float(scheme.qmax),
                         scheme.reciprocal)
     return torch.isfinite(s).all()
 
 
-def _fused_ok(scheme: IntScheme, dtype: torch.dtype, device: torch.device) -> bool:
+def _fused_ok(scheme: IntScheme, dtype: torch.dtype, device: torch.device, kind: str) -> bool:
     def check() -> bool:
         g = 32 if scheme.group_size is None else scheme.group_size
         rounding = scheme.scale_round_dtype or dtype
@@ -187,13 +209,13 @@ def _fused_ok(scheme: IntScheme, dtype: torch.dtype, device: torch.device) -> bo
         if ties.numel():
             probes.append(ties)  # one group per row
         for w in probes:
-            a, _ = _quantize_int(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, False)
-            b, _ = _quantize_int(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, True)
+            a, _ = _quantize_int(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, None)
+            b, _ = _quantize_int(w, scheme, "probe", DEFAULT_CHUNK_ELEMS, None, kind)
             if not (_fused.bits_equal(a.q, b.q) and _fused.bits_equal(a.scale, b.scale)):
                 return False
         return True
 
-    return _fused.verified(("int", scheme, dtype, device.type), check)  # = _fused_key
+    return _fused.verified(("int", kind, scheme, dtype, device.type), check)  # = _fused_key
 
 
 def dequantize_int(

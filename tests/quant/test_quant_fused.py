@@ -1,5 +1,6 @@
-"""The opt-in torch.compile path (`fused=True`) equals the eager path and plain references bit
-for bit, and falls back to eager (one warning) when compile fails or differs."""
+"""The fast paths (`fused='native'`: the C kernels, the CPU default; `fused='compile'`:
+torch.compile) equal the eager path and plain references bit for bit, and fall back to eager
+(one warning) when a kernel fails or differs."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from slime_ascend.quant import compiled as C
 from slime_ascend.quant import fused as F
 from slime_ascend.quant import int_quant
+from slime_ascend.quant import native as N
 from slime_ascend.quant.fp8_block import quantize_fp8_block
 from slime_ascend.quant.int_quant import quantize_int
 from slime_ascend.quant.schemes import INT8_ASCEND_SCHEME, INT8_CT_SCHEME, FP8BlockScheme, int4_scheme
@@ -80,9 +83,12 @@ def weights(draw, multiple: int = 1):
     return w.to(torch.bfloat16)
 
 
+KINDS = ["native", "compile"]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_verdicts(monkeypatch):
-    monkeypatch.setattr(F, "MIN_FUSED_NUMEL", 0)  # small shapes take the fused path too
+    monkeypatch.setattr(C, "MIN_NUMEL", 0)  # small shapes take the fused path too
     F.reset()
     yield
     F.reset()
@@ -90,11 +96,12 @@ def _fresh_verdicts(monkeypatch):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=weights(), name=st.sampled_from(["ascend", "ct"]))
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a disabled fused path fails the test
-def test_int8_fused_equals_eager_and_reference(w, name):
+def test_int8_fused_equals_eager_and_reference(kind, w, name):
     scheme = SCHEMES[name]
     eager = quantize_int(w, scheme, fused=False)
-    fast = quantize_int(w, scheme, fused=True)
+    fast = quantize_int(w, scheme, fused=kind)
     assert torch.equal(bits(fast.q), bits(eager.q))
     assert torch.equal(bits(fast.scale), bits(eager.scale))
     ref_q, ref_s = int8_sym_reference(w, scheme.sym_divisor, scheme.qmin, scheme.qmax, scheme.zero_rule)
@@ -104,19 +111,21 @@ def test_int8_fused_equals_eager_and_reference(w, name):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=weights(multiple=32))
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a disabled fused path fails the test
-def test_int4_group_fused_equals_eager(w):
+def test_int4_group_fused_equals_eager(kind, w):
     eager = quantize_int(w, SCHEMES["int4"], fused=False)
-    fast = quantize_int(w, SCHEMES["int4"], fused=True)
+    fast = quantize_int(w, SCHEMES["int4"], fused=kind)
     assert torch.equal(fast.q, eager.q) and torch.equal(bits(fast.scale), bits(eager.scale))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=weights())
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a disabled fused path fails the test
-def test_fp8_fused_equals_eager_and_reference(w):
+def test_fp8_fused_equals_eager_and_reference(kind, w):
     eager = quantize_fp8_block(w, FP8_SMALL, fused=False)
-    fast = quantize_fp8_block(w, FP8_SMALL, fused=True)
+    fast = quantize_fp8_block(w, FP8_SMALL, fused=kind)
     assert torch.equal(bits(fast[0]), bits(eager[0])) and torch.equal(bits(fast[1]), bits(eager[1]))
     for e in range(w.shape[0] if w.dim() == 3 else 1):
         we, qe, se = (w[e], eager[0][e], eager[1][e]) if w.dim() == 3 else (w, eager[0], eager[1])
@@ -124,25 +133,33 @@ def test_fp8_fused_equals_eager_and_reference(w):
         assert torch.equal(bits(qe), bits(rq)) and torch.equal(bits(se), bits(rs))
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a disabled fused path fails the test
-def test_fused_writes_into_out_and_handles_the_probe():
+def test_fused_writes_into_out_and_handles_the_probe(kind):
     w = F.probe_weight(torch.bfloat16, torch.device("cpu"), rows=70, cols=300)
     out = quantize_int(w, INT8_CT_SCHEME, fused=False)
     mine = int_quant.IntQuantized(torch.full_like(out.q, 5), torch.zeros_like(out.scale), None)
-    res = quantize_int(w, INT8_CT_SCHEME, fused=True, out=mine)
+    res = quantize_int(w, INT8_CT_SCHEME, fused=kind, out=mine)
     assert res.q is mine.q and torch.equal(mine.q, out.q) and torch.equal(bits(mine.scale), bits(out.scale))
+    q8, s8 = quantize_fp8_block(w, FP8_SMALL, fused=False)
+    mine8 = (torch.zeros_like(q8), torch.zeros_like(s8))
+    res8 = quantize_fp8_block(w, FP8_SMALL, fused=kind, out=mine8)
+    assert res8[0] is mine8[0] and torch.equal(bits(mine8[0]), bits(q8)) and torch.equal(mine8[1], s8)
 
 
-def test_nan_still_refused_on_the_fused_path():
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_nan_and_inf_still_refused_on_the_fused_path(kind, bad):
     w = torch.randn(4, 256, dtype=torch.bfloat16)
-    w[2, 7] = float("nan")
+    w[2, 7] = bad
     with pytest.raises(ValueError, match="NaN"):
-        quantize_int(w, INT8_ASCEND_SCHEME, fused=True)
+        quantize_int(w, INT8_ASCEND_SCHEME, fused=kind)
     with pytest.raises(ValueError, match="NaN"):
-        quantize_fp8_block(w, FP8_SMALL, fused=True)
+        quantize_fp8_block(w, FP8_SMALL, fused=kind)
 
 
-def _reciprocal_int(x, safe, out, qmin, qmax, reciprocal):  # a plausible but wrong kernel
+def _reciprocal_int(x, safe, out, qmin, qmax, reciprocal):  # a plausible but wrong compiled kernel
     out.copy_((x.float() * torch.reciprocal(safe)).round().clamp(qmin, qmax).to(torch.int8))
 
 
@@ -150,68 +167,101 @@ def _reciprocal_fp8(x, scale, out, fmax):
     out.copy_((x.float() * torch.reciprocal(scale)).clamp(-fmax, fmax).to(FP8))
 
 
-def test_self_check_catches_multiply_by_reciprocal_and_falls_back(monkeypatch):
+def _expand(t: torch.Tensor, rows: int, cols: int, bn: int, bk: int) -> torch.Tensor:
+    return t.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+
+
+def _native_reciprocal_int(x, div, group, qmin, qmax, reciprocal, out):  # the same mistake, native signature
+    d = _expand(div, *x.shape, 1, group)
+    out.copy_((x.float() * (d if reciprocal else torch.reciprocal(d))).round().clamp(qmin, qmax).to(torch.int8))
+
+
+def _native_reciprocal_fp8(x, scale, bn, bk, fmax, out):
+    out.copy_((x.float() * torch.reciprocal(_expand(scale, *x.shape, bn, bk))).clamp(-fmax, fmax).to(FP8))
+
+
+WRONG = {"compile": (C, "int_quantize", _reciprocal_int, "fp8_quantize", _reciprocal_fp8),
+         "native": (N, "int_quantize", _native_reciprocal_int, "fp8_quantize", _native_reciprocal_fp8)}
+ABSMAX = {"compile": [(C, "absmax_last")], "native": [(N, "group_absmax"), (N, "block_absmax")]}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_self_check_catches_multiply_by_reciprocal_and_falls_back(monkeypatch, kind):
     """The probe has teeth: x * (1/s) instead of x / s is detected, and the result is the eager one."""
-    monkeypatch.setattr(F, "int_quantize", _reciprocal_int)
-    monkeypatch.setattr(F, "fp8_quantize", _reciprocal_fp8)
+    mod, int_name, int_fn, fp8_name, fp8_fn = WRONG[kind]
+    monkeypatch.setattr(mod, int_name, int_fn)
+    monkeypatch.setattr(mod, fp8_name, fp8_fn)
     w = torch.randn(9, 300, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="differs from the eager path"):
-        got = quantize_int(w, INT8_ASCEND_SCHEME, fused=True)
+        got = quantize_int(w, INT8_ASCEND_SCHEME, fused=kind)
     assert torch.equal(got.q, quantize_int(w, INT8_ASCEND_SCHEME, fused=False).q)
     with pytest.warns(RuntimeWarning, match="differs"):
-        q, s = quantize_fp8_block(w, FP8BlockScheme(), fused=True)
+        q, s = quantize_fp8_block(w, FP8BlockScheme(), fused=kind)
     assert torch.equal(bits(q), bits(quantize_fp8_block(w, fused=False)[0]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per key, not per call
-        quantize_int(w, INT8_ASCEND_SCHEME, fused=True)
+        quantize_int(w, INT8_ASCEND_SCHEME, fused=kind)
 
 
-def test_compile_error_falls_back_with_one_warning(monkeypatch):
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_error_falls_back_with_one_warning(monkeypatch, kind):
     def boom(*a, **k):
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(F, "absmax_last", boom)
+    for mod, name in ABSMAX[kind]:
+        monkeypatch.setattr(mod, name, boom)
     w = torch.randn(5, 64, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="no compiler"):
-        got = quantize_int(w, INT8_CT_SCHEME, fused=True)
-    assert torch.equal(got.q, quantize_int(w, INT8_CT_SCHEME).q)
+        got = quantize_int(w, INT8_CT_SCHEME, fused=kind)
+    assert torch.equal(got.q, quantize_int(w, INT8_CT_SCHEME, fused=False).q)
     with pytest.warns(RuntimeWarning, match="no compiler"):
-        quantize_fp8_block(w, FP8_SMALL, fused=True)
+        quantize_fp8_block(w, FP8_SMALL, fused=kind)
 
 
-def test_recompile_failure_falls_back(monkeypatch):
+@pytest.mark.parametrize("kind", KINDS)
+def test_failure_after_the_self_check_falls_back(monkeypatch, kind):
     w = torch.randn(8, 256, dtype=torch.bfloat16)
-    quantize_int(w, INT8_CT_SCHEME, fused=True)  # self-check passed
+    quantize_int(w, INT8_CT_SCHEME, fused=kind)  # self-check passed
 
     def limit(*a, **k):
         raise RuntimeError("recompile limit")
 
-    monkeypatch.setattr(F, "int_quantize", limit)
+    monkeypatch.setattr(WRONG[kind][0], "int_quantize", limit)
     with pytest.warns(RuntimeWarning, match="recompile limit"):
-        got = quantize_int(w, INT8_CT_SCHEME, fused=True)
-    assert torch.equal(got.q, quantize_int(w, INT8_CT_SCHEME).q)
+        got = quantize_int(w, INT8_CT_SCHEME, fused=kind)
+    assert torch.equal(got.q, quantize_int(w, INT8_CT_SCHEME, fused=False).q)
 
 
-def test_tiny_weights_stay_eager(monkeypatch):
-    monkeypatch.setattr(F, "MIN_FUSED_NUMEL", 1 << 16)
-    monkeypatch.setattr(F, "absmax_last", lambda *a: (_ for _ in ()).throw(AssertionError("fused used")))
-    quantize_int(torch.randn(3, 64, dtype=torch.bfloat16), INT8_CT_SCHEME, fused=True)
-    quantize_fp8_block(torch.randn(1, 4096, dtype=torch.bfloat16), fused=True)
+def test_tiny_weights_stay_eager_when_compiling(monkeypatch):
+    monkeypatch.setattr(C, "MIN_NUMEL", 1 << 16)
+    monkeypatch.setattr(C, "absmax_last", lambda *a: (_ for _ in ()).throw(AssertionError("fused used")))
+    quantize_int(torch.randn(3, 64, dtype=torch.bfloat16), INT8_CT_SCHEME, fused="compile")
+    quantize_fp8_block(torch.randn(1, 4096, dtype=torch.bfloat16), fused="compile")
 
 
 def test_switch(monkeypatch):
+    cpu = torch.zeros(2, 2)
     monkeypatch.delenv(F.ENV_VAR, raising=False)
-    assert F.fused_requested(None) is False
+    assert F.requested(None) == "auto" and F.requested(True) == "auto" and F.requested(False) == "off"
+    assert F.backend(None, cpu) == ("native" if N.available() else None)
+    assert F.backend(None, torch.zeros(2, 2, device="meta")) is None  # accelerators stay eager by default
+    assert F.backend(None, cpu.to(torch.float64)) is None  # a dtype the kernels do not read
     monkeypatch.setenv(F.ENV_VAR, "compile")
-    assert F.fused_requested(None) is True and F.fused_requested(False) is False
+    assert F.requested(None) == "compile" and F.requested(False) == "off" and F.backend(None, cpu) == "compile"
+    assert F.backend(None, torch.zeros(2, 2, device="meta")) is None  # only cpu / cuda get compiled kernels
+    for off in ("off", "eager", "0"):
+        monkeypatch.setenv(F.ENV_VAR, off)
+        assert F.backend(None, cpu) is None and F.backend("native", cpu) == ("native" if N.available() else None)
     monkeypatch.setenv(F.ENV_VAR, "turbo")
     with pytest.raises(ValueError, match=F.ENV_VAR):
-        F.fused_requested(None)
-    assert not F.fused_supported(torch.device("meta"))  # only cpu / cuda get compiled kernels
-    assert F.fused_supported(torch.device("cpu"))
+        F.requested(None)
+    with pytest.raises(ValueError, match="fused='turbo'"):
+        F.requested("turbo")
 
 
-def test_asymmetric_schemes_stay_eager(monkeypatch):
-    monkeypatch.setattr(F, "absmax_last", lambda *a: (_ for _ in ()).throw(AssertionError("fused used")))
+@pytest.mark.parametrize("kind", KINDS)
+def test_asymmetric_schemes_stay_eager(monkeypatch, kind):
+    for mod, name in ABSMAX[kind]:
+        monkeypatch.setattr(mod, name, lambda *a: (_ for _ in ()).throw(AssertionError("fused used")))
     w = torch.randn(3, 64, dtype=torch.bfloat16)
-    quantize_int(w, int4_scheme(32, symmetric=False), fused=True)
+    quantize_int(w, int4_scheme(32, symmetric=False), fused=kind)

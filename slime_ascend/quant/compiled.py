@@ -1,0 +1,87 @@
+"""The `torch.compile` (inductor) kernels for the quantisers' bulk passes (`fused='compile'`).
+
+Only the element-wise bulk work is compiled: the per-group |max| reduction and the divide /
+round / clamp / cast pass, with the eager code's formulas. The passes read the bf16/fp16/fp32
+weight directly (no fp32 staging copy) and write into the caller's output. `fused.py` decides
+when they run and checks them against the eager path first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+DEVICE_TYPES = ("cpu", "cuda")
+_OPTIONS = {"emulate_precision_casts": True}  # keep every dtype round trip the eager code does
+
+# Smaller weights (and size-1 dims, which dynamo specialises on) stay eager: no gain there, and
+# every specialisation is a recompile.
+MIN_NUMEL = 1 << 16
+
+_lock = threading.Lock()
+_kernels: dict[tuple, Callable] = {}
+
+
+def supports(weight: torch.Tensor) -> bool:
+    return weight.device.type in DEVICE_TYPES and hasattr(torch, "compile")
+
+
+def worth_compiling(numel: int, *dims: int) -> bool:
+    return numel >= MIN_NUMEL and all(d >= 2 for d in dims)
+
+
+def _compiled(key: tuple, fn: Callable) -> Callable:
+    with _lock:
+        k = _kernels.get(key)
+        if k is None:
+            k = _kernels[key] = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(_OPTIONS))
+    return k
+
+
+# --- the passes (formulas identical to the eager code's) -------------------------------------------
+
+def _absmax_last(x: torch.Tensor) -> torch.Tensor:
+    """max(|max|, |min|) over the last dim, in fp32 (exact: max/min/abs of widened values)."""
+    y = x.float()
+    return torch.maximum(y.amax(dim=-1).abs(), y.amin(dim=-1).abs())
+
+
+# The passes write into the caller's output (a fresh result would cost page faults and a copy).
+def _int_divide(x: torch.Tensor, safe: torch.Tensor, out: torch.Tensor, qmin: float, qmax: float) -> None:
+    out.copy_((x.float() / safe).round().clamp(qmin, qmax).to(torch.int8))
+
+
+def _int_reciprocal(x: torch.Tensor, inv: torch.Tensor, out: torch.Tensor, qmin: float, qmax: float) -> None:
+    out.copy_((x.float() * inv).round().clamp(qmin, qmax).to(torch.int8))
+
+
+def _fp8_divide(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmax: float) -> None:
+    out.copy_((x.float() / scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a non-view tensor: dynamo guards on a view's base (its shape, its
+    strides), which would recompile for every weight a slice was taken from."""
+    if t._base is None:
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
+                                                              t.stride())
+
+
+def absmax_last(x: torch.Tensor) -> torch.Tensor:
+    return _compiled(("absmax", x.device.type), _absmax_last)(_plain(x))
+
+
+def int_quantize(
+    x: torch.Tensor, safe: torch.Tensor, out: torch.Tensor, qmin: float, qmax: float, reciprocal: bool,
+) -> None:
+    """out = int8(clamp(round(x / safe))) (x * safe when `reciprocal`: `safe` is then 1/scale)."""
+    fn = _int_reciprocal if reciprocal else _int_divide
+    _compiled(("int", reciprocal, x.device.type), fn)(_plain(x), _plain(safe), _plain(out), qmin, qmax)
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmax: float) -> None:
+    """out = float8_e4m3fn(clamp(x / scale, ±fmax))."""
+    _compiled(("fp8", x.device.type), _fp8_divide)(_plain(x), _plain(scale), _plain(out), fmax)

@@ -1,0 +1,233 @@
+"""Native CPU kernels for the quantisers' bulk passes (`native_kernels.c`), built on first use.
+
+The eager torch path makes several memory passes per weight (fp32 staging, |max|, divide,
+clamp, cast) and torch's fp32 -> e4m3fn cast is scalar code on CPU. These kernels do the
+|max| pass and the divide/round/clamp/cast pass each in one vectorised sweep over the bf16 /
+fp16 / fp32 weight, on torch's own OpenMP thread pool. Scales are still computed by the eager
+code on the small reduced tensors, so the formula that decides every scale lives in one place.
+
+Build: the system C compiler (`$CC`, else `cc`) with OpenMP, `-O3 -ffp-contract=off` (no
+contraction: results must equal torch's IEEE ops) and `-march=native` when the compiler takes
+it. The shared object is cached under `$SLIME_ASCEND_CACHE_DIR` (default
+`$XDG_CACHE_HOME/slime_ascend` or `~/.cache/slime_ascend`), keyed by the source, the
+compiler, the flags and the host CPU, and written atomically (concurrent builders are safe).
+Any failure (no compiler, no OpenMP, a load error) makes `available()` False with the reason
+in `unavailable_reason()`; the callers then use the eager path. The callers also self-check
+a build bit for bit against the eager path before trusting it (see `fused.verified`).
+
+Only CPU tensors whose last dim is contiguous are accepted; the functions raise ValueError
+otherwise (the callers only pass such views).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native_kernels.c")
+ABI_VERSION = 1
+CACHE_ENV = "SLIME_ASCEND_CACHE_DIR"
+_BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FP8_MAX_SUPPORTED = 448.0  # the kernel's e4m3 rounding covers |y| <= 448 (e4m3fn's max)
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None  # why the kernels are unavailable (None: not tried yet, or loaded)
+_tried = False
+
+_i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "sa_abi_version": ([], _int),
+    "sa_openmp": ([], _int),
+    "sa_group_absmax": ([_ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _int], None),
+    "sa_block_absmax": ([_ptr, _int, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _int], _int),
+    "sa_fp8_quantize": ([_ptr, _int, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _float, _ptr, _i64, _int], None),
+    "sa_int_quantize": ([_ptr, _int, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _float, _float, _ptr, _i64, _int],
+                        None),
+}
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "slime_ascend"
+
+
+def _host_cpu() -> str:
+    """What -march=native depends on: the CPU model and feature flags (Linux), else the platform."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            keep = [ln for ln in f if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+        return "".join(sorted(set(keep)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "cc")
+    return shutil.which(cc.split()[0]) and cc
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = _run([*cc.split(), "--version"]).stdout.splitlines()[:1]
+    errors = []
+    for extra in (["-march=native"], []):
+        flags = _BASE_FLAGS + extra
+        key = hashlib.sha256(repr((source, cc, version, flags, _host_cpu(), ABI_VERSION)).encode()).hexdigest()[:20]
+        target = cache_dir() / "native" / f"quant_kernels_{key}.so"
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            res = _run([*cc.split(), *flags, str(SOURCE), "-o", tmp])
+            if res.returncode == 0:
+                os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine too
+                return target
+            errors.append(f"{' '.join(flags)}: {res.stderr.strip()[-400:]}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError("could not compile " + SOURCE.name + ": " + " | ".join(errors))
+
+
+def _load() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler found (set CC, or install gcc/clang); looked for {os.environ.get('CC', 'cc')!r}")
+    path = _build(cc)
+    lib = ctypes.CDLL(str(path))  # after `import torch`: its libgomp (same soname) serves OpenMP
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    if lib.sa_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI version {lib.sa_abi_version()} != {ABI_VERSION}")
+    if not lib.sa_openmp():
+        raise RuntimeError(f"{path}: built without OpenMP (single-threaded kernels would be slower than eager)")
+    return lib
+
+
+def available() -> bool:
+    """Build (or find in the cache) and load the kernels once per process."""
+    global _lib, _reason, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _lib = _load()
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+                _lib, _reason = None, f"{type(e).__name__}: {e}"
+        return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    return _reason
+
+
+def _reset_for_tests() -> None:
+    global _lib, _reason, _tried
+    with _lock:
+        _lib, _reason, _tried = None, None, False
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """A CPU weight of a dtype the kernels read (bf16 / fp16 / fp32)."""
+    return weight.device.type == "cpu" and weight.dtype in _DTYPES
+
+
+def _lib_or_raise() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError(f"native quantisation kernels unavailable: {_reason}")
+    return _lib
+
+
+def _check_2d(x: torch.Tensor, what: str) -> tuple[int, int, int]:
+    if x.dim() != 2 or x.device.type != "cpu" or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"{what}: expected a 2-D CPU tensor with a contiguous last dim, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
+    return x.shape[0], x.shape[1], x.stride(0)
+
+
+def _check_out(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> int:
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device.type != "cpu" or (t.dim() == 2 and shape[1] > 1
+                                                                                   and t.stride(1) != 1):
+        raise ValueError(f"{what}: expected a CPU {dtype} tensor of shape {shape} with a contiguous last dim, got "
+                         f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    return t.stride(0)
+
+
+def _dt(x: torch.Tensor) -> int:
+    try:
+        return _DTYPES[x.dtype]
+    except KeyError:
+        raise ValueError(f"native kernels read bf16/fp16/fp32 weights, got {x.dtype}") from None
+
+
+def group_absmax(x: torch.Tensor, group: int) -> torch.Tensor:
+    """fp32 [rows, ceil(cols / group)]: max |x| per row and group of `group` columns (last partial)."""
+    lib = _lib_or_raise()
+    rows, cols, xs = _check_2d(x, "group_absmax")
+    ng = -(-cols // group) if cols else 0
+    out = torch.empty(rows, ng, dtype=torch.float32)
+    if rows and cols:
+        lib.sa_group_absmax(x.data_ptr(), _dt(x), rows, cols, xs, group, out.data_ptr(), ng, torch.get_num_threads())
+    return out
+
+
+def block_absmax(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """fp32 [ceil(rows / bn), ceil(cols / bk)]: max |x| per (bn x bk) block (edge blocks partial)."""
+    lib = _lib_or_raise()
+    rows, cols, xs = _check_2d(x, "block_absmax")
+    nb, kb = -(-rows // bn), -(-cols // bk)
+    out = torch.empty(nb, kb, dtype=torch.float32)
+    if rows and cols and lib.sa_block_absmax(x.data_ptr(), _dt(x), rows, cols, xs, bn, bk, out.data_ptr(), kb,
+                                             torch.get_num_threads()):
+        raise MemoryError(f"block_absmax: could not allocate {kb} accumulators per thread")
+    return out
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, fmax: float, out: torch.Tensor) -> None:
+    """out (float8_e4m3fn, x's shape) = e4m3(clamp(x / scale[r // bn, c // bk], ±fmax)); fmax <= 448."""
+    lib = _lib_or_raise()
+    rows, cols, xs = _check_2d(x, "fp8_quantize")
+    if not 0 < fmax <= FP8_MAX_SUPPORTED:
+        raise ValueError(f"fp8_quantize: fmax {fmax} outside (0, {FP8_MAX_SUPPORTED}]")
+    nb, kb = -(-rows // bn), -(-cols // bk)
+    ss = _check_out(scale, (nb, kb), torch.float32, "fp8_quantize scale")
+    qs = _check_out(out, (rows, cols), torch.float8_e4m3fn, "fp8_quantize out")
+    if rows and cols:
+        lib.sa_fp8_quantize(x.data_ptr(), _dt(x), rows, cols, xs, scale.data_ptr(), ss, bn, bk, fmax, out.data_ptr(),
+                            qs, torch.get_num_threads())
+
+
+def int_quantize(x: torch.Tensor, div: torch.Tensor, group: int, qmin: float, qmax: float, reciprocal: bool,
+                 out: torch.Tensor) -> None:
+    """out (int8, x's shape) = clamp(round_half_even(x / div[r, c // group]), qmin, qmax)
+    (x * div when `reciprocal`); -128 <= qmin <= qmax <= 127."""
+    lib = _lib_or_raise()
+    rows, cols, xs = _check_2d(x, "int_quantize")
+    if not -128 <= qmin <= qmax <= 127:
+        raise ValueError(f"int_quantize: range [{qmin}, {qmax}] does not fit int8")
+    ng = -(-cols // group) if cols else 0
+    ds = _check_out(div, (rows, ng), torch.float32, "int_quantize div")
+    qs = _check_out(out, (rows, cols), torch.int8, "int_quantize out")
+    if rows and cols:
+        lib.sa_int_quantize(x.data_ptr(), _dt(x), rows, cols, xs, div.data_ptr(), ds, group, int(reciprocal),
+                            float(qmin), float(qmax), out.data_ptr(), qs, torch.get_num_threads())

@@ -1,0 +1,210 @@
+/* CPU kernels for the quantisers' bulk passes (slime_ascend/quant/native.py builds and loads this).
+ *
+ * Every function works on a 2-D row-major view: `rows` rows of `cols` elements, row stride `xs`
+ * elements, element type `dt` (DT_F32, DT_BF16, DT_F16), and spreads its rows over `nt` OpenMP
+ * threads. Built against the libgomp that torch already loaded (same soname), the kernels share
+ * torch's thread pool instead of fighting its spinning workers for the cores.
+ *
+ * The numerics are the eager torch code's, value for value:
+ *   - |max| is the max over |bits| (for non-negative floats the bit order is the value order, and
+ *     NaN/inf sort above every finite value, so a non-finite weight gives a non-finite max);
+ *   - y = x / s (or x * s) in fp32, IEEE division, no contraction (built with -ffp-contract=off);
+ *   - integers: round half to even by the 1.5 * 2^23 trick on a value first clamped to
+ *     [qmin - 1, qmax + 1] (same result as torch.round then clamp), then clamp;
+ *   - e4m3fn: clamp to +-fmax (fmax <= 448) then the round-to-nearest-even cast torch does,
+ *     written as integer arithmetic on the fp32 bits (normal range: re-bias and round away 20
+ *     mantissa bits; subnormal range: |y| + 2^14 rounds |y| to a multiple of 2^-9).
+ * native.py checks these against torch on a probe tensor before it trusts a build.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+#define SA_ABI_VERSION 1
+int sa_abi_version(void) { return SA_ABI_VERSION; }
+
+int sa_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline uint32_t f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+static inline float bits_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline float bf16_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+/* exact fp16 -> fp32 (subnormals, +-0, inf and NaN included) */
+static inline float f16_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    float sub = (float)m * 5.9604644775390625e-08f; /* m * 2^-24, exact */
+    uint32_t normal = sign | ((e + 112u) << 23) | (m << 13);
+    uint32_t special = sign | 0x7F800000u | (m << 13);
+    uint32_t subbits = f32_bits(sub) | sign;
+    return bits_f32(e == 0 ? subbits : (e == 31 ? special : normal));
+}
+
+/* e4m3fn code of a finite y with |y| <= 448, round to nearest even (-0.0 keeps its sign) */
+static inline uint8_t e4m3(float y) {
+    uint32_t b = f32_bits(y);
+    uint32_t a = b & 0x7FFFFFFFu;
+    uint32_t r = a - (120u << 23);                                 /* exponent re-bias 127 -> 7 */
+    uint32_t normal = (r + 0x7FFFFu + ((r >> 20) & 1u)) >> 20;     /* RNE of the dropped 20 bits */
+    uint32_t sub = f32_bits(bits_f32(a) + 16384.0f) - 0x46800000u; /* RNE(|y| * 2^9), |y| < 2^-6 */
+    uint32_t code = a >= 0x3C800000u ? normal : sub;               /* 2^-6: smallest normal */
+    return (uint8_t)(code | ((b >> 24) & 0x80u));
+}
+
+/* ---- per-span primitives, one set per element type (contiguous spans vectorise) ---------------- */
+
+static inline uint32_t u16_bits(uint16_t v) { return v; }
+static inline float f32_id(float v) { return v; }
+static inline float bf16_absbits_value(uint32_t m) { return bf16_f32((uint16_t)m); }
+static inline float f16_absbits_value(uint32_t m) { return f16_f32((uint16_t)m); }
+
+/* SUF: name suffix; T: storage type; BITS: T -> its bits; ABSMASK: all but the sign bit;
+ * TO_F32: T -> float (exact); ABSVAL: a max |bits| -> its float value */
+#define DEFINE_SPANS(SUF, T, BITS, ABSMASK, TO_F32, ABSVAL)                                           \
+    static uint32_t absbits_##SUF(const T *restrict p, i64 n) {                                        \
+        uint32_t m = 0;                                                                               \
+        for (i64 i = 0; i < n; i++) {                                                                 \
+            uint32_t v = BITS(p[i]) & ABSMASK;                                                        \
+            m = v > m ? v : m;                                                                        \
+        }                                                                                             \
+        return m;                                                                                     \
+    }                                                                                                 \
+    static inline float absval_##SUF(uint32_t m) { return ABSVAL(m); }                                 \
+    static void fp8_span_##SUF(const T *restrict p, i64 n, float s, float fmax, uint8_t *restrict o) { \
+        for (i64 i = 0; i < n; i++) {                                                                 \
+            float y = TO_F32(p[i]) / s;                                                               \
+            y = y > fmax ? fmax : y;                                                                  \
+            y = y < -fmax ? -fmax : y;                                                                \
+            o[i] = e4m3(y);                                                                           \
+        }                                                                                             \
+    }                                                                                                 \
+    static void int_span_##SUF(const T *restrict p, i64 n, float d, int reciprocal, float qmin,       \
+                               float qmax, int8_t *restrict o) {                                      \
+        const float lo = qmin - 1.0f, hi = qmax + 1.0f, magic = 12582912.0f; /* 1.5 * 2^23 */         \
+        if (reciprocal) {                                                                             \
+            for (i64 i = 0; i < n; i++) {                                                             \
+                float y = TO_F32(p[i]) * d;                                                           \
+                y = y > hi ? hi : y;                                                                  \
+                y = y < lo ? lo : y;                                                                  \
+                y = (y + magic) - magic;                                                              \
+                y = y > qmax ? qmax : y;                                                              \
+                y = y < qmin ? qmin : y;                                                              \
+                o[i] = (int8_t)(int32_t)y;                                                            \
+            }                                                                                         \
+        } else {                                                                                      \
+            for (i64 i = 0; i < n; i++) {                                                             \
+                float y = TO_F32(p[i]) / d;                                                           \
+                y = y > hi ? hi : y;                                                                  \
+                y = y < lo ? lo : y;                                                                  \
+                y = (y + magic) - magic;                                                              \
+                y = y > qmax ? qmax : y;                                                              \
+                y = y < qmin ? qmin : y;                                                              \
+                o[i] = (int8_t)(int32_t)y;                                                            \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+DEFINE_SPANS(f32, float, f32_bits, 0x7FFFFFFFu, f32_id, bits_f32)
+DEFINE_SPANS(bf16, uint16_t, u16_bits, 0x7FFFu, bf16_f32, bf16_absbits_value)
+DEFINE_SPANS(f16, uint16_t, u16_bits, 0x7FFFu, f16_f32, f16_absbits_value)
+
+static uint32_t absbits(const void *x, int dt, i64 off, i64 n) {
+    if (dt == DT_F32) return absbits_f32((const float *)x + off, n);
+    if (dt == DT_BF16) return absbits_bf16((const uint16_t *)x + off, n);
+    return absbits_f16((const uint16_t *)x + off, n);
+}
+
+static float absbits_value(int dt, uint32_t m) {
+    if (dt == DT_F32) return absval_f32(m);
+    if (dt == DT_BF16) return absval_bf16(m);
+    return absval_f16(m);
+}
+
+static void fp8_span(const void *x, int dt, i64 off, i64 n, float s, float fmax, uint8_t *o) {
+    if (dt == DT_F32) fp8_span_f32((const float *)x + off, n, s, fmax, o);
+    else if (dt == DT_BF16) fp8_span_bf16((const uint16_t *)x + off, n, s, fmax, o);
+    else fp8_span_f16((const uint16_t *)x + off, n, s, fmax, o);
+}
+
+static void int_span(const void *x, int dt, i64 off, i64 n, float d, int reciprocal, float qmin, float qmax,
+                     int8_t *o) {
+    if (dt == DT_F32) int_span_f32((const float *)x + off, n, d, reciprocal, qmin, qmax, o);
+    else if (dt == DT_BF16) int_span_bf16((const uint16_t *)x + off, n, d, reciprocal, qmin, qmax, o);
+    else int_span_f16((const uint16_t *)x + off, n, d, reciprocal, qmin, qmax, o);
+}
+
+/* ---- entry points ------------------------------------------------------------------------------ */
+
+/* out[r, j] = max |x[r, j*group : (j+1)*group]| (the last group may be partial) */
+void sa_group_absmax(const void *x, int dt, i64 rows, i64 cols, i64 xs, i64 group, float *out, i64 os, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (i64 r = 0; r < rows; r++)
+        for (i64 c0 = 0, j = 0; c0 < cols; c0 += group, j++) {
+            i64 len = c0 + group < cols ? group : cols - c0;
+            out[r * os + j] = absbits_value(dt, absbits(x, dt, r * xs + c0, len));
+        }
+}
+
+/* out[b, j] = max |x| over the (bn x bk) block (b, j) (edge blocks may be partial); whole rows are
+ * read in order, the block maxima kept in a per-thread row of accumulators. Returns 0, or -1 when
+ * the accumulators could not be allocated. */
+int sa_block_absmax(const void *x, int dt, i64 rows, i64 cols, i64 xs, i64 bn, i64 bk, float *out, i64 os, int nt) {
+    i64 nb = (rows + bn - 1) / bn, kb = (cols + bk - 1) / bk;
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        uint32_t *acc = (uint32_t *)malloc((size_t)(kb > 0 ? kb : 1) * sizeof(uint32_t));
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (i64 b = 0; b < nb; b++) {
+            if (!acc) continue;
+            i64 r0 = b * bn, r1 = r0 + bn < rows ? r0 + bn : rows;
+            for (i64 j = 0; j < kb; j++) acc[j] = 0;
+            for (i64 r = r0; r < r1; r++)
+                for (i64 c0 = 0, j = 0; c0 < cols; c0 += bk, j++) {
+                    i64 len = c0 + bk < cols ? bk : cols - c0;
+                    uint32_t v = absbits(x, dt, r * xs + c0, len);
+                    acc[j] = v > acc[j] ? v : acc[j];
+                }
+            for (i64 j = 0; j < kb; j++) out[b * os + j] = absbits_value(dt, acc[j]);
+        }
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
+
+/* q[r, c] = e4m3(clamp(x[r, c] / scale[r / bn, c / bk], +-fmax)); requires 0 < fmax <= 448 */
+void sa_fp8_quantize(const void *x, int dt, i64 rows, i64 cols, i64 xs, const float *scale, i64 ss, i64 bn, i64 bk,
+                     float fmax, uint8_t *q, i64 qs, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (i64 r = 0; r < rows; r++)
+        for (i64 c0 = 0, j = 0; c0 < cols; c0 += bk, j++) {
+            i64 len = c0 + bk < cols ? bk : cols - c0;
+            fp8_span(x, dt, r * xs + c0, len, scale[(r / bn) * ss + j], fmax, q + r * qs + c0);
+        }
+}
+
+/* q[r, c] = clamp(round_half_even(x[r, c] / d[r, c / group]), qmin, qmax) (x * d when `reciprocal`);
+ * requires -128 <= qmin <= qmax <= 127 */
+void sa_int_quantize(const void *x, int dt, i64 rows, i64 cols, i64 xs, const float *d, i64 ds, i64 group,
+                     int reciprocal, float qmin, float qmax, int8_t *q, i64 qs, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (i64 r = 0; r < rows; r++)
+        for (i64 c0 = 0, j = 0; c0 < cols; c0 += group, j++) {
+            i64 len = c0 + group < cols ? group : cols - c0;
+            int_span(x, dt, r * xs + c0, len, d[r * ds + j], reciprocal, qmin, qmax, q + r * qs + c0);
+        }
+}

@@ -1,0 +1,201 @@
+"""The native CPU kernels (`quant/native.py`) against plain torch references, element type by
+element type, and their build: cached, keyed, and a clear fallback without a compiler."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from slime_ascend.quant import fused as F
+from slime_ascend.quant import native as N
+from slime_ascend.quant.fp8_block import quantize_fp8_block
+from slime_ascend.quant.int_quant import quantize_int
+from slime_ascend.quant.schemes import INT8_ASCEND_SCHEME, INT8_CT_SCHEME
+
+FP8 = torch.float8_e4m3fn
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+HAVE_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
+
+pytestmark = pytest.mark.skipif(not N.available() and not HAVE_CC,
+                                reason=f"no C compiler: native kernels unavailable ({N.unavailable_reason()})")
+
+
+def test_kernels_build_here():
+    """With a C compiler present the kernels must build: a silent fallback would hide a regression."""
+    assert N.available(), N.unavailable_reason()
+
+
+def _weight(dtype, rows=150, cols=517, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 3
+    w[0, 3] = -0.0
+    w[5] = 0.0
+    w[7, :40] = torch.finfo(dtype).tiny * torch.rand(40, generator=g)  # subnormal-ish magnitudes
+    w[9, 11] = -torch.finfo(dtype).max if dtype != torch.float32 else -1e30
+    return w.to(dtype)
+
+
+def _expand(t, rows, cols, bn, bk):
+    return t.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_absmax_kernels(dtype):
+    w = _weight(dtype)
+    x = w.float()
+    got = N.group_absmax(w, 64)
+    ref = torch.stack([x[:, i:i + 64].abs().amax(1) for i in range(0, x.shape[1], 64)], 1)
+    assert torch.equal(got, ref)
+    got = N.block_absmax(w, 128, 100)
+    ref = torch.stack([torch.stack([x[i:i + 128, j:j + 100].abs().amax() for j in range(0, x.shape[1], 100)])
+                       for i in range(0, x.shape[0], 128)])
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_absmax_of_a_non_finite_weight_is_not_finite(dtype, bad):
+    w = _weight(dtype)
+    w[3, 100] = bad
+    assert not torch.isfinite(N.group_absmax(w, 64)[3, 1])
+    assert not torch.isfinite(N.block_absmax(w, 2, 128)[1, 0])
+    assert torch.isfinite(N.block_absmax(w, 2, 128)[0, 0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_kernel(dtype):
+    w = _weight(dtype)
+    s = N.block_absmax(w, 32, 100).clamp(min=1e-12) / 448.0
+    q = torch.empty(w.shape, dtype=FP8)
+    N.fp8_quantize(w, s, 32, 100, 448.0, q)
+    ref = (w.float() / _expand(s, *w.shape, 32, 100)).clamp(-448, 448).to(FP8)
+    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_e4m3_rounding_matches_torch_across_the_range():
+    """Every 97th fp32 bit pattern in [-448, 448] (23 million values, all binades, subnormals of e4m3
+    and fp32 included), every e4m3 midpoint and its neighbours: the kernel's cast is torch's."""
+    bits = torch.arange(0, 0x43E00001, 97, dtype=torch.int64).to(torch.int32)
+    allv = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    allv = allv[torch.isfinite(allv)].unique()
+    mids = (allv[1:] + allv[:-1]) / 2
+    near = torch.cat([(mids.view(torch.int32) + d).view(torch.float32) for d in (-1, 0, 1)])
+    v = torch.cat([bits.view(torch.float32), near[near.abs() <= 448], torch.tensor([448.0, 0.0])])
+    v = torch.cat([v, -v])
+    q = torch.empty(v.numel(), 1, dtype=FP8)
+    N.fp8_quantize(v.view(-1, 1), torch.ones(1, 1), 1 << 40, 1, 448.0, q)
+    assert torch.equal(q.view(torch.uint8).view(-1), v.to(FP8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reciprocal", [False, True])
+def test_int_kernel(dtype, reciprocal):
+    w = _weight(dtype)
+    d = (N.group_absmax(w, 32) / 7.0).to(torch.bfloat16).float()
+    d[d == 0] = 1.0
+    div = torch.reciprocal(d) if reciprocal else d
+    q = torch.empty(w.shape, dtype=torch.int8)
+    N.int_quantize(w, div, 32, -8, 7, reciprocal, q)
+    full = _expand(div, *w.shape, 1, 32)
+    ref = (w.float() * full if reciprocal else w.float() / full).round().clamp(-8, 7).to(torch.int8)
+    assert torch.equal(q, ref)
+
+
+def test_int_kernel_rounds_ties_to_even_and_clamps():
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, -128.5, -129.5, 1e30, -1e30, -0.0]])
+    q = torch.empty(x.shape, dtype=torch.int8)
+    N.int_quantize(x, torch.ones(1, 1), x.shape[1], -128, 127, False, q)
+    assert q.tolist() == [[0, 2, 2, 0, -2, -2, 126, 127, -128, -128, 127, -128, 0]]
+
+
+def test_strided_rows_and_outputs():
+    base = _weight(torch.bfloat16, 64, 600)
+    w = base[:, 50:450]  # row stride 600, last dim contiguous
+    s = N.block_absmax(w, 16, 128).clamp(min=1e-12) / 448.0
+    assert torch.equal(s, N.block_absmax(w.contiguous(), 16, 128).clamp(min=1e-12) / 448.0)
+    big = torch.zeros(64, 500, dtype=FP8)
+    N.fp8_quantize(w, s, 16, 128, 448.0, big[:, 100:])
+    ref = torch.empty(w.shape, dtype=FP8)
+    N.fp8_quantize(w.contiguous(), s, 16, 128, 448.0, ref)
+    assert torch.equal(big[:, 100:].view(torch.uint8), ref.view(torch.uint8))
+    assert not big[:, :100].view(torch.uint8).any()  # nothing written outside the view
+
+
+def test_bad_arguments_are_clear_errors():
+    w = _weight(torch.bfloat16, 16, 64)[:8]
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        N.group_absmax(w.t(), 8)
+    with pytest.raises(ValueError, match="fmax"):
+        N.fp8_quantize(w, torch.ones(1, 1), 8, 64, 500.0, torch.empty(w.shape, dtype=FP8))
+    with pytest.raises(ValueError, match="scale"):
+        N.fp8_quantize(w, torch.ones(2, 2), 8, 64, 448.0, torch.empty(w.shape, dtype=FP8))
+    with pytest.raises(ValueError, match="int8"):
+        N.int_quantize(w, torch.ones(8, 1), 64, -200, 127, False, torch.empty(w.shape, dtype=torch.int8))
+    with pytest.raises(ValueError, match="float64"):
+        N.group_absmax(w.double(), 8)
+
+
+def test_stacked_experts_and_default_path_equal_eager():
+    w = torch.randn(3, 130, 300, dtype=torch.bfloat16)
+    F.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for scheme in (INT8_ASCEND_SCHEME, INT8_CT_SCHEME):
+            a, b = quantize_int(w, scheme, fused=False), quantize_int(w, scheme)  # default: auto -> native
+            assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
+        a, b = quantize_fp8_block(w, fused=False), quantize_fp8_block(w)
+        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+    assert F.verdict(("int", "native", INT8_ASCEND_SCHEME, w.dtype, "cpu")) is True  # the native kernels ran
+
+
+def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
+    monkeypatch.setenv(N.CACHE_ENV, str(tmp_path))
+    first = N._build(N._compiler())
+    assert first.parent == tmp_path / "native" and first.exists()
+    assert N._build(N._compiler()) == first  # found in the cache, not rebuilt
+    mtime = first.stat().st_mtime_ns
+    assert N._build(N._compiler()).stat().st_mtime_ns == mtime
+    monkeypatch.setattr(N, "_BASE_FLAGS", N._BASE_FLAGS + ["-DSA_UNUSED_FLAG"])
+    assert N._build(N._compiler()) != first  # other flags, other key
+
+
+def test_no_compiler_means_eager_with_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv(N.CACHE_ENV, str(tmp_path))
+    N._reset_for_tests()
+    F.reset()
+    try:
+        assert not N.available()
+        assert "no C compiler" in N.unavailable_reason()
+        w = torch.randn(4, 256, dtype=torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # auto: quietly eager
+            got = quantize_int(w, INT8_ASCEND_SCHEME)
+        with pytest.warns(RuntimeWarning, match="native kernels unavailable.*no C compiler"):
+            quantize_fp8_block(w, fused="native")  # asked for explicitly: one warning
+        assert torch.equal(got.q, quantize_int(w, INT8_ASCEND_SCHEME, fused=False).q)
+        with pytest.raises(RuntimeError, match="unavailable"):
+            N.group_absmax(w, 8)
+    finally:
+        monkeypatch.undo()
+        N._reset_for_tests()
+        F.reset()
+    assert N.available()  # found again with the real compiler
+
+
+@pytest.mark.slow
+def test_e4m3_rounding_matches_torch_on_every_fp32_value_in_range():
+    """All 2,277,507,074 fp32 values with |y| <= 448 (about 20 s on 2 cores): the kernel's integer
+    rounding is torch's float8_e4m3fn cast, bit for bit."""
+    chunk, top, mismatches = 1 << 24, 0x43E00000 + 1, 0
+    q = torch.empty(chunk, 1, dtype=FP8)
+    for start in range(0, top, chunk):
+        v = torch.arange(start, min(start + chunk, top), dtype=torch.int64).to(torch.int32).view(torch.float32)
+        for y in (v, -v):
+            out = q[: y.numel()]
+            N.fp8_quantize(y.view(-1, 1), torch.ones(1, 1), 1 << 40, 1, 448.0, out)
+            mismatches += int((out.view(torch.uint8).view(-1) != y.to(FP8).view(torch.uint8)).sum())
+    assert mismatches == 0
