@@ -1,11 +1,11 @@
 """Quantisation throughput.
 
 (a) INT8 / FP8 quantisation of a 4096x14336 BF16 weight vs a plain `copy_` of the same
-    tensor: ratio = copy_time / quant_time, target >= 0.5. Measured for the default eager
-    path and, side by side in the same interleaved loop, the opt-in fused path
-    (`fused=True`, i.e. SLIME_ASCEND_QUANT_FUSED=compile; compiled and self-checked before
-    timing). The rows marked (fused) are informational for the default; the target rows are
-    the best of the two per format, and the detail names which one it is.
+    tensor: ratio = copy_time / quant_time, target >= 0.5. Every kernel choice is timed side
+    by side in one interleaved loop: eager (torch ops), native (the C kernels, the CPU
+    default), compile (torch.compile, opt-in). The target rows time the default call
+    (`fused=None` with SLIME_ASCEND_QUANT_FUSED unset) and name the backend it ran; the other
+    rows are informational.
 (b) INT8 (compressed-tensors numerics) and INT4 group quantise+pack vs the compressed-tensors
     library's own path (calculate_qparams + compressor.compress) on the same tensor:
     ratio = library_time / ours, target >= 2, and the outputs must be identical.
@@ -13,12 +13,13 @@
     double-rounds; ours computes in fp32), the upcast is counted in its time, and it is
     given `scale_dtype=bfloat16` so both round the scale to the model dtype first.
 
-Run: python benchmarks/bench_quant.py [--quick]
+Run: python benchmarks/bench_quant.py [--quick] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -75,58 +76,58 @@ def _ct_reference(w: torch.Tensor, bits: int, group_size: int | None):
 
 
 def run(quick: bool = False) -> list[dict]:
+    os.environ.pop(_fused.ENV_VAR, None)  # the target rows time the default choice
     torch.manual_seed(0)
     n, k = (1024, 4096) if quick else (4096, 14336)
-    repeats = 3 if quick else 7
+    repeats = 3 if quick else 9
     w = torch.randn(n, k, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
     dst = torch.empty_like(w)
-    int8_ct = make_spec("int8-ct").int_scheme
-    int8_asc = make_spec("int8-w8a8").int_scheme
-    fp8 = FP8BlockScheme()
+    schemes = {"int8_ascend": make_spec("int8-w8a8").int_scheme, "int8_ct": make_spec("int8-ct").int_scheme,
+               "fp8": FP8BlockScheme()}
+    kinds = {"eager": False, "native": "native", "compile": "compile", "default": None}
     rows: list[dict] = []
 
+    def call(fmt: str, fused, out=None):
+        if fmt == "fp8":
+            return quantize_fp8_block(w, schemes[fmt], out=out, fused=fused)
+        return quantize_int(w, schemes[fmt], out=out, fused=fused)
+
     # quantisers write into preallocated outputs, as copy_ does (a sync loop reuses its buffers);
-    # the allocating call is timed too and reported in the detail (fresh pages cost page faults).
-    o_fp8 = quantize_fp8_block(w, fp8, fused=False)
-    o_asc = quantize_int(w, int8_asc, fused=False)
-    o_ct = quantize_int(w, int8_ct, fused=False)
-    f_fp8 = quantize_fp8_block(w, fp8, fused=True)  # compiles + self-checks here, outside the timing
-    f_asc = quantize_int(w, int8_asc, fused=True)
-    f_ct = quantize_int(w, int8_ct, fused=True)
-    fused_ok = {
-        "fp8": bool(_fused.verdict(("fp8", fp8, w.dtype, w.device.type))),
-        "int8_ascend": bool(_fused.verdict(("int", int8_asc, w.dtype, w.device.type))),
-        "int8_ct": bool(_fused.verdict(("int", int8_ct, w.dtype, w.device.type))),
-    }
-    same = (torch.equal(f_fp8[0].view(torch.uint8), o_fp8[0].view(torch.uint8)) and torch.equal(f_fp8[1], o_fp8[1])
-            and torch.equal(f_asc.q, o_asc.q) and torch.equal(f_ct.q, o_ct.q))
-    if not same:
-        raise AssertionError("fused and eager quantisation differ on the benchmark weight")
-    t = _interleaved({
-        "copy": lambda: dst.copy_(w),
-        "fp8": lambda: quantize_fp8_block(w, fp8, out=o_fp8, fused=False),
-        "fp8_fused": lambda: quantize_fp8_block(w, fp8, out=f_fp8, fused=True),
-        "int8_ascend": lambda: quantize_int(w, int8_asc, out=o_asc, fused=False),
-        "int8_ascend_fused": lambda: quantize_int(w, int8_asc, out=f_asc, fused=True),
-        "int8_ct": lambda: quantize_int(w, int8_ct, out=o_ct, fused=False),
-        "int8_ct_fused": lambda: quantize_int(w, int8_ct, out=f_ct, fused=True),
-        "fp8_alloc": lambda: quantize_fp8_block(w, fp8, fused=False),
-        "int8_ascend_alloc": lambda: quantize_int(w, int8_asc, fused=False),
-        "int8_ct_alloc": lambda: quantize_int(w, int8_ct, fused=False),
-    }, repeats)
-    for key, label in (("int8_ascend", "quant_int8_w8a8_vs_copy"), ("int8_ct", "quant_int8_ct_vs_copy"),
-                       ("fp8", "quant_fp8_block_vs_copy")):
-        eager, fused = t["copy"] / t[key], t["copy"] / t[key + "_fused"]
+    # the allocating default call is timed too and reported in the detail (fresh pages cost page faults).
+    outs, ran = {}, {}
+    for fmt in schemes:
+        ref = call(fmt, False)
+        for kind, fused in kinds.items():
+            got = call(fmt, fused)  # builds / compiles and self-checks here, outside the timing
+            if not all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                       for a, b in zip(ref, got) if a is not None):
+                raise AssertionError(f"{fmt}: the {kind} path differs from eager on the benchmark weight")
+            outs[fmt, kind] = got
+            chosen = _fused.backend(fused, w)
+            key = ("fp8" if fmt == "fp8" else "int", chosen, schemes[fmt], w.dtype, w.device.type)
+            ran[fmt, kind] = chosen if chosen and _fused.verdict(key) else "eager"
+    fns: dict[str, Callable[[], object]] = {"copy": lambda: dst.copy_(w), "clone": lambda: w.clone()}
+    for fmt in schemes:
+        for kind, fused in kinds.items():
+            fns[f"{fmt}/{kind}"] = lambda fmt=fmt, kind=kind, fused=fused: call(fmt, fused, outs[fmt, kind])
+        fns[f"{fmt}/alloc"] = lambda fmt=fmt: call(fmt, None)
+    t = _interleaved(fns, repeats)
+    labels = {"int8_ascend": "quant_int8_w8a8_vs_copy", "int8_ct": "quant_int8_ct_vs_copy",
+              "fp8": "quant_fp8_block_vs_copy"}
+    for fmt, label in labels.items():
         head = f"{n}x{k} bf16, {torch.get_num_threads()} threads: copy_ {t['copy'] * 1e3:.1f} ms"
-        rows.append({"name": label + "_eager", "ratio": eager, "target": "info", "passed": None,
-                     "detail": f"{head}, eager into reused buffers {t[key] * 1e3:.1f} ms, allocating "
-                               f"{t[key + '_alloc'] * 1e3:.1f} ms (ratio {t['copy'] / t[key + '_alloc']:.2f})"})
-        rows.append({"name": label + "_fused", "ratio": fused, "target": "info", "passed": None,
-                     "detail": f"{head}, fused (torch.compile{'' if fused_ok[key] else ' UNAVAILABLE: eager ran'}) "
-                               f"into reused buffers {t[key + '_fused'] * 1e3:.1f} ms"})
-        best, which = (fused, "fused") if fused_ok[key] and fused > eager else (eager, "eager")
-        rows.append({"name": label, "ratio": best, "target": ">=0.5", "passed": best >= 0.5,
-                     "detail": f"best path: {which} (eager {eager:.2f}, fused {fused:.2f})"})
+        for kind in ("eager", "native", "compile"):
+            r = t["copy"] / t[f"{fmt}/{kind}"]
+            note = "" if ran[fmt, kind] == kind else f" (UNAVAILABLE: {ran[fmt, kind]} ran)"
+            rows.append({"name": f"{label}_{kind}", "ratio": r, "target": "info", "passed": None,
+                         "detail": f"{head}, {kind}{note} into reused buffers {t[f'{fmt}/{kind}'] * 1e3:.1f} ms"})
+        r = t["copy"] / t[f"{fmt}/default"]
+        rows.append({"name": label, "ratio": r, "target": ">=0.5", "passed": r >= 0.5,
+                     "detail": f"{head}, default path ({ran[fmt, 'default']}) into reused buffers "
+                               f"{t[f'{fmt}/default'] * 1e3:.1f} ms; allocating its outputs {t[f'{fmt}/alloc'] * 1e3:.1f} "
+                               f"ms vs an allocating clone() {t['clone'] * 1e3:.1f} ms (ratio "
+                               f"{t['clone'] / t[f'{fmt}/alloc']:.2f})"})
 
     # (b) vs compressed-tensors
     try:
