@@ -74,6 +74,19 @@ def _host_cpu() -> str:
         return platform.processor() + platform.machine()
 
 
+def _writable_dir() -> Path:
+    """`cache_dir()/native`, or a per-user temporary directory when that cannot be written."""
+    for d in (cache_dir() / "native", Path(tempfile.gettempdir()) / f"slime_ascend-{os.getuid()}" / "native"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    raise RuntimeError(f"no writable directory for the compiled kernels (tried {cache_dir() / 'native'}; set "
+                       f"{CACHE_ENV})")
+
+
 def _compiler() -> str | None:
     cc = os.environ.get("CC", "cc")
     return shutil.which(cc.split()[0]) and cc
@@ -90,10 +103,9 @@ def _build(cc: str) -> Path:
     for extra in (["-march=native"], []):
         flags = _BASE_FLAGS + extra
         key = hashlib.sha256(repr((source, cc, version, flags, _host_cpu(), ABI_VERSION)).encode()).hexdigest()[:20]
-        target = cache_dir() / "native" / f"quant_kernels_{key}.so"
+        target = _writable_dir() / f"quant_kernels_{key}.so"
         if target.exists():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:

@@ -199,3 +199,11 @@ def test_e4m3_rounding_matches_torch_on_every_fp32_value_in_range():
             N.fp8_quantize(y.view(-1, 1), torch.ones(1, 1), 1 << 40, 1, 448.0, out)
             mismatches += int((out.view(torch.uint8).view(-1) != y.to(FP8).view(torch.uint8)).sum())
     assert mismatches == 0
+
+
+def test_unusable_cache_falls_back_to_a_temporary_directory(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv(N.CACHE_ENV, str(blocker))
+    built = N._build(N._compiler())
+    assert built.exists() and blocker not in built.parents and blocker.read_text().startswith("a file")
