@@ -75,16 +75,26 @@ def _host_cpu() -> str:
 
 
 def _writable_dir() -> Path:
-    """`cache_dir()/native`, or a per-user temporary directory when that cannot be written."""
-    for d in (cache_dir() / "native", Path(tempfile.gettempdir()) / f"slime_ascend-{os.getuid()}" / "native"):
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            continue
-    raise RuntimeError(f"no writable directory for the compiled kernels (tried {cache_dir() / 'native'}; set "
-                       f"{CACHE_ENV})")
+    """`cache_dir()/native`, or a private per-user temporary directory when that cannot be written
+    (owned by this user and writable by nobody else: a shared /tmp must not supply the code we load)."""
+    d = cache_dir() / "native"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if os.access(d, os.W_OK):
+            return d
+    except OSError:
+        pass
+    private = Path(tempfile.gettempdir()) / f"slime_ascend-{os.getuid()}"
+    try:
+        private.mkdir(mode=0o700, exist_ok=True)
+        st = private.stat()
+        if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+            (private / "native").mkdir(exist_ok=True)
+            return private / "native"
+    except OSError:
+        pass
+    raise RuntimeError(f"no writable directory for the compiled kernels ({d} cannot be written and {private} is "
+                       f"not private to this user); set {CACHE_ENV}")
 
 
 def _compiler() -> str | None:
