@@ -155,7 +155,8 @@ def _block_scale(ra: torch.Tensor, scheme: FP8BlockScheme, full: int, tail: int)
 
 
 def _scale_of(amax: torch.Tensor, scheme: FP8BlockScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block |max| (fp32, clamped in place) -> (clamped amax, scale = amax / fp8_max): the scale rule."""
+    """Block |max| (fp32, clamped in place) -> (clamped amax, scale = amax / fp8_max): the scale rule
+    (the native kernel, `native_kernels.c` `sa_fp8_block_quantize`, applies the same fp32 ops)."""
     amax_f = amax.clamp_(min=scheme.amax_floor)
     return amax_f, amax_f / scheme.fp8_max
 
@@ -164,17 +165,14 @@ def _quantize_2d_native(
     w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, scheme: FP8BlockScheme, chunk_elems: int,
     ok: torch.Tensor,
 ) -> torch.Tensor:
-    """`_quantize_2d` with the native |max| and divide/clamp/cast kernels, one sweep each."""
-    bn, bk = scheme.block_size
+    """`_quantize_2d` as one native pass (block maxima, `_scale_of`'s rule, divide/clamp/cast)."""
     n, k = w.shape
     if n == 0 or k == 0:
         return ok
     if k > 1 and w.stride(1) != 1:
         w = w.contiguous()
-    _, scale = _scale_of(_native.block_absmax(w, bn, bk), scheme)
-    s_out.copy_(scale)
-    _native.fp8_quantize(w, scale, bn, bk, scheme.fp8_max, q_out)
-    return ok & torch.isfinite(scale).all()
+    _native.fp8_block_quantize(w, *scheme.block_size, scheme.amax_floor, scheme.fp8_max, q_out, s_out)
+    return ok & torch.isfinite(s_out).all()
 
 
 def _quantize_2d_compiled(

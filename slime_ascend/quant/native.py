@@ -3,8 +3,10 @@
 The eager torch path makes several memory passes per weight (fp32 staging, |max|, divide,
 clamp, cast) and torch's fp32 -> e4m3fn cast is scalar code on CPU. These kernels do the
 |max| pass and the divide/round/clamp/cast pass each in one vectorised sweep over the bf16 /
-fp16 / fp32 weight, on torch's own OpenMP thread pool. Scales are still computed by the eager
-code on the small reduced tensors, so the formula that decides every scale lives in one place.
+fp16 / fp32 weight, on torch's own OpenMP thread pool. INT scales are computed by the eager code
+on the reduced |max| (one formula, with its dtype rounding rules); the FP8 kernel is one pass
+that also applies FP8's scale rule, max(amax, floor) / fmax in fp32, which `fp8_block._scale_of`
+states for the eager path (the self-check and the tests hold the two to the same bits).
 
 Build: the system C compiler (`$CC`, else `cc`) with OpenMP, `-O3 -ffp-contract=off` (no
 contraction: results must equal torch's IEEE ops) and `-march=native` when the compiler takes
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
-ABI_VERSION = 1
+ABI_VERSION = 2
 CACHE_ENV = "SLIME_ASCEND_CACHE_DIR"
 _BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -50,8 +52,8 @@ _SIGNATURES = {
     "sa_abi_version": ([], _int),
     "sa_openmp": ([], _int),
     "sa_group_absmax": ([_ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _int], None),
-    "sa_block_absmax": ([_ptr, _int, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _int], _int),
-    "sa_fp8_quantize": ([_ptr, _int, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _float, _ptr, _i64, _int], None),
+    "sa_fp8_block_quantize": ([_ptr, _int, _i64, _i64, _i64, _i64, _i64, _float, _float, _ptr, _i64, _ptr, _i64, _int],
+                              _int),
     "sa_int_quantize": ([_ptr, _int, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _float, _float, _ptr, _i64, _int],
                         None),
 }
@@ -213,30 +215,20 @@ def group_absmax(x: torch.Tensor, group: int) -> torch.Tensor:
     return out
 
 
-def block_absmax(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
-    """fp32 [ceil(rows / bn), ceil(cols / bk)]: max |x| per (bn x bk) block (edge blocks partial)."""
+def fp8_block_quantize(x: torch.Tensor, bn: int, bk: int, amax_floor: float, fmax: float, q: torch.Tensor,
+                       scale: torch.Tensor) -> None:
+    """One pass: scale[b, j] = max(|max| of block (b, j), amax_floor) / fmax (fp32; edge blocks partial)
+    and q = e4m3(clamp(x / scale[r // bn, c // bk], ±fmax)) (float8_e4m3fn, x's shape); fmax <= 448."""
     lib = _lib_or_raise()
-    rows, cols, xs = _check_2d(x, "block_absmax")
-    nb, kb = -(-rows // bn), -(-cols // bk)
-    out = torch.empty(nb, kb, dtype=torch.float32)
-    if rows and cols and lib.sa_block_absmax(x.data_ptr(), _dt(x), rows, cols, xs, bn, bk, out.data_ptr(), kb,
-                                             torch.get_num_threads()):
-        raise MemoryError(f"block_absmax: could not allocate {kb} accumulators per thread")
-    return out
-
-
-def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, fmax: float, out: torch.Tensor) -> None:
-    """out (float8_e4m3fn, x's shape) = e4m3(clamp(x / scale[r // bn, c // bk], ±fmax)); fmax <= 448."""
-    lib = _lib_or_raise()
-    rows, cols, xs = _check_2d(x, "fp8_quantize")
+    rows, cols, xs = _check_2d(x, "fp8_block_quantize")
     if not 0 < fmax <= FP8_MAX_SUPPORTED:
-        raise ValueError(f"fp8_quantize: fmax {fmax} outside (0, {FP8_MAX_SUPPORTED}]")
+        raise ValueError(f"fp8_block_quantize: fmax {fmax} outside (0, {FP8_MAX_SUPPORTED}]")
     nb, kb = -(-rows // bn), -(-cols // bk)
-    ss = _check_out(scale, (nb, kb), torch.float32, "fp8_quantize scale")
-    qs = _check_out(out, (rows, cols), torch.float8_e4m3fn, "fp8_quantize out")
-    if rows and cols:
-        lib.sa_fp8_quantize(x.data_ptr(), _dt(x), rows, cols, xs, scale.data_ptr(), ss, bn, bk, fmax, out.data_ptr(),
-                            qs, torch.get_num_threads())
+    ss = _check_out(scale, (nb, kb), torch.float32, "fp8_block_quantize scale")
+    qs = _check_out(q, (rows, cols), torch.float8_e4m3fn, "fp8_block_quantize q")
+    if rows and cols and lib.sa_fp8_block_quantize(x.data_ptr(), _dt(x), rows, cols, xs, bn, bk, amax_floor, fmax,
+                                                   scale.data_ptr(), ss, q.data_ptr(), qs, torch.get_num_threads()):
+        raise MemoryError(f"fp8_block_quantize: could not allocate {kb} accumulators per thread")
 
 
 def int_quantize(x: torch.Tensor, div: torch.Tensor, group: int, qmin: float, qmax: float, reciprocal: bool,

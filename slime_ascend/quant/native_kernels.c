@@ -19,12 +19,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef int64_t i64;
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
-#define SA_ABI_VERSION 1
+#define SA_ABI_VERSION 2
 int sa_abi_version(void) { return SA_ABI_VERSION; }
 
 int sa_openmp(void) {
@@ -80,12 +83,17 @@ static inline float f16_absbits_value(uint32_t m) { return f16_f32((uint16_t)m);
         return m;                                                                                     \
     }                                                                                                 \
     static inline float absval_##SUF(uint32_t m) { return ABSVAL(m); }                                 \
-    static void fp8_span_##SUF(const T *restrict p, i64 n, float s, float fmax, uint8_t *restrict o) { \
-        for (i64 i = 0; i < n; i++) {                                                                 \
-            float y = TO_F32(p[i]) / s;                                                               \
-            y = y > fmax ? fmax : y;                                                                  \
-            y = y < -fmax ? -fmax : y;                                                                \
-            o[i] = e4m3(y);                                                                           \
+    static void fp8_span_##SUF(const T *restrict p, i64 n, float s, float fmax, int clamp,             \
+                               uint8_t *restrict o) {                                                 \
+        if (clamp) {                                                                                  \
+            for (i64 i = 0; i < n; i++) {                                                             \
+                float y = TO_F32(p[i]) / s;                                                           \
+                y = y > fmax ? fmax : y;                                                              \
+                y = y < -fmax ? -fmax : y;                                                            \
+                o[i] = e4m3(y);                                                                       \
+            }                                                                                         \
+        } else {                                                                                      \
+            for (i64 i = 0; i < n; i++) o[i] = e4m3(TO_F32(p[i]) / s);                                \
         }                                                                                             \
     }                                                                                                 \
     static void int_span_##SUF(const T *restrict p, i64 n, float d, int reciprocal, float qmin,       \
@@ -130,10 +138,10 @@ static float absbits_value(int dt, uint32_t m) {
     return absval_f16(m);
 }
 
-static void fp8_span(const void *x, int dt, i64 off, i64 n, float s, float fmax, uint8_t *o) {
-    if (dt == DT_F32) fp8_span_f32((const float *)x + off, n, s, fmax, o);
-    else if (dt == DT_BF16) fp8_span_bf16((const uint16_t *)x + off, n, s, fmax, o);
-    else fp8_span_f16((const uint16_t *)x + off, n, s, fmax, o);
+static void fp8_span(const void *x, int dt, i64 off, i64 n, float s, float fmax, int clamp, uint8_t *o) {
+    if (dt == DT_F32) fp8_span_f32((const float *)x + off, n, s, fmax, clamp, o);
+    else if (dt == DT_BF16) fp8_span_bf16((const uint16_t *)x + off, n, s, fmax, clamp, o);
+    else fp8_span_f16((const uint16_t *)x + off, n, s, fmax, clamp, o);
 }
 
 static void int_span(const void *x, int dt, i64 off, i64 n, float d, int reciprocal, float qmin, float qmax,
@@ -155,46 +163,62 @@ void sa_group_absmax(const void *x, int dt, i64 rows, i64 cols, i64 xs, i64 grou
         }
 }
 
-/* out[b, j] = max |x| over the (bn x bk) block (b, j) (edge blocks may be partial); whole rows are
- * read in order, the block maxima kept in a per-thread row of accumulators. Returns 0, or -1 when
- * the accumulators could not be allocated. */
-int sa_block_absmax(const void *x, int dt, i64 rows, i64 cols, i64 xs, i64 bn, i64 bk, float *out, i64 os, int nt) {
-    i64 nb = (rows + bn - 1) / bn, kb = (cols + bk - 1) / bk;
+/* FP8 block quantisation in one pass over the weight. scale[b, j] = max(amax, floor) / fmax in fp32
+ * (a NaN/inf amax stays non-finite) and q[r, c] = e4m3(clamp(x[r, c] / scale[r / bn, c / bk], +-fmax)),
+ * 0 < fmax <= 448. Each thread owns a contiguous range of row blocks and reduces the block maxima of
+ * row block b + 1 while it quantises row block b, interleaved per column block, so the memory-bound
+ * reduction overlaps the compute-bound cast. With fmax = 448 the clamp is skipped: |x| <= amax gives
+ * |x / scale| <= 448 (1 + 2^-23), which the rounding below sends to 448 like the clamp would.
+ * Returns 0, or -1 when the per-thread accumulators could not be allocated. */
+int sa_fp8_block_quantize(const void *x, int dt, i64 rows, i64 cols, i64 xs, i64 bn, i64 bk, float floor_,
+                          float fmax, float *scale, i64 ss, uint8_t *q, i64 qs, int nt) {
+    const i64 nb = (rows + bn - 1) / bn, kb = (cols + bk - 1) / bk;
+    const int clamp = fmax != 448.0f;
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
-        uint32_t *acc = (uint32_t *)malloc((size_t)(kb > 0 ? kb : 1) * sizeof(uint32_t));
+        i64 t = 0, nthreads = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nthreads = omp_get_num_threads();
+#endif
+        const i64 b0 = nb * t / nthreads, b1 = nb * (t + 1) / nthreads;
+        uint32_t *acc = (uint32_t *)calloc((size_t)(kb > 0 ? kb : 1), sizeof(uint32_t));
         if (!acc) {
 #pragma omp atomic write
             failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (i64 b = 0; b < nb; b++) {
-            if (!acc) continue;
-            i64 r0 = b * bn, r1 = r0 + bn < rows ? r0 + bn : rows;
-            for (i64 j = 0; j < kb; j++) acc[j] = 0;
-            for (i64 r = r0; r < r1; r++)
+        } else if (b0 < b1) {
+            for (i64 r = b0 * bn; r < rows && r < (b0 + 1) * bn; r++)  /* prologue: maxima of block b0 */
                 for (i64 c0 = 0, j = 0; c0 < cols; c0 += bk, j++) {
-                    i64 len = c0 + bk < cols ? bk : cols - c0;
-                    uint32_t v = absbits(x, dt, r * xs + c0, len);
+                    uint32_t v = absbits(x, dt, r * xs + c0, c0 + bk < cols ? bk : cols - c0);
                     acc[j] = v > acc[j] ? v : acc[j];
                 }
-            for (i64 j = 0; j < kb; j++) out[b * os + j] = absbits_value(dt, acc[j]);
+            for (i64 b = b0; b < b1; b++) {
+                float *s = scale + b * ss;
+                for (i64 j = 0; j < kb; j++) {
+                    float a = absbits_value(dt, acc[j]);
+                    a = a < floor_ ? floor_ : a; /* NaN stays NaN, as torch's clamp */
+                    s[j] = a / fmax;
+                    acc[j] = 0;
+                }
+                const i64 r0 = b * bn, r1 = r0 + bn < rows ? r0 + bn : rows;
+                const i64 n0 = r1, n1 = b + 1 < b1 ? (n0 + bn < rows ? n0 + bn : rows) : n0;
+                for (i64 i = 0; r0 + i < r1 || n0 + i < n1; i++) {
+                    const int quantise = r0 + i < r1, reduce = n0 + i < n1;
+                    for (i64 c0 = 0, j = 0; c0 < cols; c0 += bk, j++) {
+                        const i64 len = c0 + bk < cols ? bk : cols - c0;
+                        if (quantise) fp8_span(x, dt, (r0 + i) * xs + c0, len, s[j], fmax, clamp, q + (r0 + i) * qs + c0);
+                        if (reduce) {
+                            uint32_t v = absbits(x, dt, (n0 + i) * xs + c0, len);
+                            acc[j] = v > acc[j] ? v : acc[j];
+                        }
+                    }
+                }
+            }
         }
         free(acc);
     }
     return failed ? -1 : 0;
-}
-
-/* q[r, c] = e4m3(clamp(x[r, c] / scale[r / bn, c / bk], +-fmax)); requires 0 < fmax <= 448 */
-void sa_fp8_quantize(const void *x, int dt, i64 rows, i64 cols, i64 xs, const float *scale, i64 ss, i64 bn, i64 bk,
-                     float fmax, uint8_t *q, i64 qs, int nt) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (i64 r = 0; r < rows; r++)
-        for (i64 c0 = 0, j = 0; c0 < cols; c0 += bk, j++) {
-            i64 len = c0 + bk < cols ? bk : cols - c0;
-            fp8_span(x, dt, r * xs + c0, len, scale[(r / bn) * ss + j], fmax, q + r * qs + c0);
-        }
 }
 
 /* q[r, c] = clamp(round_half_even(x[r, c] / d[r, c / group]), qmin, qmax) (x * d when `reciprocal`);

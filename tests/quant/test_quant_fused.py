@@ -176,13 +176,17 @@ def _native_reciprocal_int(x, div, group, qmin, qmax, reciprocal, out):  # the s
     out.copy_((x.float() * (d if reciprocal else torch.reciprocal(d))).round().clamp(qmin, qmax).to(torch.int8))
 
 
-def _native_reciprocal_fp8(x, scale, bn, bk, fmax, out):
-    out.copy_((x.float() * torch.reciprocal(_expand(scale, *x.shape, bn, bk))).clamp(-fmax, fmax).to(FP8))
+def _native_reciprocal_fp8(x, bn, bk, amax_floor, fmax, q, scale):
+    n, k = x.shape
+    xf = torch.nn.functional.pad(x.float().abs(), (0, -k % bk, 0, -n % bn))
+    amax = xf.view(xf.shape[0] // bn, bn, -1, bk).amax(dim=(1, 3))
+    scale.copy_(amax.clamp(min=amax_floor) / fmax)
+    q.copy_((x.float() * torch.reciprocal(_expand(scale, n, k, bn, bk))).clamp(-fmax, fmax).to(FP8))
 
 
 WRONG = {"compile": (C, "int_quantize", _reciprocal_int, "fp8_quantize", _reciprocal_fp8),
-         "native": (N, "int_quantize", _native_reciprocal_int, "fp8_quantize", _native_reciprocal_fp8)}
-ABSMAX = {"compile": [(C, "absmax_last")], "native": [(N, "group_absmax"), (N, "block_absmax")]}
+         "native": (N, "int_quantize", _native_reciprocal_int, "fp8_block_quantize", _native_reciprocal_fp8)}
+ABSMAX = {"compile": [(C, "absmax_last")], "native": [(N, "group_absmax"), (N, "fp8_block_quantize")]}
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -42,37 +42,63 @@ def _expand(t, rows, cols, bn, bk):
     return t.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
 
 
+def _fp8_reference(w, bn, bk, fmax=448.0, floor=1e-12):
+    x = w.float()
+    amax = torch.stack([torch.stack([x[i:i + bn, j:j + bk].abs().amax() for j in range(0, x.shape[1], bk)])
+                        for i in range(0, x.shape[0], bn)])
+    scale = amax.clamp(min=floor) / fmax
+    return (x / _expand(scale, *x.shape, bn, bk)).clamp(-fmax, fmax).to(FP8), scale
+
+
+def _fp8(w, bn, bk, fmax=448.0, floor=1e-12):
+    q = torch.empty(w.shape, dtype=FP8)
+    s = torch.empty(-(-w.shape[0] // bn), -(-w.shape[1] // bk))
+    N.fp8_block_quantize(w, bn, bk, floor, fmax, q, s)
+    return q, s
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_absmax_kernels(dtype):
+def test_group_absmax(dtype):
     w = _weight(dtype)
     x = w.float()
     got = N.group_absmax(w, 64)
     ref = torch.stack([x[:, i:i + 64].abs().amax(1) for i in range(0, x.shape[1], 64)], 1)
     assert torch.equal(got, ref)
-    got = N.block_absmax(w, 128, 100)
-    ref = torch.stack([torch.stack([x[i:i + 128, j:j + 100].abs().amax() for j in range(0, x.shape[1], 100)])
-                       for i in range(0, x.shape[0], 128)])
-    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("blocks", [(32, 100), (128, 128), (7, 517), (1000, 1)])
+@pytest.mark.parametrize("fmax", [448.0, 240.0])  # 448: the clamp-free loop; otherwise clamped
+def test_fp8_block_kernel(dtype, blocks, fmax):
+    w = _weight(dtype)
+    q, s = _fp8(w, *blocks, fmax=fmax)
+    rq, rs = _fp8_reference(w, *blocks, fmax=fmax)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_absmax_of_a_non_finite_weight_is_not_finite(dtype, bad):
+def test_a_non_finite_weight_gives_non_finite_maxima_and_scales(dtype, bad):
     w = _weight(dtype)
     w[3, 100] = bad
     assert not torch.isfinite(N.group_absmax(w, 64)[3, 1])
-    assert not torch.isfinite(N.block_absmax(w, 2, 128)[1, 0])
-    assert torch.isfinite(N.block_absmax(w, 2, 128)[0, 0])
+    _, s = _fp8(w, 2, 128)
+    assert not torch.isfinite(s[1, 0]) and torch.isfinite(s[0, 0]) and torch.isfinite(s[1, 1])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_kernel(dtype):
-    w = _weight(dtype)
-    s = N.block_absmax(w, 32, 100).clamp(min=1e-12) / 448.0
-    q = torch.empty(w.shape, dtype=FP8)
-    N.fp8_quantize(w, s, 32, 100, 448.0, q)
-    ref = (w.float() / _expand(s, *w.shape, 32, 100)).clamp(-448, 448).to(FP8)
-    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+def _sweep(values: torch.Tensor, width: int = 1023) -> None:
+    """fp8 of `values` (|v| <= 448) with scale exactly 1: each row carries an extra 448 so every
+    (64 x width+1) block's max is 448; the result must be torch's cast."""
+    n = values.numel()
+    rows = -(-n // width)
+    x = torch.zeros(rows * width)
+    x[:n] = values
+    x = torch.cat([x.view(rows, width), torch.full((rows, 1), 448.0)], 1)
+    q, s = _fp8(x, 64, width + 1)
+    assert torch.equal(s, torch.ones_like(s))
+    got = q[:, :width].reshape(-1)[:n].view(torch.uint8)
+    assert torch.equal(got, values.to(FP8).view(torch.uint8))
 
 
 def test_e4m3_rounding_matches_torch_across_the_range():
@@ -84,10 +110,7 @@ def test_e4m3_rounding_matches_torch_across_the_range():
     mids = (allv[1:] + allv[:-1]) / 2
     near = torch.cat([(mids.view(torch.int32) + d).view(torch.float32) for d in (-1, 0, 1)])
     v = torch.cat([bits.view(torch.float32), near[near.abs() <= 448], torch.tensor([448.0, 0.0])])
-    v = torch.cat([v, -v])
-    q = torch.empty(v.numel(), 1, dtype=FP8)
-    N.fp8_quantize(v.view(-1, 1), torch.ones(1, 1), 1 << 40, 1, 448.0, q)
-    assert torch.equal(q.view(torch.uint8).view(-1), v.to(FP8).view(torch.uint8))
+    _sweep(torch.cat([v, -v]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,24 +137,23 @@ def test_int_kernel_rounds_ties_to_even_and_clamps():
 def test_strided_rows_and_outputs():
     base = _weight(torch.bfloat16, 64, 600)
     w = base[:, 50:450]  # row stride 600, last dim contiguous
-    s = N.block_absmax(w, 16, 128).clamp(min=1e-12) / 448.0
-    assert torch.equal(s, N.block_absmax(w.contiguous(), 16, 128).clamp(min=1e-12) / 448.0)
-    big = torch.zeros(64, 500, dtype=FP8)
-    N.fp8_quantize(w, s, 16, 128, 448.0, big[:, 100:])
-    ref = torch.empty(w.shape, dtype=FP8)
-    N.fp8_quantize(w.contiguous(), s, 16, 128, 448.0, ref)
-    assert torch.equal(big[:, 100:].view(torch.uint8), ref.view(torch.uint8))
-    assert not big[:, :100].view(torch.uint8).any()  # nothing written outside the view
+    q_ref, s_ref = _fp8(w.contiguous(), 16, 128)
+    big_q = torch.zeros(64, 500, dtype=FP8)
+    big_s = torch.zeros(4, 9)
+    N.fp8_block_quantize(w, 16, 128, 1e-12, 448.0, big_q[:, 100:], big_s[:, 5:])
+    assert torch.equal(big_q[:, 100:].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(big_s[:, 5:], s_ref)
+    assert not big_q[:, :100].view(torch.uint8).any() and not big_s[:, :5].any()  # nothing written outside
 
 
 def test_bad_arguments_are_clear_errors():
     w = _weight(torch.bfloat16, 16, 64)[:8]
+    q = torch.empty(w.shape, dtype=FP8)
     with pytest.raises(ValueError, match="contiguous last dim"):
         N.group_absmax(w.t(), 8)
     with pytest.raises(ValueError, match="fmax"):
-        N.fp8_quantize(w, torch.ones(1, 1), 8, 64, 500.0, torch.empty(w.shape, dtype=FP8))
+        N.fp8_block_quantize(w, 8, 64, 1e-12, 500.0, q, torch.empty(1, 1))
     with pytest.raises(ValueError, match="scale"):
-        N.fp8_quantize(w, torch.ones(2, 2), 8, 64, 448.0, torch.empty(w.shape, dtype=FP8))
+        N.fp8_block_quantize(w, 8, 64, 1e-12, 448.0, q, torch.empty(2, 2))
     with pytest.raises(ValueError, match="int8"):
         N.int_quantize(w, torch.ones(8, 1), 64, -200, 127, False, torch.empty(w.shape, dtype=torch.int8))
     with pytest.raises(ValueError, match="float64"):
@@ -188,17 +210,13 @@ def test_no_compiler_means_eager_with_a_reason(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_e4m3_rounding_matches_torch_on_every_fp32_value_in_range():
-    """All 2,277,507,074 fp32 values with |y| <= 448 (about 20 s on 2 cores): the kernel's integer
+    """All 2,277,507,074 fp32 values with |y| <= 448 (about 30 s on 2 cores): the kernel's integer
     rounding is torch's float8_e4m3fn cast, bit for bit."""
-    chunk, top, mismatches = 1 << 24, 0x43E00000 + 1, 0
-    q = torch.empty(chunk, 1, dtype=FP8)
+    chunk, top = 1 << 24, 0x43E00000 + 1
     for start in range(0, top, chunk):
         v = torch.arange(start, min(start + chunk, top), dtype=torch.int64).to(torch.int32).view(torch.float32)
-        for y in (v, -v):
-            out = q[: y.numel()]
-            N.fp8_quantize(y.view(-1, 1), torch.ones(1, 1), 1 << 40, 1, 448.0, out)
-            mismatches += int((out.view(torch.uint8).view(-1) != y.to(FP8).view(torch.uint8)).sum())
-    assert mismatches == 0
+        _sweep(v)
+        _sweep(-v)
 
 
 def test_unusable_cache_falls_back_to_a_temporary_directory(tmp_path, monkeypatch):
