@@ -1,13 +1,13 @@
 """Which kernels run the quantisers' bulk passes, and the machinery that keeps them honest.
 
 The bulk work of a quantiser is two passes over the weight: the per-group |max| reduction and
-the divide / round / clamp / cast pass. Scales are always computed by the eager code on the
-small reduced tensors, so the formula that decides every scale lives in one place. Three ways
-to run the bulk passes:
+the divide / round / clamp / cast pass. The scales in between are computed by the eager code on
+the small reduced tensors (the native FP8 kernel, a single pass, applies FP8's one-line rule
+itself). Three ways to run the bulk passes:
 
 - ``eager``: plain torch ops in row chunks (any device; the reference).
-- ``native``: the C kernels of `native.py` (CPU only; one vectorised sweep per pass on torch's
-  OpenMP pool). The default on CPU when they build.
+- ``native``: the C kernels of `native.py` (CPU only; vectorised sweeps on torch's OpenMP pool).
+  The default on CPU when they build.
 - ``compile``: the `torch.compile` (inductor) kernels of `compiled.py` (cpu / cuda).
 
 Switch: the `fused` argument of `quantize_int` / `quantize_fp8_block` (False: eager, True:
