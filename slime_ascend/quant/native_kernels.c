@@ -64,6 +64,18 @@ static inline uint8_t e4m3(float y) {
     return (uint8_t)(code | ((b >> 24) & 0x80u));
 }
 
+/* clamp(round_half_even(y), qmin, qmax) as int8: y is first clamped to [qmin - 1, qmax + 1] (same
+ * result, and small enough for the 1.5 * 2^23 rounding trick) */
+static inline int8_t int_code(float y, float qmin, float qmax) {
+    const float magic = 12582912.0f;
+    y = y > qmax + 1.0f ? qmax + 1.0f : y;
+    y = y < qmin - 1.0f ? qmin - 1.0f : y;
+    y = (y + magic) - magic;
+    y = y > qmax ? qmax : y;
+    y = y < qmin ? qmin : y;
+    return (int8_t)(int32_t)y;
+}
+
 /* ---- per-span primitives, one set per element type (contiguous spans vectorise) ---------------- */
 
 static inline uint32_t u16_bits(uint16_t v) { return v; }
@@ -98,28 +110,10 @@ static inline float f16_absbits_value(uint32_t m) { return f16_f32((uint16_t)m);
     }                                                                                                 \
     static void int_span_##SUF(const T *restrict p, i64 n, float d, int reciprocal, float qmin,       \
                                float qmax, int8_t *restrict o) {                                      \
-        const float lo = qmin - 1.0f, hi = qmax + 1.0f, magic = 12582912.0f; /* 1.5 * 2^23 */         \
-        if (reciprocal) {                                                                             \
-            for (i64 i = 0; i < n; i++) {                                                             \
-                float y = TO_F32(p[i]) * d;                                                           \
-                y = y > hi ? hi : y;                                                                  \
-                y = y < lo ? lo : y;                                                                  \
-                y = (y + magic) - magic;                                                              \
-                y = y > qmax ? qmax : y;                                                              \
-                y = y < qmin ? qmin : y;                                                              \
-                o[i] = (int8_t)(int32_t)y;                                                            \
-            }                                                                                         \
-        } else {                                                                                      \
-            for (i64 i = 0; i < n; i++) {                                                             \
-                float y = TO_F32(p[i]) / d;                                                           \
-                y = y > hi ? hi : y;                                                                  \
-                y = y < lo ? lo : y;                                                                  \
-                y = (y + magic) - magic;                                                              \
-                y = y > qmax ? qmax : y;                                                              \
-                y = y < qmin ? qmin : y;                                                              \
-                o[i] = (int8_t)(int32_t)y;                                                            \
-            }                                                                                         \
-        }                                                                                             \
+        if (reciprocal)                                                                               \
+            for (i64 i = 0; i < n; i++) o[i] = int_code(TO_F32(p[i]) * d, qmin, qmax);                \
+        else                                                                                          \
+            for (i64 i = 0; i < n; i++) o[i] = int_code(TO_F32(p[i]) / d, qmin, qmax);                \
     }
 
 DEFINE_SPANS(f32, float, f32_bits, 0x7FFFFFFFu, f32_id, bits_f32)
