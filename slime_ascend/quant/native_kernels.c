@@ -42,15 +42,16 @@ static inline uint32_t f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return
 static inline float bits_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 static inline float bf16_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
-/* exact fp16 -> fp32 (subnormals, +-0, inf and NaN included) */
+/* exact fp16 -> fp32 (subnormals, +-0, inf and NaN included) in bit arithmetic that selects by
+ * masks, so that loops over it vectorise (gcc 12's _Float16 cast stayed scalar: 4x slower) */
 static inline float f16_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-    float sub = (float)m * 5.9604644775390625e-08f; /* m * 2^-24, exact */
     uint32_t normal = sign | ((e + 112u) << 23) | (m << 13);
     uint32_t special = sign | 0x7F800000u | (m << 13);
-    uint32_t subbits = f32_bits(sub) | sign;
-    return bits_f32(e == 0 ? subbits : (e == 31 ? special : normal));
+    uint32_t sub = sign | f32_bits((float)m * 5.9604644775390625e-08f); /* m * 2^-24, exact */
+    uint32_t is_sub = 0u - (uint32_t)(e == 0), is_special = 0u - (uint32_t)(e == 31);
+    return bits_f32((sub & is_sub) | (special & is_special) | (normal & ~(is_sub | is_special)));
 }
 
 /* e4m3fn code of a finite y with |y| <= 448, round to nearest even (-0.0 keeps its sign) */

@@ -87,6 +87,20 @@ def test_a_non_finite_weight_gives_non_finite_maxima_and_scales(dtype, bad):
     assert not torch.isfinite(s[1, 0]) and torch.isfinite(s[0, 0]) and torch.isfinite(s[1, 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16_bit_value_reads_exactly(dtype):
+    """All 65536 bit patterns: |x| through the |max| kernel (one-element groups) is torch's, NaN for
+    NaN; the sign survives into the fp8 code (one-element blocks)."""
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).view(256, 256)
+    got, ref = N.group_absmax(x, 1), x.float().abs()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.equal(got[~torch.isnan(ref)], ref[~torch.isnan(ref)])
+    finite = x.clone()
+    finite[~torch.isfinite(x)] = 0
+    q, _ = _fp8(finite, 1, 1)
+    assert torch.equal(q.view(torch.uint8) >= 0x80, torch.signbit(finite.float()))
+
+
 def _sweep(values: torch.Tensor, width: int = 1023) -> None:
     """fp8 of `values` (|v| <= 448) with scale exactly 1: each row carries an extra 448 so every
     (64 x width+1) block's max is 448; the result must be torch's cast."""
