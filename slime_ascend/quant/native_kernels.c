@@ -11,10 +11,12 @@
  *   - y = x / s (or x * s) in fp32, IEEE division, no contraction (built with -ffp-contract=off);
  *   - integers: round half to even by the 1.5 * 2^23 trick on a value first clamped to
  *     [qmin - 1, qmax + 1] (same result as torch.round then clamp), then clamp;
- *   - e4m3fn: clamp to +-fmax (fmax <= 448) then the round-to-nearest-even cast torch does,
- *     written as integer arithmetic on the fp32 bits (normal range: re-bias and round away 20
- *     mantissa bits; subnormal range: |y| + 2^14 rounds |y| to a multiple of 2^-9).
- * native.py checks these against torch on a probe tensor before it trusts a build.
+ *   - e4m3fn: clamp to +-fmax (fmax <= 448; a no-op, skipped, when fmax is 448) then the
+ *     round-to-nearest-even cast torch does, written as integer arithmetic on the fp32 bits (normal
+ *     range: re-bias and round away 20 mantissa bits; subnormal range: |y| + 2^14 rounds |y| to a
+ *     multiple of 2^-9).
+ * The quantisers check a build against their eager torch path on probe tensors before they trust
+ * it (quant/fused.py, `verified`); the tests compare every kernel with torch references.
  */
 #include <stdint.h>
 #include <stdlib.h>
