@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,22 +12,10 @@ from hypothesis import strategies as st
 
 from slime_ascend.quant import FP8BlockScheme, dequantize_fp8_block, quantize_fp8_block
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _quant_refs import fp8_block_reference  # noqa: E402
+
 FP8 = torch.float8_e4m3fn
-
-
-def deepseek_block_reference(w: torch.Tensor, bn: int = 128, bk: int = 128):
-    """Per block: s = amax/448 (fp32, amax floored at 1e-12 for all-zero blocks), q = x / s cast to e4m3."""
-    n, k = w.shape
-    q = torch.empty(n, k, dtype=FP8)
-    s = torch.empty(math.ceil(n / bn), math.ceil(k / bk), dtype=torch.float32)
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].float()
-            amax = max(float(blk.abs().max()), 1e-12)
-            sc = torch.tensor(amax, dtype=torch.float32) / 448.0
-            s[i, j] = sc
-            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / sc).to(FP8)
-    return q, s
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +28,7 @@ def test_matches_deepseek_reference_bit_for_bit(shape, dtype):
     torch.manual_seed(sum(shape))
     w = (torch.randn(shape) * 0.05).to(dtype)
     q, s = quantize_fp8_block(w, chunk_elems=1 << 12)  # small chunks: several chunks and a tail block
-    rq, rs = deepseek_block_reference(w)
+    rq, rs = fp8_block_reference(w)
     assert q.dtype == FP8 and s.dtype == torch.float32
     assert s.shape == rs.shape
     assert torch.equal(s, rs)
@@ -51,7 +40,7 @@ def test_other_block_sizes(block):
     torch.manual_seed(1)
     w = torch.randn(70, 90).bfloat16()
     q, s = quantize_fp8_block(w, FP8BlockScheme(block), chunk_elems=1 << 10)
-    rq, rs = deepseek_block_reference(w, *block)
+    rq, rs = fp8_block_reference(w, *block)
     assert torch.equal(s, rs) and torch.equal(bits(q), bits(rq))
 
 
@@ -77,7 +66,7 @@ def test_non_contiguous_input():
     torch.manual_seed(4)
     w = torch.randn(300, 200).bfloat16()
     q, s = quantize_fp8_block(w.t())
-    rq, rs = deepseek_block_reference(w.t().contiguous())
+    rq, rs = fp8_block_reference(w.t().contiguous())
     assert torch.equal(s, rs) and torch.equal(bits(q), bits(rq))
 
 
@@ -151,7 +140,7 @@ def test_property_matches_reference(n, k, scale, seed):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * scale).bfloat16()
     q, s = quantize_fp8_block(w, FP8BlockScheme((64, 64)), chunk_elems=1 << 11)
-    rq, rs = deepseek_block_reference(w, 64, 64)
+    rq, rs = fp8_block_reference(w, 64, 64)
     assert torch.equal(s, rs) and torch.equal(bits(q), bits(rq))
 
 

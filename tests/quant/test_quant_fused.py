@@ -4,8 +4,9 @@ torch.compile) equal the eager path and plain references bit for bit, and fall b
 
 from __future__ import annotations
 
-import math
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from slime_ascend.quant import native as N
 from slime_ascend.quant.fp8_block import quantize_fp8_block
 from slime_ascend.quant.int_quant import quantize_int
 from slime_ascend.quant.schemes import INT8_ASCEND_SCHEME, INT8_CT_SCHEME, FP8BlockScheme, int4_scheme
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _quant_refs import expand_blocks, fp8_block_reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 SCHEMES = {"ascend": INT8_ASCEND_SCHEME, "ct": INT8_CT_SCHEME, "int4": int4_scheme(32)}
@@ -42,19 +46,6 @@ def int8_sym_reference(w: torch.Tensor, divisor: float, qmin: int, qmax: int, ze
         s[i] = sc
         q[i] = torch.round(x / (sc if sc != 0 else 1.0)).clamp(qmin, qmax).to(torch.int8)
     return q.view(w.shape), s
-
-
-def fp8_reference(w: torch.Tensor, bn: int, bk: int):
-    n, k = w.shape
-    q = torch.empty(n, k, dtype=FP8)
-    s = torch.empty(math.ceil(n / bn), math.ceil(k / bk), dtype=torch.float32)
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].float()
-            sc = torch.tensor(max(float(blk.abs().max()), 1e-12), dtype=torch.float32) / 448.0
-            s[i, j] = sc
-            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / sc).clamp(-448, 448).to(FP8)
-    return q, s
 
 
 @st.composite
@@ -129,7 +120,7 @@ def test_fp8_fused_equals_eager_and_reference(kind, w):
     assert torch.equal(bits(fast[0]), bits(eager[0])) and torch.equal(bits(fast[1]), bits(eager[1]))
     for e in range(w.shape[0] if w.dim() == 3 else 1):
         we, qe, se = (w[e], eager[0][e], eager[1][e]) if w.dim() == 3 else (w, eager[0], eager[1])
-        rq, rs = fp8_reference(we, *FP8_SMALL.block_size)
+        rq, rs = fp8_block_reference(we, *FP8_SMALL.block_size)
         assert torch.equal(bits(qe), bits(rq)) and torch.equal(bits(se), bits(rs))
 
 
@@ -167,12 +158,8 @@ def _reciprocal_fp8(x, scale, out, fmax):
     out.copy_((x.float() * torch.reciprocal(scale)).clamp(-fmax, fmax).to(FP8))
 
 
-def _expand(t: torch.Tensor, rows: int, cols: int, bn: int, bk: int) -> torch.Tensor:
-    return t.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
-
-
 def _native_reciprocal_int(x, div, group, qmin, qmax, reciprocal, out):  # the same mistake, native signature
-    d = _expand(div, *x.shape, 1, group)
+    d = expand_blocks(div, *x.shape, 1, group)
     out.copy_((x.float() * (d if reciprocal else torch.reciprocal(d))).round().clamp(qmin, qmax).to(torch.int8))
 
 
@@ -181,7 +168,7 @@ def _native_reciprocal_fp8(x, bn, bk, amax_floor, fmax, q, scale):
     xf = torch.nn.functional.pad(x.float().abs(), (0, -k % bk, 0, -n % bn))
     amax = xf.view(xf.shape[0] // bn, bn, -1, bk).amax(dim=(1, 3))
     scale.copy_(amax.clamp(min=amax_floor) / fmax)
-    q.copy_((x.float() * torch.reciprocal(_expand(scale, n, k, bn, bk))).clamp(-fmax, fmax).to(FP8))
+    q.copy_((x.float() * torch.reciprocal(expand_blocks(scale, n, k, bn, bk))).clamp(-fmax, fmax).to(FP8))
 
 
 WRONG = {"compile": (C, "int_quantize", _reciprocal_int, "fp8_quantize", _reciprocal_fp8),

@@ -4,7 +4,9 @@ element type, and their build: cached, keyed, and a clear fallback without a com
 from __future__ import annotations
 
 import shutil
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ from slime_ascend.quant import native as N
 from slime_ascend.quant.fp8_block import quantize_fp8_block
 from slime_ascend.quant.int_quant import quantize_int
 from slime_ascend.quant.schemes import INT8_ASCEND_SCHEME, INT8_CT_SCHEME
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _quant_refs import expand_blocks, fp8_block_reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -38,18 +43,6 @@ def _weight(dtype, rows=150, cols=517, seed=0):
     return w.to(dtype)
 
 
-def _expand(t, rows, cols, bn, bk):
-    return t.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
-
-
-def _fp8_reference(w, bn, bk, fmax=448.0, floor=1e-12):
-    x = w.float()
-    amax = torch.stack([torch.stack([x[i:i + bn, j:j + bk].abs().amax() for j in range(0, x.shape[1], bk)])
-                        for i in range(0, x.shape[0], bn)])
-    scale = amax.clamp(min=floor) / fmax
-    return (x / _expand(scale, *x.shape, bn, bk)).clamp(-fmax, fmax).to(FP8), scale
-
-
 def _fp8(w, bn, bk, fmax=448.0, floor=1e-12):
     q = torch.empty(w.shape, dtype=FP8)
     s = torch.empty(-(-w.shape[0] // bn), -(-w.shape[1] // bk))
@@ -72,7 +65,7 @@ def test_group_absmax(dtype):
 def test_fp8_block_kernel(dtype, blocks, fmax):
     w = _weight(dtype)
     q, s = _fp8(w, *blocks, fmax=fmax)
-    rq, rs = _fp8_reference(w, *blocks, fmax=fmax)
+    rq, rs = fp8_block_reference(w, *blocks, fmax=fmax)
     assert torch.equal(s, rs)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
@@ -136,7 +129,7 @@ def test_int_kernel(dtype, reciprocal):
     div = torch.reciprocal(d) if reciprocal else d
     q = torch.empty(w.shape, dtype=torch.int8)
     N.int_quantize(w, div, 32, -8, 7, reciprocal, q)
-    full = _expand(div, *w.shape, 1, 32)
+    full = expand_blocks(div, *w.shape, 1, 32)
     ref = (w.float() * full if reciprocal else w.float() / full).round().clamp(-8, 7).to(torch.int8)
     assert torch.equal(q, ref)
 
