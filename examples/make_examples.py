@@ -209,7 +209,8 @@ SGLANG_ARGS=(
 )
 
 # Ray exposes Ascend NPUs as the NPU resource; slime-ascend's npu plugin makes slime ask for it.
-{multinode}ray start --head --node-ip-address ${{MASTER_ADDR:-127.0.0.1}} --disable-usage-stats --dashboard-host=0.0.0.0 --dashboard-port=8265
+# The dashboard (and job API) listens on loopback only; from elsewhere use ssh -L 8265:127.0.0.1:8265.
+{multinode}ray start --head --node-ip-address ${{MASTER_ADDR:-127.0.0.1}} --disable-usage-stats --dashboard-host=127.0.0.1 --dashboard-port=8265
 
 RUNTIME_ENV_JSON="{{
   \\"env_vars\\": {{

@@ -101,9 +101,10 @@ MISC_ARGS=(
 )
 
 # Ray exposes Ascend NPUs as the NPU resource; slime-ascend's npu plugin makes slime ask for it.
+# The dashboard (and job API) listens on loopback only; from elsewhere use ssh -L 8265:127.0.0.1:8265.
 # Multi-node: on every other node run the same exports, then
 #   ray start --address=${MASTER_ADDR}:6379 --disable-usage-stats
-ray start --head --node-ip-address ${MASTER_ADDR:-127.0.0.1} --disable-usage-stats --dashboard-host=0.0.0.0 --dashboard-port=8265
+ray start --head --node-ip-address ${MASTER_ADDR:-127.0.0.1} --disable-usage-stats --dashboard-host=127.0.0.1 --dashboard-port=8265
 
 RUNTIME_ENV_JSON="{
   \"env_vars\": {

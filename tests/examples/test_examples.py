@@ -85,3 +85,20 @@ def test_yaml_equals_fresh_config(name):
     fresh_lines = [line for line in fresh.yaml_text.splitlines() if line.split(":", 1)[0] not in edited]
     ours = [line for line in stripped.splitlines() if line.split(":", 1)[0] not in edited]
     assert ours == fresh_lines, f"{name}: comments or order drifted from `slime-ascend config` (regenerate)"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_ray_dashboard_listens_on_loopback_only(name):
+    """The dashboard is also Ray's job-submission API: on 0.0.0.0 anyone on the network can run code."""
+    script = (EXAMPLES / name / "run.sh").read_text()
+    heads = [line for line in script.splitlines() if re.match(r"\s*ray start\b.*--head\b", line)]
+    assert heads, f"{name}: run.sh starts no Ray head"
+    for line in heads:
+        hosts = re.findall(r"--dashboard-host[= ](\S+)", line)
+        assert hosts == ["127.0.0.1"], f"{name}: {line.strip()!r} must pass --dashboard-host=127.0.0.1"
+    assert "0.0.0.0" not in script, f"{name}: run.sh binds something to every interface"
+
+
+def test_generator_template_keeps_the_dashboard_on_loopback():
+    template = (EXAMPLES / "make_examples.py").read_text()
+    assert "--dashboard-host=127.0.0.1" in template and "0.0.0.0" not in template
