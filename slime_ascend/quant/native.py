@@ -13,6 +13,21 @@ contraction: results must equal torch's IEEE ops) and `-march=native` when the c
 it. The shared object is cached under `$SLIME_ASCEND_CACHE_DIR` (default
 `$XDG_CACHE_HOME/slime_ascend` or `~/.cache/slime_ascend`), keyed by the source, the
 compiler, the flags and the host CPU, and written atomically (concurrent builders are safe).
+
+Trust (the cache supplies code we load, so a library planted there would run in this process):
+- the directory holding the libraries (`<cache>/native`) must be owned by this user and not
+  group/world-writable; every directory above it up to `/` (on the path as given and with symlinks
+  resolved) owned by this user or root, and not group/world-writable unless sticky (like /tmp,
+  where others cannot rename or remove our entries): ssh's StrictModes rule. The directories the
+  cache creates are 0700. Otherwise the private per-user temporary directory is used (with one
+  warning naming the directory, why, and the fix), and it must pass the same check.
+- each library has its sha256 recorded next to it (`<name>.so.sha256`, written atomically); the
+  library and the record must be regular files owned by this user and not group/world-writable,
+  and the library's bytes must match the record before it is loaded. Otherwise (a planted, stale,
+  damaged or truncated file: dlopen of a truncated library can SIGBUS) it is rebuilt, not loaded;
+  a library that still fails to load is rebuilt once. The digest catches damage; keeping others
+  out is the directory check's job (whoever can write the library can write its record).
+
 Any failure (no compiler, no OpenMP, a load error) makes `available()` False with the reason
 in `unavailable_reason()`; the callers then use the eager path. The callers also self-check
 a build bit for bit against the eager path before trusting it (see `fused.verified`).
@@ -28,9 +43,11 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,27 +93,129 @@ def _host_cpu() -> str:
         return platform.processor() + platform.machine()
 
 
+def _mkdir_private(d: Path) -> None:
+    """`mkdir -p` with 0700 for every directory it creates (a umask of 002 must not make the cache
+    group-writable, which the trust check would then refuse on every run)."""
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+    except FileNotFoundError:
+        if d.parent == d:
+            raise
+        _mkdir_private(d.parent)
+        d.mkdir(mode=0o700, exist_ok=True)
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
+    return bool(st.st_mode & 0o022)
+
+
+def _untrusted_dir(d: Path) -> str | None:
+    """Why `d` must not hold code we load (see the module docstring), or None."""
+    uid = os.getuid()
+    try:
+        st = os.stat(d)
+        if st.st_uid != uid:
+            return f"{d} is owned by uid {st.st_uid}, not by this user (uid {uid})"
+        if _writable_by_others(st):
+            return f"{d} is group/world-writable (mode {stat.S_IMODE(st.st_mode):o}; fix: chmod go-w {d})"
+        seen = set()
+        for path in (Path(os.path.abspath(d)), d.resolve()):
+            for up in path.parents:
+                if up in seen:
+                    continue
+                seen.add(up)
+                st = os.stat(up)
+                if st.st_uid not in (uid, 0):
+                    return f"{up} (above {d}) is owned by uid {st.st_uid}, neither this user (uid {uid}) nor root"
+                if _writable_by_others(st) and not st.st_mode & stat.S_ISVTX:
+                    return (f"{up} (above {d}) is group/world-writable without the sticky bit "
+                            f"(mode {stat.S_IMODE(st.st_mode):o}; fix: chmod go-w {up})")
+    except OSError as e:
+        return f"cannot check {e.filename}: {e.strerror}"
+    return None
+
+
+def _untrusted_file(p: Path) -> str | None:
+    """Why the file `p` (in a trusted directory) must not be used, or None."""
+    st = os.lstat(p)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{p} is not a regular file"
+    if st.st_uid != os.getuid():
+        return f"{p} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if _writable_by_others(st):
+        return f"{p} is group/world-writable (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def _writable_dir() -> Path:
-    """`cache_dir()/native`, or a private per-user temporary directory when that cannot be written
-    (owned by this user and writable by nobody else: a shared /tmp must not supply the code we load)."""
+    """`cache_dir()/native` when it can be written and trusted, else a private per-user temporary
+    directory (owned by this user and writable by nobody else: a shared /tmp must not supply the
+    code we load), with one warning saying why."""
     d = cache_dir() / "native"
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        if os.access(d, os.W_OK):
-            return d
-    except OSError:
-        pass
+        _mkdir_private(d)
+        why = _untrusted_dir(d) or (None if os.access(d, os.W_OK) else f"{d} is not writable by this user")
+    except OSError as e:
+        why = f"{d} cannot be created ({e.strerror or e})"
+    if why is None:
+        return d
     private = Path(tempfile.gettempdir()) / f"slime_ascend-{os.getuid()}"
     try:
         private.mkdir(mode=0o700, exist_ok=True)
-        st = private.stat()
-        if st.st_uid == os.getuid() and not st.st_mode & 0o022:
-            (private / "native").mkdir(exist_ok=True)
-            return private / "native"
-    except OSError:
-        pass
-    raise RuntimeError(f"no writable directory for the compiled kernels ({d} cannot be written and {private} is "
-                       f"not private to this user); set {CACHE_ENV}")
+        private_why = _untrusted_dir(private)
+        if private_why is None:
+            (private / "native").mkdir(mode=0o700, exist_ok=True)
+            private_why = _untrusted_dir(private / "native")
+    except OSError as e:
+        private_why = f"{private} cannot be created ({e.strerror or e})"
+    if private_why is None:
+        warnings.warn(f"slime_ascend.quant: native kernel cache {d} not used: {why}; building in {private / 'native'} "
+                      f"instead (or set {CACHE_ENV} to a directory of your own)", RuntimeWarning, stacklevel=3)
+        return private / "native"
+    raise RuntimeError(f"no trusted writable directory for the compiled kernels ({why}; {private_why}); set "
+                       f"{CACHE_ENV} to a directory owned by you and writable by nobody else")
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _digest_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _unusable(lib: Path) -> str | None:
+    """Why the cached `lib` must not be loaded, or None; "" when it is simply not there yet (or has no
+    recorded digest: a cache from before digests)."""
+    record = _digest_path(lib)
+    if not os.path.lexists(lib) or not os.path.lexists(record):
+        return ""
+    try:
+        why = _untrusted_file(lib) or _untrusted_file(record)
+        if why:
+            return why
+        with open(record) as f:
+            recorded = f.read(200).strip()
+        if recorded != _sha256(lib):
+            return f"{lib} does not match its recorded sha256 ({record})"
+    except OSError as e:
+        return f"cannot check {e.filename}: {e.strerror}"
+    return None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)  # 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _compiler() -> str | None:
@@ -108,22 +227,32 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, rebuild: bool = False) -> Path:
+    """The cached library for `cc` (verified against its recorded digest), built when it is missing,
+    untrusted or does not match; `rebuild`: build it even when it verifies."""
     source = SOURCE.read_bytes()
     version = _run([*cc.split(), "--version"]).stdout.splitlines()[:1]
+    directory = _writable_dir()
     errors = []
     for extra in (["-march=native"], []):
         flags = _BASE_FLAGS + extra
         key = hashlib.sha256(repr((source, cc, version, flags, _host_cpu(), ABI_VERSION)).encode()).hexdigest()[:20]
-        target = _writable_dir() / f"quant_kernels_{key}.so"
-        if target.exists():
-            return target
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        target = directory / f"quant_kernels_{key}.so"
+        if not rebuild:
+            why = _unusable(target)
+            if why is None:
+                return target
+            if why:
+                warnings.warn(f"slime_ascend.quant: {why}; rebuilding it", RuntimeWarning, stacklevel=3)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
         try:
             res = _run([*cc.split(), *flags, str(SOURCE), "-o", tmp])
             if res.returncode == 0:
+                os.chmod(tmp, 0o755)  # the linker may have made it group-writable (umask 002)
+                digest = _sha256(Path(tmp))
                 os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine too
+                _write_atomic(_digest_path(target), digest + "\n")
                 return target
             errors.append(f"{' '.join(flags)}: {res.stderr.strip()[-400:]}")
         finally:
@@ -137,6 +266,14 @@ def _load() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError(f"no C compiler found (set CC, or install gcc/clang); looked for {os.environ.get('CC', 'cc')!r}")
     path = _build(cc)
+    try:
+        return _open(path)
+    except (OSError, RuntimeError, AttributeError) as e:
+        warnings.warn(f"slime_ascend.quant: {path} failed to load ({e}); rebuilding it", RuntimeWarning, stacklevel=2)
+    return _open(_build(cc, rebuild=True))
+
+
+def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))  # after `import torch`: its libgomp (same soname) serves OpenMP
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
@@ -156,7 +293,7 @@ def available() -> bool:
             _tried = True
             try:
                 _lib = _load()
-            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError, Warning) as e:  # Warning: -W error
                 _lib, _reason = None, f"{type(e).__name__}: {e}"
         return _lib is not None
 

@@ -3,8 +3,10 @@ element type, and their build: cached, keyed, and a clear fallback without a com
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -184,6 +186,9 @@ def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
     monkeypatch.setenv(N.CACHE_ENV, str(tmp_path))
     first = N._build(N._compiler())
     assert first.parent == tmp_path / "native" and first.exists()
+    record = first.with_name(first.name + ".sha256")  # checked before every load
+    assert record.read_text().strip() == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert not first.stat().st_mode & 0o022 and not record.stat().st_mode & 0o022
     assert N._build(N._compiler()) == first  # found in the cache, not rebuilt
     mtime = first.stat().st_mtime_ns
     assert N._build(N._compiler()).stat().st_mtime_ns == mtime
@@ -230,5 +235,7 @@ def test_unusable_cache_falls_back_to_a_temporary_directory(tmp_path, monkeypatc
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache directory should be")
     monkeypatch.setenv(N.CACHE_ENV, str(blocker))
-    built = N._build(N._compiler())
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=rf"cache {blocker}/native not used: .*cannot be created.*{N.CACHE_ENV}"):
+        built = N._build(N._compiler())
     assert built.exists() and blocker not in built.parents and blocker.read_text().startswith("a file")
