@@ -293,7 +293,8 @@ def available() -> bool:
             _tried = True
             try:
                 _lib = _load()
-            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError, Warning) as e:  # Warning: -W error
+            # Warning: a cache warning turned into an error (-W error) makes the kernels unavailable, with it as reason
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError, Warning) as e:
                 _lib, _reason = None, f"{type(e).__name__}: {e}"
         return _lib is not None
 

@@ -170,7 +170,8 @@ def test_truncated_library_is_rebuilt_not_loaded(tmp_path):
     """A build cut short (disk full, killed copy) used to SIGBUS every later run at dlopen. In a fresh
     interpreter, with the real compiler: the digest check catches it before dlopen, and it is rebuilt."""
     env = {N.CACHE_ENV: str(tmp_path / "cache")}
-    code = "from slime_ascend.quant import native as N; assert N.available(), N.unavailable_reason(); print(N._lib._name)"
+    code = ("from slime_ascend.quant import native as N\n"
+            "assert N.available(), N.unavailable_reason()\nprint(N._lib._name)")
     first = run_python(code, env, timeout=180)
     assert first.returncode == 0, first.stderr[-2000:]
     lib_path = Path(first.stdout.strip())
