@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ._outdir import check_out_dir, staged_dir
 from .hf_config import (
     ASCEND_DESCRIPTION_FILE, ASCEND_FLOAT, ASCEND_W8A8_DYNAMIC, ascend_quant_description,
     quantization_config_for, read_checkpoint_quant_config, spec_from_quantization_config,
@@ -146,11 +147,15 @@ def convert_checkpoint(
     `quant_model_weights*.safetensors` for Ascend) with an index, config.json with
     `quantization_config` (removed for Ascend, which gets `quant_model_description.json`),
     and copies every other non-weight file (tokenizer, generation config, chat template).
+
+    `out_dir` may not be, lie inside, or contain `hf_dir` (symlinks resolved). Everything is
+    written to a temporary directory beside it and moved into place only on success; with
+    `overwrite`, a non-empty `out_dir` is replaced only if it holds a checkpoint (config.json +
+    *.safetensors), and only after the new one is complete.
     """
     src, dst = os.fspath(hf_dir), os.fspath(out_dir)
     spec = as_spec(fmt)
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise ValueError("out_dir must differ from hf_dir")
+    dst_real = check_out_dir(src, dst, overwrite, label="out_dir", src_label="hf_dir", force_flag="overwrite=True")
     cfg_path = os.path.join(src, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"{src}: no config.json; expected an HF checkpoint directory")
@@ -158,11 +163,18 @@ def convert_checkpoint(
         config = json.load(f)
     if read_checkpoint_quant_config(src):
         raise ValueError(f"{src}: checkpoint is already quantised; convert from the BF16 checkpoint")
-    if os.path.exists(dst) and os.listdir(dst) and not overwrite:
-        raise ValueError(f"out_dir {dst!r} exists and is not empty; pass overwrite=True or pick another dir")
-    os.makedirs(dst, exist_ok=True)
 
     report = ConvertReport(fmt=spec.fmt, out_dir=dst)
+    # Written into a private temporary directory beside out_dir and moved into place only when
+    # complete: a failure or Ctrl-C leaves the previous out_dir (if any) untouched.
+    with staged_dir(dst_real) as work:
+        _write_converted(src, work, spec, config, report, max_shard_bytes, device)
+    report.files = sorted(os.listdir(dst_real))
+    return report
+
+
+def _write_converted(src: str, dst: str, spec: QuantSpec, config: dict[str, Any], report: ConvertReport,
+                     max_shard_bytes: int, device: str) -> None:
     prefix = "quant_model_weights" if spec.fmt == INT8_W8A8 else "model"
     writer = _ShardWriter(dst, prefix, max_shard_bytes)
     types: dict[str, str] = {}
@@ -202,8 +214,6 @@ def convert_checkpoint(
                 or fname.endswith(_WEIGHT_FILES_SKIP) or fname == ASCEND_DESCRIPTION_FILE):
             continue
         shutil.copyfile(p, os.path.join(dst, fname))
-    report.files = sorted(os.listdir(dst))
-    return report
 
 
 # ----------------------------------------------------------------------------- verification

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 
+from ._outdir import check_out_dir
 from .schemes import FORMATS, INT4_NUMERICS
 
 
@@ -25,10 +25,14 @@ def _quantize_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slime-ascend quantize",
                                 description="Quantise an HF BF16 safetensors checkpoint for a rollout engine.")
     p.add_argument("hf_dir", metavar="HF_DIR", help="HF checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (created; must be empty unless --force)")
+    p.add_argument("out_dir", metavar="OUT_DIR",
+                   help="output directory (created; must be empty unless --force; never HF_DIR, inside it or "
+                        "above it)")
     p.add_argument("--format", required=True, dest="fmt", metavar="FORMAT",
                    help=f"one of: {', '.join(FORMATS)}")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR's contents if it is not empty")
+    p.add_argument("--force", action="store_true",
+                   help="replace a previous checkpoint in OUT_DIR (config.json + *.safetensors), only once the new "
+                        "one is complete; any other non-empty OUT_DIR is refused")
     p.add_argument("--block-size", type=int, nargs=2, default=(128, 128), metavar=("N", "K"),
                    help="fp8-block tile (default 128 128)")
     p.add_argument("--group-size", type=int, default=128, help="int4-group group size (default 128)")
@@ -54,14 +58,10 @@ def main_quantize(argv: Sequence[str] | None = None) -> int:
         return _fail(f"HF_DIR {ns.hf_dir!r} has no config.json; pass an HF checkpoint directory")
     if not any(f.endswith(".safetensors") for f in os.listdir(ns.hf_dir)):
         return _fail(f"HF_DIR {ns.hf_dir!r} has no *.safetensors files (only safetensors checkpoints are read)")
-    if os.path.abspath(ns.hf_dir) == os.path.abspath(ns.out_dir):
-        return _fail("OUT_DIR must differ from HF_DIR")
-    if os.path.exists(ns.out_dir) and not os.path.isdir(ns.out_dir):
-        return _fail(f"OUT_DIR {ns.out_dir!r} exists and is not a directory")
-    if os.path.isdir(ns.out_dir) and os.listdir(ns.out_dir):
-        if not ns.force:
-            return _fail(f"OUT_DIR {ns.out_dir!r} is not empty; pass --force to replace its contents")
-        shutil.rmtree(ns.out_dir)
+    try:  # nothing is deleted here: OUT_DIR is replaced only after the new checkpoint is complete
+        check_out_dir(ns.hf_dir, ns.out_dir, ns.force)
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
     if ns.max_shard_gb <= 0:
         return _fail("--max-shard-gb must be positive")
 
@@ -73,9 +73,15 @@ def main_quantize(argv: Sequence[str] | None = None) -> int:
     try:
         spec = make_spec(ns.fmt, block_size=tuple(ns.block_size), group_size=ns.group_size,
                          symmetric=not ns.asymmetric, numerics=ns.numerics)
-        report = convert_checkpoint(ns.hf_dir, ns.out_dir, spec, max_shard_bytes=int(ns.max_shard_gb * 1024**3))
+        report = convert_checkpoint(ns.hf_dir, ns.out_dir, spec, max_shard_bytes=int(ns.max_shard_gb * 1024**3),
+                                    overwrite=ns.force)
     except ValueError as exc:
         return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"{exc}; OUT_DIR {ns.out_dir!r} was left as it was")
+    except KeyboardInterrupt:
+        print(f"error: interrupted; OUT_DIR {ns.out_dir!r} was left as it was", file=sys.stderr)
+        return 130
     print(f"{report.fmt}: {len(report.quantized)} tensors quantised, {len(report.kept)} kept -> {report.out_dir}")
     return 0
 

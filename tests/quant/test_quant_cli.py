@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -12,11 +14,21 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "weight_sync"))
 from _ws_helpers import hf_tensors, write_hf  # noqa: E402
 
-from slime_ascend.quant.checkpoint import CheckpointReader, tensors_bit_equal  # noqa: E402
+from slime_ascend.quant.checkpoint import CheckpointReader, quant_spec_of, tensors_bit_equal  # noqa: E402
 from slime_ascend.quant.cli import main_quantize, main_verify  # noqa: E402
 from slime_ascend.quant.params import quantize_named_params  # noqa: E402
 
 SRC = hf_tensors(3)
+
+
+def quant_format(d) -> str:
+    return quant_spec_of(d).fmt
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +54,27 @@ def test_quantize_then_verify_online_tensors(fmt, hf, tmp_path, capsys):
 
 def test_refuses_overwrite_without_force(hf, tmp_path, capsys):
     out = tmp_path / "q"
-    out.mkdir()
-    (out / "keep.txt").write_text("x")
+    assert main_quantize([str(hf), str(out), "--format", "fp8-block"]) == 0
+    (out / "stale.txt").write_text("x")
     assert main_quantize([str(hf), str(out), "--format", "int8-ct"]) == 2
     assert "--force" in capsys.readouterr().err
-    assert (out / "keep.txt").exists()
-    assert main_quantize([str(hf), str(out), "--format", "int8-ct", "--force"]) == 0
-    assert not (out / "keep.txt").exists()
+    assert (out / "stale.txt").exists()
+    assert main_quantize([str(hf), str(out), "--format", "int8-ct", "--force"]) == 0  # a checkpoint is replaced
+    assert not (out / "stale.txt").exists()
+    assert quant_format(out) == "int8-ct"
+    assert sorted(os.listdir(tmp_path)) == ["q"]  # the previous output and the temporary are gone
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~current_umask()  # not the temporary's 0700
+
+
+def test_force_never_replaces_a_directory_that_is_not_a_checkpoint(hf, tmp_path, capsys):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert main_quantize([str(hf), str(out), "--format", "int8-ct", "--force"]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+    assert os.listdir(out) == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    assert main_quantize([str(hf), str(out), "--format", "int8-ct"]) == 0  # an empty directory is fine
 
 
 @pytest.mark.parametrize("case", ["bad_format", "no_dir", "no_config", "no_safetensors", "same_dir", "quantised"])
