@@ -19,11 +19,27 @@ def check_float_weight(weight: torch.Tensor, name: str, ndims: tuple[int, ...] =
                          f"{tuple(weight.shape)}")
 
 
-def raise_if_not_finite(ok: torch.Tensor, name: str) -> None:
+def raise_if_not_finite(ok: torch.Tensor | bool, name: str, what: str = "weight",
+                        action: str = "quantise it") -> None:
     """`ok` is a 0-d bool tensor accumulated over chunks (one host sync per tensor)."""
     if not bool(ok):
-        raise ValueError(f"{name}: weight contains NaN or inf; refusing to quantise it "
+        raise ValueError(f"{name}: {what} contains NaN or inf; refusing to {action} "
                          f"(fix the checkpoint / training step that produced it)")
+
+
+def all_finite(t: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> bool:
+    """True when a tensor has no NaN/inf (non-float tensors always pass); checked in chunks so a
+    large embedding never needs a full-size bool temporary."""
+    if not t.is_floating_point():
+        return True
+    flat = t.reshape(-1)
+    ok = torch.ones((), dtype=torch.bool, device=t.device)
+    for i in range(0, flat.numel(), chunk_elems):
+        part = flat[i:i + chunk_elems]
+        if part.element_size() == 1:  # float8: isfinite needs a wider dtype on some backends
+            part = part.float()
+        ok &= torch.isfinite(part).all()
+    return bool(ok)
 
 
 def rows_per_chunk(cols: int, chunk_elems: int, multiple: int = 1) -> int:

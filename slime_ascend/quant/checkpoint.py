@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ._common import all_finite, raise_if_not_finite
 from ._outdir import check_out_dir, staged_dir
 from .hf_config import (
     ASCEND_DESCRIPTION_FILE, ASCEND_FLOAT, ASCEND_W8A8_DYNAMIC, ascend_quant_description,
@@ -151,7 +152,8 @@ def convert_checkpoint(
     `out_dir` may not be, lie inside, or contain `hf_dir` (symlinks resolved). Everything is
     written to a temporary directory beside it and moved into place only on success; with
     `overwrite`, a non-empty `out_dir` is replaced only if it holds a checkpoint (config.json +
-    *.safetensors), and only after the new one is complete.
+    *.safetensors), and only after the new one is complete. A NaN/inf in any floating tensor,
+    quantised or passed through, is refused naming the tensor and its file.
     """
     src, dst = os.fspath(hf_dir), os.fspath(out_dir)
     spec = as_spec(fmt)
@@ -182,8 +184,14 @@ def _write_converted(src: str, dst: str, spec: QuantSpec, config: dict[str, Any]
     with CheckpointReader(src, device=device) as reader:
         for name in reader.keys():
             t = reader.get(name)
-            outs = quantize_named_params([(name, t)], spec)
-            if len(outs) == 1 and outs[0][1] is t:
+            try:
+                outs = quantize_named_params([(name, t)], spec)
+                passthrough = len(outs) == 1 and outs[0][1] is t
+                if passthrough:
+                    raise_if_not_finite(all_finite(t), name, what="tensor", action="pass it through unquantised")
+            except ValueError as exc:  # name the file as well as the tensor
+                raise ValueError(f"{os.path.join(src, reader.file_of[name])}: {exc}") from None
+            if passthrough:
                 report.kept.append(name)
                 types[name] = ASCEND_FLOAT
                 if name.endswith(".weight") and t.dim() >= 2:

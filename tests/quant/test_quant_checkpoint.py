@@ -160,6 +160,36 @@ def test_nan_weight_fails_conversion_naming_tensor(tiny_qwen3, tmp_path):
         convert_checkpoint(bad, tmp_path / "o", "fp8-block")
 
 
+def _with_value(src, dst, name, value):
+    dst.mkdir()
+    for f in os.listdir(src):
+        p = src / f
+        if f.endswith(".safetensors"):
+            ts = load_file(p)
+            if name in ts:
+                ts[name].view(-1)[3] = value
+            save_file(ts, dst / f, metadata={"format": "pt"})
+        else:
+            (dst / f).write_bytes(p.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("name,value", [("model.norm.weight", float("nan")),
+                                        ("model.embed_tokens.weight", float("inf")),
+                                        ("model.layers.0.self_attn.k_proj.weight", float("nan"))])
+def test_non_finite_tensor_refused_and_previous_output_kept(name, value, tiny_qwen3, tmp_path):
+    out = tmp_path / "o"
+    convert_checkpoint(tiny_qwen3, out, "int4-group")
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    bad = _with_value(tiny_qwen3, tmp_path / "bad", name, value)
+    with CheckpointReader(bad) as r:
+        fname = r.file_of[name]
+    with pytest.raises(ValueError, match=rf"bad/{fname}: {name}: \w+ contains NaN or inf"):
+        convert_checkpoint(bad, out, "int4-group", overwrite=True)
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+    assert sorted(os.listdir(tmp_path)) == ["bad", "o"]
+
+
 def test_unquantised_checkpoint_loads_as_is(tiny_qwen3):
     deq = load_state_dict_dequantized(tiny_qwen3, dtype=torch.float32)
     src = _source(tiny_qwen3)
