@@ -5,8 +5,10 @@ Inert unless ``SLIME_ASCEND_PLUGINS`` is set: then it loads the named plugins (e
 argv and never imports torch, ray, megatron or slime itself; plugins register import hooks
 (:mod:`slime_ascend._import_hooks`) for work that must happen when those are imported.
 
-A failure here must not break an unrelated interpreter, so it is printed once to stderr and kept:
-:func:`activation_error` returns it, and the first hook dispatcher call raises it.
+A failure here must not break an unrelated interpreter (the ``.pth`` runs this in every interpreter
+of the environment, pip included), so whatever plugin code raises, ``SystemExit`` and
+``KeyboardInterrupt`` included, is printed once to stderr and kept: :func:`activation_error`
+returns it, and the first hook dispatcher call raises it.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ def activate(value: str | None = None) -> list[str]:
                     registry_resolve(path)()
                 _started.add(plugin.name)
                 ran.append(plugin.name)
-        except Exception as exc:  # noqa: BLE001 - reported, kept, and re-raised at first use
+        except BaseException as exc:  # noqa: BLE001 - plugin code must not end the interpreter; kept, re-raised at use
             _error = exc
-            print(f"slime-ascend: activation of {ENV}={value!r} failed: {exc}", file=sys.stderr)
+            what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            print(f"slime-ascend: activation of {ENV}={value!r} failed: {what}", file=sys.stderr)
     return ran
 
 

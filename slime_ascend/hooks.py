@@ -18,7 +18,9 @@ from .plugins.registry import PluginError
 def _contributions(args: Any, slot: str) -> list[tuple[str, Any]]:
     error = _bootstrap.activation_error()
     if error is not None:
-        raise PluginError(f"slime-ascend failed to activate at process start: {error}") from error
+        raise PluginError(
+            f"slime-ascend failed to activate at process start ({type(error).__name__}: {error})"
+        ) from error
     state = runtime.active(args)
     return [(plugin, contribution.load()) for plugin, contribution in state.selection.slots.get(slot, ())]
 

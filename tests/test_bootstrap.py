@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from conftest import run_python
 
 HEAVY = ("torch", "torch_npu", "ray", "megatron", "slime")
@@ -82,3 +83,69 @@ def test_pth_is_installed():
     from slime_ascend import doctor
 
     assert doctor.find_pth(), "slime_ascend_bootstrap.pth is not in site-packages: install the package"
+
+
+def _fake_plugin_dist(tmp):
+    """A directory for PYTHONPATH holding a distribution with entry points of the plugin group:
+    ``boom`` (process start raises what BOOM_KIND names) and ``boom-import`` (its module calls
+    sys.exit at import)."""
+    import os
+
+    dist = os.path.join(tmp, "boomplug-0.dist-info")
+    os.makedirs(dist)
+    with open(os.path.join(dist, "METADATA"), "w") as fh:
+        fh.write("Metadata-Version: 2.1\nName: boomplug\nVersion: 0\n")
+    with open(os.path.join(dist, "entry_points.txt"), "w") as fh:
+        fh.write("[slime_ascend.plugins]\nboom = boomplug:PLUGIN\nboom-import = boomimport:PLUGIN\n")
+    with open(os.path.join(tmp, "boomplug.py"), "w") as fh:
+        fh.write(
+            "import os\n"
+            "from slime_ascend.plugins.base import Plugin\n"
+            "def die():\n"
+            "    kind = os.environ['BOOM_KIND']\n"
+            "    if kind == 'exit':\n"
+            "        raise SystemExit(3)\n"
+            "    if kind == 'interrupt':\n"
+            "        raise KeyboardInterrupt\n"
+            "    raise RuntimeError('boom')\n"
+            "PLUGIN = Plugin(name='boom', description='raises at process start', process_start=('boomplug.die',))\n"
+        )
+    with open(os.path.join(tmp, "boomimport.py"), "w") as fh:
+        fh.write("import sys\nsys.exit(4)\n")
+    return tmp
+
+
+def _pythonpath(path):
+    import os
+
+    return os.pathsep.join([path, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+@pytest.mark.parametrize("kind,exc", [("exit", "SystemExit"), ("interrupt", "KeyboardInterrupt"), ("error", "RuntimeError")])
+def test_plugin_raising_base_exception_at_process_start_does_not_end_the_interpreter(tmp_path, kind, exc):
+    path = _fake_plugin_dist(str(tmp_path))
+    env = {"SLIME_ASCEND_PLUGINS": "boom", "PYTHONPATH": _pythonpath(path), "BOOM_KIND": kind}
+    proc = run_python(
+        "import sys; from slime_ascend import _bootstrap as b, hooks\n"
+        "print('alive', type(b.activation_error()).__name__)\n"
+        "try:\n"
+        "    hooks.megatron_init(type('A', (), {})())\n"
+        "except BaseException as e:\n"
+        "    print(type(e).__name__, '|', e)\n",
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.strip().splitlines()
+    assert first == f"alive {exc}"
+    assert second.startswith("PluginError |") and exc in second, second  # kept, re-raised at first use
+    assert f"activation of SLIME_ASCEND_PLUGINS='boom' failed: {exc}" in proc.stderr
+
+
+def test_plugin_module_calling_sys_exit_at_import_is_reported_broken(tmp_path):
+    path = _fake_plugin_dist(str(tmp_path))
+    env = {"SLIME_ASCEND_PLUGINS": "boom-import", "PYTHONPATH": _pythonpath(path)}
+    proc = run_python("from slime_ascend import _bootstrap as b; print('alive', type(b.activation_error()).__name__)",
+                      env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "alive PluginError"
+    assert "'boom-import'" in proc.stderr and "installed but broken" in proc.stderr and "SystemExit: 4" in proc.stderr

@@ -41,7 +41,8 @@ class EntryPointRegistry(Generic[T]):
                 for ep in entry_points(group=self.group):
                     try:
                         obj = ep.load()
-                    except Exception as exc:  # noqa: BLE001 - reported by broken(), not fatal
+                    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported by broken(), not fatal
+                        # (SystemExit: a plugin module that runs argparse or sys.exit at import)
                         self._broken[ep.name] = f"entry point {ep.value} failed to load: {type(exc).__name__}: {exc}"
                         continue
                     if not isinstance(obj, self.kind):
