@@ -8,16 +8,20 @@ otherwise run different plugins in the same job.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import difflib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from . import registry
 from .base import resolve
 from .registry import PluginError, Selection
-from .settings import SettingsError, SettingsView, coerce
+from .settings import PREFIX, SettingsError, SettingsView, coerce
 
 logger = logging.getLogger("slime_ascend")
 
@@ -35,9 +39,23 @@ _lock = threading.Lock()
 _validated: dict[tuple[str, ...], Active] = {}
 
 
+# Set while `slime-ascend config` checks the YAML it is about to write: the shell's environment
+# belongs to whatever job runs later, not to that check.
+_ignore_env: contextvars.ContextVar[bool] = contextvars.ContextVar("slime_ascend_ignore_env", default=False)
+
+
+@contextlib.contextmanager
+def ignoring_environment() -> Iterator[None]:
+    token = _ignore_env.set(True)
+    try:
+        yield
+    finally:
+        _ignore_env.reset(token)
+
+
 def enabled_names(args: Any = None) -> list[str]:
     from_args = getattr(args, ARGS_KEY, None) if args is not None else None
-    from_env = os.environ.get(ENV)
+    from_env = None if _ignore_env.get() else os.environ.get(ENV)
     if from_args is not None:
         names = registry.parse_names(from_args)
         if from_env and registry.parse_names(from_env) != names:
@@ -58,6 +76,67 @@ def settings_values(plugin, args: Any) -> dict[str, Any]:
     return {s.key: coerce(s, getattr(args, s.key, s.default)) for s in plugin.settings}
 
 
+def known_setting_keys() -> dict[str, str]:
+    """Every setting key of every installed plugin -> the plugin that declares it (plus ``ascend_plugins``)."""
+    keys = {ARGS_KEY: "-"}
+    for plugin in registry.available().values():
+        for setting in plugin.settings:
+            keys[setting.key] = plugin.name
+    return keys
+
+
+def check_keys(args: Any, selection: Selection) -> None:
+    """Refuse an ``ascend_*`` key on ``args`` that no installed plugin declares (a misspelling would
+    otherwise leave the setting silently at its default); the error names the closest real key."""
+    try:
+        present = [k for k in vars(args) if isinstance(k, str) and k.startswith(PREFIX)]
+    except TypeError:  # args without __dict__: nothing to scan
+        return
+    known = known_setting_keys()
+    for key in sorted(present):
+        owner = known.get(key)
+        if owner is None:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            broken = registry.broken()
+            if broken:
+                hint += f"(plugins that failed to load, whose keys are unknown here: {', '.join(sorted(broken))}) "
+            raise SettingsError(
+                f"unknown setting {key!r} in the YAML given to --custom-config-path: no installed plugin declares "
+                f"it; {hint}Fix: correct the key, or remove it (`slime-ascend plugins` lists each plugin's settings)"
+            )
+        if owner != "-" and owner not in selection.names:
+            logger.warning("setting %s belongs to plugin %r, which is not enabled: it has no effect", key, owner)
+
+
+def check(args: Any, names: list[str] | None = None, *, command_line: bool = True) -> Active:
+    """Validate the enabled plugins (``names``, default: :func:`enabled_names`) against ``args``.
+
+    Checks, in order: the selection (unknown/broken plugins, conflicts, slot clashes), that every
+    ``ascend_*`` key is a declared setting, every setting's value, the flags plugins need on slime's
+    command line (unless ``command_line`` is false), and each plugin's own ``validate``. Raises
+    :class:`PluginError` or :class:`SettingsError`; caches nothing (see :func:`active`).
+    """
+    names = enabled_names(args) if names is None else list(names)
+    selection = selection_for(names)
+    check_keys(args, selection)
+    views: dict[str, SettingsView] = {}
+    for plugin in selection.plugins:
+        views[plugin.name] = SettingsView(plugin.name, settings_values(plugin, args))
+    for plugin in selection.plugins:
+        if command_line:
+            for flag in plugin.command_line:
+                if flag.check is not None and not flag.check(args):
+                    raise SettingsError(
+                        f"plugin {plugin.name!r} needs `{flag.flag}` on slime's command line ({flag.why}). "
+                        "Fix: add it to the launch command; the YAML cannot set it because slime derives other "
+                        "settings from it before the YAML is applied."
+                    )
+        if plugin.validate:
+            resolve(plugin.validate)(args, views[plugin.name])
+    return Active(selection, views)
+
+
 def active(args: Any) -> Active:
     """Resolve and validate the enabled plugins against ``args`` (once per process and selection)."""
     names = tuple(enabled_names(args))
@@ -65,23 +144,10 @@ def active(args: Any) -> Active:
         cached = _validated.get(names)
     if cached is not None:
         return cached
-    selection = selection_for(list(names))
-    views: dict[str, SettingsView] = {}
-    for plugin in selection.plugins:
-        views[plugin.name] = SettingsView(plugin.name, settings_values(plugin, args))
-        for flag in plugin.command_line:
-            if flag.check is not None and not flag.check(args):
-                raise SettingsError(
-                    f"plugin {plugin.name!r} needs `{flag.flag}` on slime's command line ({flag.why}). "
-                    "Fix: add it to the launch command; the YAML cannot set it because slime derives other "
-                    "settings from it before the YAML is applied."
-                )
-        if plugin.validate:
-            resolve(plugin.validate)(args, views[plugin.name])
-    result = Active(selection, views)
+    result = check(args, list(names))
     with _lock:
         _validated[names] = result
-    logger.info("slime-ascend plugins active: %s", ", ".join(selection.names) or "none")
+    logger.info("slime-ascend plugins active: %s", ", ".join(result.selection.names) or "none")
     return result
 
 
