@@ -46,7 +46,17 @@ def _cmd_plugins(ns: argparse.Namespace) -> int:
 def _cmd_config(ns: argparse.Namespace) -> int:
     from . import config
 
-    generated = config.build(ns.plugins)
+    generated = config.build(ns.plugins, config.parse_overrides(ns.set))
+    for note in generated.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if ns.flags:
+        # stdout is exactly the pasteable flags, for `python train.py ... $(slime-ascend config ... --flags)`
+        line = generated.flags_line()
+        if line:
+            print(line)
+        for text, plugin, why in generated.manual:
+            print(f"note: add yourself: {text}  # {plugin}: {why}", file=sys.stderr)
+        return 0
     if ns.output == "-":
         sys.stdout.write(generated.yaml_text)
         print(generated.hint("<this file>"), file=sys.stderr)
@@ -78,9 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_plugins)
 
-    p = sub.add_parser("config", help="write the YAML for slime's --custom-config-path")
+    p = sub.add_parser("config", help="write the YAML for slime's --custom-config-path (or print the flags)")
     p.add_argument("plugins", nargs="+", help="plugin names (or 'all')")
-    p.add_argument("-o", "--output", required=True, help="YAML file to write ('-' for stdout)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("-o", "--output", help="YAML file to write ('-' for stdout)")
+    what.add_argument("--flags", action="store_true",
+                      help="print only the flags the plugins need on slime's command line, as one shell-quoted "
+                      "line (nothing when none); writes no YAML")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="write this value for a plugin setting instead of its default (repeatable; value is YAML)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
     p.set_defaults(func=_cmd_config)
 

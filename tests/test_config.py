@@ -8,7 +8,7 @@ import yaml
 from slime_ascend import config
 from slime_ascend.plugins import registry
 from slime_ascend.plugins.base import CommandLineFlag, Contribution, Plugin
-from slime_ascend.plugins.settings import Setting
+from slime_ascend.plugins.settings import Setting, SettingsError
 
 
 @pytest.fixture
@@ -40,16 +40,18 @@ def test_yaml_sets_hooks_settings_and_slime_keys(demo_plugins):
     assert "export SLIME_ASCEND_PLUGINS=c-one" in hint and "--custom-config-path ascend.yaml" in hint
 
 
-def test_every_installed_plugin_config_loads():
-    gen = config.build(["all"])
+@pytest.mark.parametrize("name", sorted(registry.available()))
+def test_every_installed_plugin_config_loads(name):
+    from slime_ascend.plugins.base import resolve
+
+    gen = config.build([name])
     data = yaml.safe_load(gen.yaml_text)
-    for name in data["ascend_plugins"]:
-        assert name in registry.available()
+    assert name in data["ascend_plugins"]
+    for plugin in data["ascend_plugins"]:
+        assert plugin in registry.available()
     for key, value in data.items():
         if key.endswith("_path") and value:
             for path in value if isinstance(value, list) else [value]:
-                from slime_ascend.plugins.base import resolve
-
                 assert callable(resolve(path))
 
 
@@ -68,3 +70,126 @@ def test_cli_unknown_plugin_is_a_clean_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", "nope", "-o", str(tmp_path / "x")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown plugin 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- config --flags ------------------------------------------------------------------------------
+def _cli(*argv, cwd=None):
+    return subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *argv], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+def _declared_words(names):
+    """The pasteable words, read straight from the plugins' declarations (not through config.py)."""
+    import shlex
+
+    words = []
+    for plugin in registry.resolve_selection(names).plugins:
+        for flag in plugin.command_line:
+            parts = shlex.split(flag.flag)
+            if parts[0].startswith("--") and not any(w.isupper() or w == "..." for w in parts[1:]):
+                words += parts
+    return words
+
+
+def test_flags_prints_one_line_of_the_declared_flags_and_writes_nothing(tmp_path):
+    import shlex
+
+    proc = _cli("npu", "sao", "--flags", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("\n") == 1
+    words = shlex.split(proc.stdout)
+    assert words == _declared_words(["npu", "sao"])
+    assert words[:2] == ["--advantage-estimator", "ppo"] and "--n-samples-per-prompt" in words
+    assert "train_async.py" not in proc.stdout  # advice goes to stderr, not onto the command line
+    assert "train_async.py" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no YAML written
+
+
+def test_flags_empty_output_when_no_plugin_needs_any():
+    proc = _cli("npu", "--flags")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_flags_leave_values_only_the_user_knows_to_the_user():
+    proc = _cli("vllm-ascend", "--flags")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["--update-weight-transport", "disk"]
+    assert "--update-weight-disk-dir DIR" in proc.stderr and "HOST:PORT" in proc.stderr
+
+
+def test_flags_and_output_are_alternatives(tmp_path):
+    both = _cli("npu", "--flags", "-o", str(tmp_path / "x.yaml"))
+    assert both.returncode == 2 and "not allowed with" in both.stderr and not (tmp_path / "x.yaml").exists()
+    neither = _cli("npu")
+    assert neither.returncode == 2 and "-o/--output --flags is required" in neither.stderr
+
+
+def test_flags_line_round_trips_through_shlex_and_bash_eval(fresh_runtime, capsys):
+    import shlex
+    import shutil
+
+    from slime_ascend import cli
+
+    registry.register(Plugin(name="c-quote", description="odd values", command_line=(
+        CommandLineFlag("--run-name 'two words' --pattern 'a*b;$(x)'", "values that need quoting"),
+        CommandLineFlag("--switch", "a bare option"),
+    )))
+    assert cli.main(["config", "c-quote", "--flags"]) == 0
+    out = capsys.readouterr().out
+    expected = ["--run-name", "two words", "--pattern", "a*b;$(x)", "--switch"]
+    assert shlex.split(out) == expected
+    if shutil.which("bash"):
+        done = subprocess.run(["bash", "-c", 'eval "set -- $1"; printf "%s\\0" "$@"', "-", out],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split("\0")[:-1] == expected
+
+
+def test_flags_two_plugins_wanting_different_values_is_an_error(fresh_runtime):
+    registry.register(Plugin(name="c-ppo", description="x",
+                             command_line=(CommandLineFlag("--advantage-estimator ppo", "critic"),)))
+    registry.register(Plugin(name="c-grpo", description="x",
+                             command_line=(CommandLineFlag("--advantage-estimator grpo", "groups"),)))
+    registry.register(Plugin(name="c-ppo2", description="x",
+                             command_line=(CommandLineFlag("--advantage-estimator ppo", "also a critic"),)))
+    with pytest.raises(registry.PluginError, match=r"'c-ppo' and 'c-grpo' need different values for --advantage-est"):
+        config.build(["c-ppo", "c-grpo"])
+    assert config.build(["c-ppo", "c-ppo2"]).flags == ["--advantage-estimator", "ppo"]  # same flag given once
+
+
+# ---- config refuses what the start-up check would refuse ------------------------------------------
+def test_config_refuses_dis_with_icepop_naming_the_conflict(tmp_path):
+    out = tmp_path / "ascend.yaml"
+    proc = _cli("dis", "icepop", "-o", str(out))
+    assert proc.returncode == 2
+    assert "'dis' cannot be enabled with 'icepop'" in proc.stderr and "ascend_dis_weight" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_config_set_writes_a_yaml_the_start_up_check_accepts(fresh_runtime, tmp_path, monkeypatch):
+    from slime_ascend.plugins import runtime
+
+    monkeypatch.delenv("SLIME_ASCEND_PLUGINS", raising=False)
+    gen = config.build(["dis", "icepop"], config.parse_overrides(["ascend_dis_weight=mask"]))
+    data = yaml.safe_load(gen.yaml_text)
+    assert data["ascend_dis_weight"] == "mask"
+    runtime.check(argparse.Namespace(**data))  # the validator the processes run accepts it
+    data["ascend_dis_weight"] = "ratio"
+    with pytest.raises(SettingsError, match="icepop"):
+        runtime.check(argparse.Namespace(**data))
+
+
+@pytest.mark.parametrize("names", [["dis"], ["icepop"], ["dis", "staleness"], ["npu", "sao"], ["opd"]])
+def test_config_accepts_combinations_without_a_conflict(names):
+    assert config.build(names).plugins[-1] == names[-1]
+
+
+def test_config_set_names_the_closest_key_and_checks_the_value():
+    with pytest.raises(SettingsError, match="did you mean 'ascend_dis_weight'"):
+        config.build(["dis"], config.parse_overrides(["ascend_dis_weigth=mask"]))
+    with pytest.raises(SettingsError, match="--set ascend_dis_weight: .*not an allowed choice"):
+        config.build(["dis"], config.parse_overrides(["ascend_dis_weight=sometimes"]))
+    with pytest.raises(SettingsError, match="expected KEY=VALUE"):
+        config.parse_overrides(["ascend_dis_weight"])

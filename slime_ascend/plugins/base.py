@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
+import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -52,14 +54,43 @@ class Contribution:
         return resolve(self.target)
 
 
+# A word of a CommandLineFlag the user must replace: HOST:PORT, DIR, N ... ("..." = repeat the value).
+_PLACEHOLDER = re.compile(r"^(\.\.\.|[A-Z][A-Z0-9_]*(:[A-Z][A-Z0-9_]*)*)$")
+
+
 @dataclasses.dataclass(frozen=True)
 class CommandLineFlag:
     """A flag slime must get on its command line (it derives other settings from it before the
-    YAML is applied). ``check(args)`` returns None when the running args satisfy it."""
+    YAML is applied). ``check(args)`` returns True when the running args satisfy it.
+
+    ``flag`` is written as on a shell command line. Values only the user knows are written in
+    capitals (``--update-weight-disk-dir DIR``, ``HOST:PORT ...``); text that does not start with
+    ``-`` is advice (e.g. ``train_async.py ...``). Neither is printed by ``slime-ascend config --flags``.
+    """
 
     flag: str
     why: str
     check: Callable[[Any], bool] | None = None
+
+    def split(self) -> tuple[list[str], str | None]:
+        """``(words, manual)``: the options that can be pasted as is, as command-line words, and the
+        rest (advice, or options with a value only the user knows) as text, None when nothing is left."""
+        words = shlex.split(self.flag)
+        if not words or not _is_option(words[0]):
+            return [], self.flag
+        groups: list[list[str]] = []
+        for word in words:
+            if _is_option(word):
+                groups.append([word])
+            else:
+                groups[-1].append(word)
+        ready = [g for g in groups if not any(_PLACEHOLDER.match(w) for w in g[1:])]
+        manual = [g for g in groups if g not in ready]
+        return [w for g in ready for w in g], (shlex.join(w for g in manual for w in g) if manual else None)
+
+
+def _is_option(word: str) -> bool:
+    return len(word) > 1 and word[0] == "-" and not word[1].isdigit() and word[1] != "."
 
 
 @dataclasses.dataclass(frozen=True)
