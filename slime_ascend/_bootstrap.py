@@ -1,14 +1,16 @@
 """Process-start activation, imported by ``slime_ascend_bootstrap.pth`` in every interpreter.
 
 Inert unless ``SLIME_ASCEND_PLUGINS`` is set: then it loads the named plugins (entry-point group
-``slime_ascend.plugins``) and runs each plugin's process-start actions once. It never parses
-argv and never imports torch, ray, megatron or slime itself; plugins register import hooks
-(:mod:`slime_ascend._import_hooks`) for work that must happen when those are imported.
+``slime_ascend.plugins``), runs each plugin's process-start actions once, and arranges for the
+plugins to be validated as soon as slime's ``args`` exist in this process
+(:mod:`slime_ascend.plugins.early`). It never parses argv and never imports torch, ray, megatron or
+slime itself; plugins register import hooks (:mod:`slime_ascend._import_hooks`) for work that must
+happen when those are imported.
 
 A failure here must not break an unrelated interpreter (the ``.pth`` runs this in every interpreter
 of the environment, pip included), so whatever plugin code raises, ``SystemExit`` and
 ``KeyboardInterrupt`` included, is printed once to stderr and kept: :func:`activation_error`
-returns it, and the first hook dispatcher call raises it.
+returns it, and the first validation point or hook dispatcher call raises it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def activate(value: str | None = None) -> list[str]:
                     registry_resolve(path)()
                 _started.add(plugin.name)
                 ran.append(plugin.name)
+            from .plugins import early
+
+            early.install()
         except BaseException as exc:  # noqa: BLE001 - plugin code must not end the interpreter; kept, re-raised at use
             _error = exc
             what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

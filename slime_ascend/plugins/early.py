@@ -1,0 +1,118 @@
+"""Validate the enabled plugins as soon as a process holds slime's ``args``, not at the first hook call.
+
+The bootstrap (:mod:`slime_ascend._bootstrap`) installs these wrappers through import hooks, so
+they cost nothing in a process that never imports slime. Each wraps a slime function that receives
+(or returns) the final ``args`` early in one role:
+
+=============  =====================================================  ==================================
+role           slime function                                         when
+=============  =====================================================  ==================================
+driver         ``slime.utils.arguments.parse_args`` (its result)       right after the YAML is applied
+rollout        ``slime.utils.http_utils.init_http_client(args)``       first line of ``RolloutManager``
+train          ``slime.ray.train_actor.TrainRayActor.init(args, ..)``  before the process group and model
+=============  =====================================================  ==================================
+
+The check is :func:`slime_ascend.plugins.runtime.active` (cached, so the dispatchers do not repeat
+it). In the driver a failure is one line on stderr and exit status 2, as argparse does for a bad
+flag; in a Ray actor it is raised, and Ray reports it as the actor's creation error. A slime
+without one of these functions just keeps the first-use check of the hook dispatchers.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from typing import Any
+
+ARGUMENTS = "slime.utils.arguments"
+HTTP_UTILS = "slime.utils.http_utils"
+TRAIN_ACTOR = "slime.ray.train_actor"
+
+_lock = threading.Lock()
+_installed = False
+
+
+def validate_now(args: Any, role: str) -> None:
+    """Validate ``args`` for this process (``role``: driver, rollout, train); raises PluginError or
+    SettingsError (see module doc)."""
+    from .. import _bootstrap
+    from . import runtime
+    from .registry import PluginError
+
+    error = _bootstrap.activation_error()
+    if error is not None:
+        raise PluginError(
+            f"slime-ascend failed to activate at process start in the {role} process "
+            f"({type(error).__name__}: {error})"
+        ) from error
+    runtime.active(args)
+
+
+def _driver_parse_args(parse_args):
+    @functools.wraps(parse_args)
+    def wrapper(*a, **kw):
+        args = parse_args(*a, **kw)
+        from .registry import PluginError
+        from .settings import SettingsError
+
+        try:
+            validate_now(args, "driver")
+        except (PluginError, SettingsError) as exc:
+            print(f"slime-ascend: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return args
+
+    wrapper.__slime_ascend_early__ = True
+    return wrapper
+
+
+def _args_at(role: str, position: int):
+    def make(fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            args = a[position] if len(a) > position else kw.get("args")
+            if args is not None:
+                validate_now(args, role)
+            return fn(*a, **kw)
+
+        wrapper.__slime_ascend_early__ = True
+        return wrapper
+
+    return make
+
+
+def _wrap_attr(owner: Any, name: str, make) -> bool:
+    fn = getattr(owner, name, None)
+    if fn is None or getattr(fn, "__slime_ascend_early__", False):
+        return False
+    setattr(owner, name, make(fn))
+    return True
+
+
+def _on_arguments(module) -> None:
+    _wrap_attr(module, "parse_args", _driver_parse_args)
+
+
+def _on_http_utils(module) -> None:
+    _wrap_attr(module, "init_http_client", _args_at("rollout", 0))
+
+
+def _on_train_actor(module) -> None:
+    cls = getattr(module, "TrainRayActor", None)
+    if cls is not None:
+        _wrap_attr(cls, "init", _args_at("train", 1))  # (self, args, role, ...)
+
+
+def install() -> None:
+    """Register the wrappers (once per process); each applies when slime imports its module."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    from .. import _import_hooks
+
+    _import_hooks.when_imported(ARGUMENTS, _on_arguments)
+    _import_hooks.when_imported(HTTP_UTILS, _on_http_utils)
+    _import_hooks.when_imported(TRAIN_ACTOR, _on_train_actor)
