@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from slime_ascend.opd.teachers import TeacherSpec, check_teacher_compatible, parse_teachers
+from slime_ascend.opd.teachers import NAME_RE, TeacherSpec, check_teacher_compatible, parse_teachers
 
 __all__ = [
     "accelerator_available",
@@ -337,6 +337,10 @@ class SGLangEngineLoader(TeacherLoader):
     reused when file names and sizes match) or, without ``stage_dir``, reads every file once to
     warm the page cache. Activation POSTs ``{"model_path": <dir>}`` to each engine URL's
     ``/update_weights_from_disk`` and checks ``success``. No host memory is held.
+
+    Staging deletes only what it created: the target must resolve to a direct child of
+    ``stage_dir``, and a directory is replaced or reused only when it holds the pool's
+    :data:`STAGE_MARKER` (anything else there is reported, not touched).
     """
 
     def __init__(
@@ -370,17 +374,41 @@ class SGLangEngineLoader(TeacherLoader):
                         while fh.read(16 << 20):
                             pass
             return Staged(spec.name, src, 0)
-        dst = self.stage_dir / spec.name
-        if not _same_tree(src, dst):
-            tmp = self.stage_dir / f".{spec.name}.staging"
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            self.stage_dir.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(src, tmp)
-            if dst.exists():
-                shutil.rmtree(dst)
-            tmp.rename(dst)
+        self.stage_dir.mkdir(parents=True, exist_ok=True)
+        dst = self._stage_path(spec.name, spec.name)
+        tmp = self._stage_path(spec.name, f".{spec.name}.staging")
+        if _exists(dst):
+            _require_ours(dst, spec.name)
+            if _same_tree(src, dst):
+                return Staged(spec.name, dst, 0)
+        if _exists(tmp):
+            _require_ours(tmp, spec.name)
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        # the marker goes in first, so that a copy cut short is still known to be ours
+        (tmp / STAGE_MARKER).write_text(json.dumps({"teacher": spec.name, "source": str(src)}) + "\n")
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        if _exists(dst):
+            shutil.rmtree(dst)  # checked above: a directory this pool staged
+        tmp.rename(dst)
         return Staged(spec.name, dst, 0)
+
+    def _stage_path(self, teacher: str, entry: str) -> Path:
+        """``stage_dir/entry``, refused unless it resolves to a direct child of the stage directory."""
+        assert self.stage_dir is not None
+        if not NAME_RE.fullmatch(teacher):
+            raise ValueError(
+                f"teacher name {teacher!r} is not usable as a directory under the stage directory {self.stage_dir} "
+                "(allowed: 1-64 of A-Z a-z 0-9 . _ -, starting with a letter or digit)"
+            )
+        path = self.stage_dir / entry
+        root = self.stage_dir.resolve()
+        if path.resolve().parent != root:
+            raise ValueError(
+                f"{path} resolves to {path.resolve()}, outside the stage directory {root}; refusing to write or "
+                "delete there. Fix: remove that link, or set ascend_opd_stage_dir to a directory of its own"
+            )
+        return path
 
     def activate(self, spec: TeacherSpec, staged: Staged) -> int:
         payload = {"model_path": str(staged.payload), **self.extra_payload}
@@ -393,11 +421,30 @@ class SGLangEngineLoader(TeacherLoader):
         return 0
 
 
+#: Written by the pool into every directory it stages; only directories holding it are ever deleted.
+STAGE_MARKER = ".slime-ascend-staged"
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def _require_ours(path: Path, teacher: str) -> None:
+    """Refuse to reuse or delete ``path`` unless it is a real directory this pool staged (marker file)."""
+    if path.is_symlink() or not path.is_dir() or not (path / STAGE_MARKER).is_file():
+        raise FileExistsError(
+            f"teacher {teacher!r}: {path} exists but was not staged by slime-ascend's teacher pool (no "
+            f"{STAGE_MARKER} in it), so it is neither reused nor deleted. Fix: move it out of the stage directory, "
+            "or set ascend_opd_stage_dir to a directory of its own"
+        )
+
+
 def _same_tree(src: Path, dst: Path) -> bool:
     if not dst.is_dir():
         return False
     a = {p.relative_to(src): p.stat().st_size for p in src.rglob("*") if p.is_file()}
     b = {p.relative_to(dst): p.stat().st_size for p in dst.rglob("*") if p.is_file()}
+    b.pop(Path(STAGE_MARKER), None)
     return a == b
 
 

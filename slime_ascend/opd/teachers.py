@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "tokenizer_fingerprint",
     "check_teacher_compatible",
     "TOKENIZER_FILES",
+    "NAME_RE",
 ]
 
 #: Files hashed by :func:`tokenizer_fingerprint` (those present in the directory).
@@ -48,6 +50,9 @@ TOKENIZER_FILES = (
 )
 
 _FIELDS = {"name", "checkpoint_dir", "domains", "coef", "tokenizer_revision", "vocab_size", "url"}
+
+#: A teacher name is used as a directory name under the stage directory: no separators, no ``.``/``..``.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class TeacherConfigError(ValueError):
@@ -93,14 +98,25 @@ def _err(idx: int, name: str | None, fld: str, msg: str) -> TeacherConfigError:
     return TeacherConfigError(f"{who}: field {fld!r}: {msg}")
 
 
+def check_name(idx: int, name: Any) -> None:
+    """Raise :class:`TeacherConfigError` unless ``name`` is safe as one directory name (see NAME_RE)."""
+    if not isinstance(name, str) or not name.strip():
+        raise _err(idx, None, "name", "required non-empty string")
+    if not NAME_RE.fullmatch(name):
+        raise TeacherConfigError(
+            f"teachers[{idx}]: field 'name': {name!r} is not a valid teacher name (it becomes a directory under "
+            "ascend_opd_stage_dir). Fix: use 1-64 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
+
+
 def _parse_one(idx: int, raw: Any) -> TeacherSpec:
     if isinstance(raw, TeacherSpec):
+        check_name(idx, raw.name)
         return raw
     if not isinstance(raw, Mapping):
         raise TeacherConfigError(f"teachers[{idx}]: expected a mapping, got {type(raw).__name__}")
     name = raw.get("name")
-    if not isinstance(name, str) or not name.strip():
-        raise _err(idx, None, "name", "required non-empty string")
+    check_name(idx, name)
     unknown = set(raw) - _FIELDS
     if unknown:
         raise _err(idx, name, sorted(unknown)[0], f"unknown field; allowed fields are {sorted(_FIELDS)}")
