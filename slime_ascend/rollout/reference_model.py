@@ -3,8 +3,11 @@
 * :func:`load_model` builds a tiny random Qwen3 (no download) or loads an HF directory from
   safetensors only; quantized checkpoints in our formats go through
   ``slime_ascend.quant.load_state_dict_dequantized``.
-* :func:`load_state_dict_from_dir` / :func:`check_same_architecture` back the engine's
-  ``/update_weights_from_disk``.
+* :func:`load_state_dict_from_dir` / :func:`check_same_architecture` / :func:`validate_state_dict` back
+  the engine's ``/update_weights_from_disk``. Every file is opened only if it is a regular file (a FIFO
+  or device would block the reader), read in chunks that release the GIL (a slow disk stalls only the
+  loading thread), and every defect (corrupt safetensors, non-finite or mistyped tensors, malformed or
+  too deeply nested config.json) is a ``ValueError`` naming the file and field.
 * :func:`score_tokens` is the plain full-sequence forward pass that defines the log-prob contract:
   the engine's reported log-probs must equal it within float32 tolerance.
 """
@@ -12,6 +15,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +30,12 @@ __all__ = [
     "load_model",
     "load_state_dict_from_dir",
     "load_tokenizer",
+    "read_config",
+    "read_regular_file",
     "save_model",
     "score_tokens",
     "tiny_qwen3_config",
+    "validate_state_dict",
 ]
 
 TINY_QWEN3_KWARGS: dict[str, Any] = dict(
@@ -60,6 +68,106 @@ _ARCH_FIELDS = (
 
 _OUR_QUANT_METHODS = ("fp8", "compressed-tensors", "w8a8", "ascend")
 
+MAX_JSON_BYTES = 16 * 1024 * 1024  # config.json and friends; real ones are a few KiB
+_READ_CHUNK = 8 * 1024 * 1024
+
+
+def _read_chunk(fd: int, size: int) -> bytes:
+    """One ``os.read`` (releases the GIL while the kernel reads)."""
+    return os.read(fd, size)
+
+
+def _open_regular(path: str | Path) -> int:
+    """An fd open for reading on ``path``, refused with ValueError unless it is a regular file.
+
+    Opened with ``O_NONBLOCK`` so a FIFO does not block the open, then checked with ``fstat`` on the
+    fd itself (no window between the check and the open).
+    """
+    fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "FIFO" if stat.S_ISFIFO(mode) else "directory" if stat.S_ISDIR(mode) else "device or socket"
+            raise ValueError(f"{str(path)!r} is a {kind}, not a regular file; refusing to read it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_regular_file(path: str | Path) -> None:
+    """Raise ValueError unless ``path`` is a regular file (symlinks to one are fine); never blocks."""
+    os.close(_open_regular(path))
+
+
+def read_regular_file(path: str | Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of regular file ``path`` (ValueError for anything else, or for more than ``max_bytes``)."""
+    fd = _open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise ValueError(f"{str(path)!r} is {size} bytes; more than the {max_bytes} bytes allowed for it")
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = _read_chunk(fd, _READ_CHUNK)
+            if not chunk:
+                break
+            total += len(chunk)
+            if max_bytes is not None and total > max_bytes:  # grew while being read
+                raise ValueError(f"{str(path)!r} is more than the {max_bytes} bytes allowed for it")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A JSON-object file; ValueError naming the file for anything else (bad JSON, too deep, too big)."""
+    raw = read_regular_file(path, MAX_JSON_BYTES)
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{str(path)!r} is nested too deeply to be a config file") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """``model_dir/config.json`` as a validated dict, or None when there is none.
+
+    Checks the fields this module relies on: ``quantization_config`` (an object with a string
+    ``quant_method`` when present) and the architecture fields (integers / booleans / strings).
+    """
+    path = Path(model_dir) / "config.json"
+    if not os.path.lexists(path):
+        return None
+    config = read_json_object(path)
+    quant = config.get("quantization_config")
+    if quant is not None:
+        if not isinstance(quant, dict):
+            raise ValueError(
+                f"{str(path)!r}: field 'quantization_config' must be a JSON object, got {type(quant).__name__}"
+            )
+        method = quant.get("quant_method", quant.get("model_quant_type"))
+        if quant and not isinstance(method, str):
+            raise ValueError(
+                f"{str(path)!r}: field 'quantization_config.quant_method' must be a string, got {method!r}"
+            )
+    for name in _ARCH_FIELDS:
+        if name not in config:
+            continue
+        value = config[name]
+        want = (str,) if name == "model_type" else (bool,) if name == "tie_word_embeddings" else (int,)
+        ok = value is None or (isinstance(value, want) and (want == (bool,) or not isinstance(value, bool)))
+        if not ok:
+            raise ValueError(f"{str(path)!r}: field {name!r} must be {want[0].__name__}, got {value!r}")
+    return config
+
 
 def tiny_qwen3_config(**overrides: Any):
     """The default tiny Qwen3 config (vocab 1024, hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16)."""
@@ -87,16 +195,13 @@ def is_quantized_checkpoint(model_dir: str | Path) -> bool:
     Ascend ``quant_model_description.json``.
     """
     model_dir = Path(model_dir)
-    if (model_dir / "quant_model_description.json").is_file():
+    if os.path.lexists(model_dir / "quant_model_description.json"):
         return True
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        return False
-    config = json.loads(config_path.read_text())
-    quant = config.get("quantization_config")
+    config = read_config(model_dir)
+    quant = (config or {}).get("quantization_config")
     if not quant:
         return False
-    method = str(quant.get("quant_method", "")).lower()
+    method = str(quant.get("quant_method", quant.get("model_quant_type", ""))).lower()
     return any(m in method for m in _OUR_QUANT_METHODS)
 
 
@@ -113,17 +218,33 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_state_dict_from_dir(model_dir: str | Path, dtype: torch.dtype | str = torch.float32) -> dict[str, torch.Tensor]:
+def load_state_dict_from_dir(
+    model_dir: str | Path, dtype: torch.dtype | str = torch.float32, max_bytes: int | None = None
+) -> dict[str, torch.Tensor]:
     """All weights of an HF checkpoint directory as ``{name: tensor}`` in ``dtype``.
 
-    Reads ``*.safetensors`` only (pickle ``.bin`` files are refused). Quantized checkpoints of our
-    formats are dequantized by ``slime_ascend.quant.load_state_dict_dequantized``.
+    Reads ``*.safetensors`` only (pickle ``.bin`` files are refused), regular files only, at most
+    ``max_bytes`` in all. Quantized checkpoints of our formats are dequantized by
+    ``slime_ascend.quant.load_state_dict_dequantized``. Any defect is a ValueError naming the file.
     """
     model_dir = Path(model_dir)
     dtype = _resolve_dtype(dtype)
     if not model_dir.is_dir():
         raise ValueError(f"model_path {str(model_dir)!r} is not a directory.")
+    files = _safetensors_files(model_dir)
+    for path in files:
+        check_regular_file(path)
+    if max_bytes is not None:
+        total = sum(os.stat(p).st_size for p in files)
+        if total > max_bytes:
+            raise ValueError(
+                f"the *.safetensors files in {str(model_dir)!r} hold {total} bytes; a checkpoint of the loaded "
+                f"architecture needs at most {max_bytes}"
+            )
     if is_quantized_checkpoint(model_dir):
+        for name in ("config.json", "quant_model_description.json"):
+            if os.path.lexists(model_dir / name):
+                check_regular_file(model_dir / name)
         try:
             from slime_ascend.quant import load_state_dict_dequantized
         except ImportError as exc:  # pragma: no cover - depends on the quant package being present
@@ -131,24 +252,39 @@ def load_state_dict_from_dir(model_dir: str | Path, dtype: torch.dtype | str = t
                 f"{str(model_dir)!r} is a quantized checkpoint but slime_ascend.quant.load_state_dict_dequantized "
                 f"is not available: {exc}"
             ) from exc
-        state = load_state_dict_dequantized(str(model_dir), dtype)
+        try:
+            state = load_state_dict_dequantized(str(model_dir), dtype)
+        except Exception as exc:  # a malformed quantization_config surfaces as Key/Type/IndexError too
+            raise ValueError(
+                f"{str(model_dir)!r}: cannot load it as a quantized checkpoint; check config.json's "
+                f"quantization_config (or quant_model_description.json): {type(exc).__name__}: {exc}"
+            ) from exc
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
-    from safetensors.torch import load_file
+    from safetensors.torch import load as load_bytes
 
     state: dict[str, torch.Tensor] = {}
-    for path in _safetensors_files(model_dir):
-        for name, tensor in load_file(str(path), device="cpu").items():
+    for path in files:
+        data = read_regular_file(path)
+        try:
+            tensors = load_bytes(data)
+        except Exception as exc:  # SafetensorError and friends: a corrupt or truncated file
+            raise ValueError(f"{str(path)!r} is not a valid safetensors file: {exc}") from None
+        del data
+        for name, tensor in tensors.items():
+            if name in state:
+                raise ValueError(
+                    f"tensor {name!r} appears in more than one file of {str(model_dir)!r} (again in {path.name})"
+                )
             state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return state
 
 
 def check_same_architecture(model: torch.nn.Module, model_dir: str | Path) -> None:
     """Raise ValueError unless ``model_dir``'s config.json (when present) matches ``model``'s config."""
-    config_path = Path(model_dir) / "config.json"
-    if not config_path.is_file():
+    new = read_config(model_dir)
+    if new is None:
         return
-    new = json.loads(config_path.read_text())
     old = model.config.to_dict()
     diffs = [
         f"{field}: loaded={old.get(field)!r} new={new.get(field)!r}"
@@ -162,8 +298,11 @@ def check_same_architecture(model: torch.nn.Module, model_dir: str | Path) -> No
         )
 
 
-def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
-    """Copy ``state`` into ``model`` in place; names and shapes must match exactly (tied weights may be absent)."""
+def validate_state_dict(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint", check_finite: bool = True
+) -> None:
+    """Raise ValueError unless ``state`` fits ``model``: same names (tied weights may be absent), shapes,
+    floating-point-ness, and (``check_finite``) no NaN/inf in any floating tensor."""
     own = model.state_dict()
     tied: set[str] = set()
     if getattr(model.config, "tie_word_embeddings", False):
@@ -178,6 +317,30 @@ def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     bad_shapes = [f"{k}: {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in state if state[k].shape != own[k].shape]
     if bad_shapes:
         raise ValueError(f"weights in {source} have wrong shapes: {'; '.join(bad_shapes[:5])}")
+    bad_dtypes = [
+        f"{k}: {str(state[k].dtype).replace('torch.', '')} (expected {str(own[k].dtype).replace('torch.', '')})"
+        for k in state
+        if state[k].is_floating_point() != own[k].is_floating_point()
+        or state[k].is_complex() != own[k].is_complex()
+        or (state[k].dtype == torch.bool) != (own[k].dtype == torch.bool)
+    ]
+    if bad_dtypes:
+        raise ValueError(f"weights in {source} have wrong dtypes: {'; '.join(bad_dtypes[:5])}")
+    if check_finite:
+        for k, tensor in state.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise ValueError(
+                    f"weights in {source}: tensor {k!r} has {bad} non-finite (NaN/inf) values in "
+                    f"{str(tensor.dtype).replace('torch.', '')}; refusing to load them"
+                )
+
+
+def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Copy ``state`` into ``model`` in place; names, shapes and dtype kinds must match exactly (tied
+    weights may be absent). Nothing is copied unless everything matches."""
+    validate_state_dict(model, state, source, check_finite=False)
+    own = model.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
             own[name].copy_(tensor.to(own[name].dtype))
@@ -206,8 +369,10 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
         return model.eval()
 
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
+    if read_config(model_dir) is None:
         raise ValueError(f"model_dir {str(model_dir)!r} has no config.json; pass an HF checkpoint directory.")
+    for path in _safetensors_files(model_dir):
+        check_regular_file(path)
     if is_quantized_checkpoint(model_dir):
         config = AutoConfig.from_pretrained(str(model_dir))
         if hasattr(config, "quantization_config"):
@@ -215,7 +380,6 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         apply_state_dict(model, load_state_dict_from_dir(model_dir, dtype), source=str(model_dir))
     else:
-        _safetensors_files(model_dir)  # refuse .bin-only directories with a clear message
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True)
     model.name_or_path = str(model_dir)
     return model.eval()
