@@ -16,7 +16,18 @@ Semantics mirrored from SGLang (checked against the installed ``sglang`` sources
 * ``/pause_generation`` with ``mode="abort"`` (default) aborts in-flight requests (partial output,
   ``finish_reason.type == "abort"``) and holds new ones until ``/continue_generation``;
   ``"in_place"`` / ``"retract"`` park in-flight requests between decode steps instead.
-* A weight update waits for in-flight requests unless the engine is paused.
+* A weight update waits for in-flight requests (a request parked by an ``in_place``/``retract`` pause
+  counts as drained, as in SGLang); weights are never swapped inside a decode step. A checkpoint is
+  fully loaded and checked (names, shapes, dtypes, no NaN/inf) before the engine is drained, and a
+  refused one leaves the old weights and version serving.
+* slime's sglang router re-serialises each body with ``background``, ``model``, ``no_logs``,
+  ``return_bytes``, ``return_entropy`` and ``log_metrics``; those are accepted at their neutral
+  values only.
+
+Bounded work: per request, at most ``max_batch_size`` prompts, ``max_prompt_tokens`` prompt tokens in
+all and ``max_new_tokens`` new tokens per prompt (413/400 beyond, naming the limit); a request whose
+client has disconnected is aborted at the next decode step; ``abort_request`` and an aborting pause
+also abort the prompts of a batch still queued behind the running one.
 
 Deviations: ``output_ids`` always include a matched stop token (only ``text`` is trimmed);
 ``update_weights_from_disk`` without ``weight_version`` increments a numeric version (SGLang keeps it).
@@ -26,13 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 import os
 import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +57,12 @@ __all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "parse_sampling_
 
 _GREEDY_EPS = 1e-6
 _DEFAULT_MAX_NEW_TOKENS = 128
+
+# Per-request limits (constructor args; ``slime-ascend serve-reference --max-batch-size`` etc.).
+DEFAULT_MAX_BATCH_SIZE = 64
+DEFAULT_MAX_PROMPT_TOKENS = 131072
+DEFAULT_MAX_NEW_TOKENS_LIMIT = 16384
+_DISCONNECT_POLL_S = 0.25  # how often a request held by pause/update checks its client
 
 # sampling_params keys SGLang accepts that this engine honours.
 _SUPPORTED_SAMPLING_KEYS = {
@@ -107,8 +125,17 @@ _NEUTRAL_REQUEST_KEYS = {
     "bootstrap_port",
     "bootstrap_room",
     "data_parallel_rank",
-    "log_metrics",
     "priority",
+}
+# Keys slime's sglang router adds when it re-serialises a /generate body, with the values that leave
+# the result unchanged (compared with ``is``: JSON true/false/null only). Any other value is a 400.
+_ROUTER_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "background": (False,),
+    "model": (None,),
+    "no_logs": (False,),
+    "return_bytes": (False,),
+    "return_entropy": (False,),
+    "log_metrics": (True, False),  # only decides whether SGLang records metrics
 }
 
 
@@ -258,6 +285,7 @@ class _Request:
     logprob_start_len: int
     return_text_in_logprobs: bool
     abort_message: str | None = None
+    is_disconnected: Callable[[], bool] | None = None  # the HTTP client went away
 
 
 class _Sequence:
@@ -307,6 +335,9 @@ class ReferenceEngine:
         return_original_logprob: report temperature-1 log-probs (default: env
             ``SGLANG_RETURN_ORIGINAL_LOGPROB``).
         weight_version: initial version string (SGLang's default is ``"default"``).
+        max_batch_size: most prompts in one ``/generate`` request (413 beyond).
+        max_prompt_tokens: most prompt tokens in one request, summed over its prompts (413 beyond).
+        max_new_tokens: highest ``sampling_params.max_new_tokens`` accepted (400 beyond).
     """
 
     def __init__(
@@ -316,7 +347,20 @@ class ReferenceEngine:
         seed: int = 0,
         return_original_logprob: bool | None = None,
         weight_version: str = "default",
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
     ) -> None:
+        for name, value in (
+            ("max_batch_size", max_batch_size),
+            ("max_prompt_tokens", max_prompt_tokens),
+            ("max_new_tokens", max_new_tokens),
+        ):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.max_batch_size = max_batch_size
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens
         self.model_path = None if model_path is None else str(model_path)
         self.dtype = reference_model._resolve_dtype(dtype)
         self.seed = seed
@@ -333,12 +377,18 @@ class ReferenceEngine:
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
 
+        # a checkpoint of this architecture holds at most 8 bytes a parameter (float64), plus headers
+        numel = sum(t.numel() for t in self.model.state_dict().values())
+        self._max_checkpoint_bytes = 8 * numel + (64 << 20)
+
         self._compute_lock = threading.Lock()  # one forward step at a time; weight swaps take it too
+        self._update_lock = threading.Lock()  # one weight update at a time
         self._state = threading.Condition()  # guards everything below
         self._paused: str | None = None  # None or the pause mode
         self._updating = False
-        self._running: dict[str, _Request] = {}
-        self._num_waiting = 0
+        self._live: dict[int, _Request] = {}  # every prompt of every request not yet answered
+        self._running: dict[int, _Request] = {}  # admitted (between admission and answer)
+        self._parked = 0  # running requests parked by an in_place/retract pause
         self._seed_rng = random.Random(seed)
 
     # ------------------------------------------------------------------ info
@@ -356,7 +406,7 @@ class ReferenceEngine:
     def server_info(self) -> dict[str, Any]:
         """What ``/server_info`` reports (the fields slime's external-engine discovery reads)."""
         with self._state:
-            running, waiting = len(self._running), self._num_waiting
+            running, waiting = len(self._running), len(self._live) - len(self._running)
         return {
             "engine": "slime_ascend.reference",
             "model_path": self.model_path or "tiny-random-qwen3",
@@ -378,6 +428,9 @@ class ReferenceEngine:
             "paused": self._paused is not None,
             "num_running_reqs": running,
             "num_waiting_reqs": waiting,
+            "max_batch_size": self.max_batch_size,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "max_new_tokens": self.max_new_tokens,
         }
 
     def model_info(self) -> dict[str, Any]:
@@ -394,7 +447,7 @@ class ReferenceEngine:
 
     def loads(self) -> dict[str, Any]:
         with self._state:
-            running, waiting = len(self._running), self._num_waiting
+            running, waiting = len(self._running), len(self._live) - len(self._running)
         return {
             "loads": [
                 {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting}
@@ -409,7 +462,7 @@ class ReferenceEngine:
         with self._state:
             self._paused = mode
             if mode == "abort":
-                for req in self._running.values():
+                for req in self._live.values():  # queued prompts of a batch too
                     req.abort_message = "Aborted by pause_generation"
                 self._state.notify_all()
                 self._state.wait_for(lambda: not self._running, timeout=60.0)
@@ -423,9 +476,15 @@ class ReferenceEngine:
         return {"success": True, "message": "continued"}
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict[str, Any]:
-        """SGLang ``/abort_request``: abort one request id (prefix match for batch ids) or all."""
+        """SGLang ``/abort_request``: abort one request id (prefix match for batch ids) or all, running
+        or queued behind the running prompt of a batch."""
         with self._state:
-            hits = [r for k, r in self._running.items() if abort_all or (rid is not None and (k == rid or k.startswith(f"{rid}_")))]
+            hits = [
+                r
+                for r in self._live.values()
+                if r.abort_message is None
+                and (abort_all or (rid is not None and (r.rid == rid or r.rid.startswith(f"{rid}_"))))
+            ]
             for req in hits:
                 req.abort_message = "Aborted by abort_request"
             self._state.notify_all()
@@ -455,54 +514,84 @@ class ReferenceEngine:
             raise RequestError(f"load_format={load_format!r} is not supported (use 'auto' or 'safetensors')")
         if not Path(model_path).is_dir():
             raise RequestError(f"model_path {model_path!r} is not a directory")
-        try:
-            reference_model.check_same_architecture(self.model, model_path)
-            state = reference_model.load_state_dict_from_dir(model_path, self.dtype)
-        except (ValueError, OSError) as exc:
-            raise RequestError(str(exc)) from exc
-        with self._state:  # like SGLang: wait for in-flight requests unless paused
-            self._updating = True
-            try:
-                if self._paused is None:
-                    self._state.wait_for(lambda: not self._running)
-            except BaseException:
-                self._updating = False
-                raise
-        try:
-            with self._compute_lock:
+        with self._update_lock:
+            try:  # load and check everything while the old weights keep serving
+                reference_model.check_same_architecture(self.model, model_path)
+                state = reference_model.load_state_dict_from_dir(model_path, self.dtype, self._max_checkpoint_bytes)
+                reference_model.validate_state_dict(self.model, state, source=model_path)
+            except (ValueError, OSError) as exc:
+                raise RequestError(str(exc)) from exc
+            with self._state:  # like SGLang: wait for in-flight requests (parked ones count as drained)
+                self._updating = True
                 try:
+                    self._state.wait_for(lambda: len(self._running) == self._parked)
+                except BaseException:
+                    self._updating = False
+                    self._state.notify_all()
+                    raise
+            try:
+                with self._compute_lock:
                     reference_model.apply_state_dict(self.model, state, source=model_path)
-                except ValueError as exc:
-                    raise RequestError(str(exc)) from exc
-                self.model_path = model_path
-                if weight_version is not None:
-                    self.weight_version = str(weight_version)
-                elif self.weight_version.isdigit():
-                    self.weight_version = str(int(self.weight_version) + 1)
-                else:
-                    self.weight_version = "1"
-        finally:
-            with self._state:
-                self._updating = False
-                self._state.notify_all()
+                    self.model_path = model_path
+                    if weight_version is not None:
+                        self.weight_version = str(weight_version)
+                    elif self.weight_version.isdigit():
+                        self.weight_version = str(int(self.weight_version) + 1)
+                    else:
+                        self.weight_version = "1"
+            finally:
+                with self._state:
+                    self._updating = False
+                    self._state.notify_all()
         return {"success": True, "message": f"loaded weights from {model_path}", "num_paused_requests": 0}
 
     # ------------------------------------------------------------------ generate
-    def generate(self, payload: Any) -> dict[str, Any] | list[dict[str, Any]]:
-        """SGLang ``/generate``: one response dict, or a list of them for a batched request."""
+    def generate(
+        self, payload: Any, is_disconnected: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang ``/generate``: one response dict, or a list of them for a batched request.
+
+        ``is_disconnected`` (the HTTP layer passes one) is polled between decode steps; once it
+        returns True the request and its queued batch prompts are aborted.
+        """
         requests_, batched = self._parse_generate(payload)
-        outputs = [self._run(req) for req in requests_]
+        with self._state:
+            for req in requests_:
+                req.is_disconnected = is_disconnected
+                self._live[id(req)] = req
+        try:
+            outputs = [self._run(req) for req in requests_]
+        finally:
+            with self._state:
+                for req in requests_:
+                    self._live.pop(id(req), None)
+                self._state.notify_all()
         return outputs if batched else outputs[0]
+
+    def _client_gone(self, req: _Request) -> bool:
+        """Mark ``req`` aborted when its client has disconnected; True when it is aborted for any reason."""
+        if req.abort_message is None and req.is_disconnected is not None and req.is_disconnected():
+            req.abort_message = "client disconnected"
+        return req.abort_message is not None
 
     def _parse_generate(self, payload: Any) -> tuple[list[_Request], bool]:
         if not isinstance(payload, dict):
             raise RequestError(f"request body must be a JSON object, got {type(payload).__name__}")
-        unknown = sorted(set(payload) - _SUPPORTED_REQUEST_KEYS - _NEUTRAL_REQUEST_KEYS)
+        unknown = sorted(set(payload) - _SUPPORTED_REQUEST_KEYS - _NEUTRAL_REQUEST_KEYS - set(_ROUTER_NEUTRAL_VALUES))
         if unknown:
-            raise RequestError(f"unknown /generate keys {unknown}")
+            raise RequestError(
+                f"unknown /generate keys {unknown}; remove them (the reference engine does not implement them)"
+            )
         for key in _NEUTRAL_REQUEST_KEYS:
             if payload.get(key):
                 raise RequestError(f"/generate field {key!r} is not supported by the reference engine")
+        for key, neutral in _ROUTER_NEUTRAL_VALUES.items():
+            if key in payload and not any(payload[key] is v for v in neutral):
+                allowed = " or ".join(json.dumps(v) for v in neutral)
+                raise RequestError(
+                    f"/generate field {key!r}={json.dumps(payload[key])[:80]} would change the result and is not "
+                    f"supported by the reference engine; send {allowed} or leave it out"
+                )
         if payload.get("top_logprobs_num"):
             raise RequestError("top_logprobs_num > 0 is not supported by the reference engine")
 
@@ -515,6 +604,7 @@ class ReferenceEngine:
                 raise RequestError("input_ids must be a non-empty list of token ids or a list of such lists")
             batched = isinstance(ids[0], list)
             prompts = ids if batched else [ids]
+            self._check_batch_limits(len(prompts), sum(len(p) if isinstance(p, list) else 1 for p in prompts))
             for i, prompt in enumerate(prompts):
                 if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
                     raise RequestError(f"input_ids[{i}] must be a non-empty list of integers" if batched else "input_ids must be a non-empty list of integers")
@@ -529,7 +619,9 @@ class ReferenceEngine:
                 raise RequestError("text must be a string or a non-empty list of strings")
             if self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer; send input_ids instead of text")
+            self._check_batch_limits(len(texts), 0)
             prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            self._check_batch_limits(len(prompts), sum(len(p) for p in prompts))
             if any(not p for p in prompts):
                 raise RequestError("text tokenizes to an empty prompt")
         n = len(prompts)
@@ -543,6 +635,12 @@ class ReferenceEngine:
             return [value] * n
 
         samplings = [parse_sampling_params(p, self.vocab_size) for p in per_item("sampling_params", None)]
+        for sampling in samplings:
+            if sampling.max_new_tokens > self.max_new_tokens:
+                raise RequestError(
+                    f"sampling_params.max_new_tokens={sampling.max_new_tokens} is above this server's limit "
+                    f"max_new_tokens={self.max_new_tokens} (raise it with serve-reference --max-new-tokens)"
+                )
         return_logprobs = per_item("return_logprob", False)
         start_lens = per_item("logprob_start_len", -1)
         rids = per_item("rid", None)
@@ -579,26 +677,54 @@ class ReferenceEngine:
             )
         return requests_, batched
 
+    def _check_batch_limits(self, num_prompts: int, num_tokens: int) -> None:
+        if num_prompts > self.max_batch_size:
+            raise RequestError(
+                f"batch of {num_prompts} prompts is above this server's limit max_batch_size={self.max_batch_size} "
+                "(split the batch, or raise it with serve-reference --max-batch-size)",
+                status=413,
+            )
+        if num_tokens > self.max_prompt_tokens:
+            raise RequestError(
+                f"request has {num_tokens} prompt tokens, above this server's limit "
+                f"max_prompt_tokens={self.max_prompt_tokens} (split the batch, or raise it with "
+                "serve-reference --max-prompt-tokens)",
+                status=413,
+            )
+
+    def _wait(self, req: _Request) -> None:
+        """One wait on ``_state`` (held); wakes periodically to poll a request's client."""
+        self._state.wait(timeout=_DISCONNECT_POLL_S if req.is_disconnected is not None else None)
+
     @contextlib.contextmanager
     def _admitted(self, req: _Request) -> Iterator[None]:
         with self._state:
-            self._num_waiting += 1
-            try:
-                self._state.wait_for(lambda: self._paused is None and not self._updating)
-            finally:
-                self._num_waiting -= 1
-            self._running[req.rid] = req
+            while not self._client_gone(req) and (self._paused is not None or self._updating):
+                self._wait(req)
+            self._running[id(req)] = req
         try:
             yield
         finally:
             with self._state:
-                self._running.pop(req.rid, None)
+                self._running.pop(id(req), None)
                 self._state.notify_all()
 
     def _check_step(self, req: _Request) -> str | None:
         """Between decode steps: park while paused in place, return an abort message if aborted."""
+        self._client_gone(req)
         with self._state:
-            self._state.wait_for(lambda: req.abort_message is not None or self._paused in (None, "abort"))
+            parked = False
+            try:
+                while req.abort_message is None and self._paused not in (None, "abort"):
+                    if not parked:
+                        parked = True
+                        self._parked += 1
+                        self._state.notify_all()  # a weight update waiting for the drain
+                    self._wait(req)
+                    self._client_gone(req)
+            finally:
+                if parked:
+                    self._parked -= 1
             return req.abort_message
 
     def _forward(self, seq: _Sequence, ids: list[int]) -> torch.Tensor:
@@ -674,6 +800,7 @@ class ReferenceEngine:
                         break
             if abort is not None:
                 finish = {"type": "abort", "message": abort}
+            weight_version = self.weight_version  # the weights that produced the last token
 
         text_ids = out_ids[:-1] if stop_trim_token else out_ids
         text = self._decode(text_ids, cfg) if self.tokenizer is not None else ""
@@ -685,7 +812,7 @@ class ReferenceEngine:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(out_ids),
             "cached_tokens": 0,
-            "weight_version": self.weight_version,
+            "weight_version": weight_version,
             "e2e_latency": time.perf_counter() - started,
         }
         if req.return_logprob:
@@ -706,11 +833,14 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------------ serving
     @contextlib.contextmanager
-    def start_in_thread(self, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-        """Serve this engine over HTTP from a daemon thread; yields the bound base URL ``http://host:port``."""
+    def start_in_thread(self, host: str = "127.0.0.1", port: int = 0, **server_kwargs: Any) -> Iterator[str]:
+        """Serve this engine over HTTP from a daemon thread; yields the bound base URL ``http://host:port``.
+
+        ``server_kwargs`` go to :func:`slime_ascend.rollout.http_api.make_server` (timeout, backlog, ...).
+        """
         from slime_ascend.rollout.http_api import make_server
 
-        server = make_server(self, host=host, port=port)
+        server = make_server(self, host=host, port=port, **server_kwargs)
         thread = threading.Thread(target=server.serve_forever, name="reference-engine-http", daemon=True)
         thread.start()
         try:
@@ -719,7 +849,7 @@ class ReferenceEngine:
         finally:
             with self._state:  # release anyone parked on pause so the server can stop
                 self._paused = None
-                for req in self._running.values():
+                for req in self._live.values():
                     req.abort_message = "engine shutting down"
                 self._state.notify_all()
             server.shutdown()
