@@ -18,6 +18,11 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.quant_post_process | updaters' engine restore/post-process gate also for Ascend W8A8_DYNAMIC | 0005-quantizer-hook |
 | train.weight_sync_metrics | updaters' update_weights timed, pop_metrics gets perf/weight_sync_* | 0005-quantizer-hook |
 | rollout.forward_metadata | RolloutManager._split_train_data_by_dp forwards segment metadata | 0004-forward-metadata-extra-batch-keys |
+| driver.ray_cpu_resources | `ray` in slime.ray.{placement_group,actor_group,rollout,train_actor}; InfoActor (no device resource) | 0002-accelerator-ray-resource-name |
+| train.cpu_current_device | torch.cuda.{current_device,set_device,synchronize,empty_cache}, Tensor/Module.cuda | megatron/megatron-device-neutral-placement.md |
+| train.cpu_streams | torch.cuda.{Stream,Event,current_stream,default_stream,stream,set_stream} | megatron/megatron-device-neutral-placement.md |
+| train.cpu_device_map | torch factories' device=, Tensor.new_*, Tensor/Module.to: cuda -> cpu | megatron/megatron-device-neutral-placement.md |
+| train.cpu_tensor_type | Tensor.type() of a CPU tensor reads torch.cuda.*Tensor | megatron/megatron-device-neutral-placement.md |
 | engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
 
 Patches are applied (1) when their target module is imported, for process-start patches that a
@@ -41,6 +46,11 @@ LEDGER: dict[str, str] = {
     "train.mindspeed_repatch": "slime_ascend.patch.train.mindspeed_repatch",
     "rollout.forward_metadata": "slime_ascend.patch.rollout.forward_metadata",
     "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",
+    "driver.ray_cpu_resources": "slime_ascend.patch.driver.ray_cpu_resources",
+    "train.cpu_current_device": "slime_ascend.patch.train.cpu_current_device",
+    "train.cpu_streams": "slime_ascend.patch.train.cpu_streams",
+    "train.cpu_device_map": "slime_ascend.patch.train.cpu_device_map",
+    "train.cpu_tensor_type": "slime_ascend.patch.train.cpu_tensor_type",
     "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",
     "train.critic_advantage_function": "slime_ascend.patch.train.critic_advantage_function",
     "train.quantize_params": "slime_ascend.patch.train.quantize_params",

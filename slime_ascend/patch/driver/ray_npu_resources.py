@@ -23,23 +23,26 @@ GPU = "GPU"
 NPU = "NPU"
 
 
-def translate_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``num_gpus=x`` -> ``resources={"NPU": x}`` (merged with any resources given)."""
+def translate_options(options: dict[str, Any], resource: str | None = NPU) -> dict[str, Any]:
+    """``num_gpus=x`` -> ``resources={resource: x}`` (merged with any resources given). With
+    ``resource=None`` (the ``cpu`` plugin) the GPU request is dropped and the CPU share stays."""
     options = dict(options)
     gpus = options.pop("num_gpus", None)
-    if gpus:
+    if gpus and resource is not None:
         resources = dict(options.get("resources") or {})
-        resources[NPU] = resources.get(NPU, 0) + gpus
+        resources[resource] = resources.get(resource, 0) + gpus
         options["resources"] = resources
     return options
 
 
-def translate_bundles(bundles: list[dict[str, float]]) -> list[dict[str, float]]:
+def translate_bundles(bundles: list[dict[str, float]], resource: str | None = NPU) -> list[dict[str, float]]:
     out = []
     for bundle in bundles:
         bundle = dict(bundle)
         if GPU in bundle:
-            bundle[NPU] = bundle.get(NPU, 0) + bundle.pop(GPU)
+            gpus = bundle.pop(GPU)
+            if resource is not None:
+                bundle[resource] = bundle.get(resource, 0) + gpus
         out.append(bundle)
     return out
 
@@ -47,23 +50,30 @@ def translate_bundles(bundles: list[dict[str, float]]) -> list[dict[str, float]]
 class _TranslatingRemote:
     """An ActorClass / RemoteFunction whose ``options`` translate GPU requests."""
 
-    def __init__(self, wrapped: Any):
+    def __init__(self, wrapped: Any, resource: str | None = NPU):
         self._wrapped = wrapped
+        self._resource = resource
 
     def options(self, **options: Any) -> Any:
-        return self._wrapped.options(**translate_options(options))
+        return self._wrapped.options(**translate_options(options, self._resource))
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         return self._wrapped.remote(*args, **kwargs)
 
     def __getattr__(self, item: str) -> Any:
-        if item == "_wrapped":
+        if item in ("_wrapped", "_resource"):
             raise AttributeError(item)
         return getattr(self._wrapped, item)
 
 
-class NPURay:
-    """The ray module as slime's Ray code should see it on Ascend."""
+class DeviceRay:
+    """The ray module as slime's Ray code should see it where a device is not Ray's ``GPU``.
+
+    ``RESOURCE`` is the Ray resource that stands for one device; None means no device resource
+    at all (the ``cpu`` plugin), and then ``get_gpu_ids`` reports the one host device, 0.
+    """
+
+    RESOURCE: str | None = NPU
 
     def __init__(self, ray_module: ModuleType):
         self._ray = ray_module
@@ -76,46 +86,76 @@ class NPURay:
     def __reduce__(self):
         # Ray may pickle a function whose globals hold this view; rebuild it around the
         # receiving process's own ray module.
-        return (_npu_ray, ())
+        return (_rebuild_view, (type(self),))
 
     def remote(self, *args: Any, **options: Any) -> Any:
         if args and len(args) == 1 and not options and callable(args[0]):
-            return _TranslatingRemote(self._ray.remote(args[0]))
-        translated = translate_options(options)
-        # a GPU-free actor class must still declare its NPU need: keep num_gpus out
+            return _TranslatingRemote(self._ray.remote(args[0]), self.RESOURCE)
+        translated = translate_options(options, self.RESOURCE)
+        # a GPU-free actor class must still declare its device need: keep num_gpus out
         decorator = self._ray.remote(**translated)
-        return lambda target: _TranslatingRemote(decorator(target))
+        return lambda target: _TranslatingRemote(decorator(target), self.RESOURCE)
 
     def get_gpu_ids(self) -> list[Any]:
-        ids = self._ray.get_runtime_context().get_accelerator_ids().get(NPU, [])
+        if self.RESOURCE is None:
+            return [0]
+        ids = self._ray.get_runtime_context().get_accelerator_ids().get(self.RESOURCE, [])
         return list(ids)
 
     def cluster_resources(self) -> dict[str, float]:
-        return _as_gpu_view(self._ray.cluster_resources())
+        return _as_gpu_view(self._ray.cluster_resources(), self.RESOURCE)
 
     def available_resources(self) -> dict[str, float]:
-        return _as_gpu_view(self._ray.available_resources())
+        return _as_gpu_view(self._ray.available_resources(), self.RESOURCE)
 
 
-def _npu_ray() -> NPURay:
+class NPURay(DeviceRay):
+    """The view for Ascend: one NPU per GPU slime asks for."""
+
+    RESOURCE = NPU
+
+
+def _rebuild_view(view_type: type) -> DeviceRay:
     import ray
 
-    return NPURay(ray)
+    return view_type(ray)
 
 
-def _as_gpu_view(resources: dict[str, float]) -> dict[str, float]:
-    """slime only logs ``GPU`` counts; report the NPUs under that key."""
+def _as_gpu_view(resources: dict[str, float], resource: str | None = NPU) -> dict[str, float]:
+    """slime only logs ``GPU`` counts; report the devices (host CPUs without a device resource)
+    under that key."""
     resources = dict(resources)
-    resources[GPU] = resources.get(NPU, 0)
+    resources[GPU] = resources.get(resource if resource is not None else "CPU", 0)
     return resources
 
 
-def npu_placement_group(original):
+def device_placement_group(original, resource: str | None = NPU):
     def placement_group(bundles, *args, **kwargs):
-        return original(translate_bundles(bundles), *args, **kwargs)
+        return original(translate_bundles(bundles, resource), *args, **kwargs)
 
     placement_group.__wrapped__ = original
     return placement_group
+
+
+class _DeviceDefaults(_TranslatingRemote):
+    """An ActorClass declared with ``num_gpus=n``, asking for ``n`` of ``resource`` instead.
+
+    The class itself is not re-declared (Ray pickles it by reference to its module), so every
+    ``options``/``remote`` call carries the device request explicitly.
+    """
+
+    def __init__(self, wrapped: Any, gpus: float, resource: str | None = NPU):
+        super().__init__(wrapped, resource)
+        self._defaults = {"num_gpus": 0, "resources": {resource: gpus} if resource is not None else {}}
+
+    def options(self, **options: Any) -> Any:
+        translated = translate_options(options, self._resource)
+        merged = {**self._defaults, **translated}
+        merged["resources"] = {**self._defaults["resources"], **translated.get("resources", {})}
+        return self._wrapped.options(**merged)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.options().remote(*args, **kwargs)
 
 
 # module -> what it must still contain for the translation to be complete
@@ -127,7 +167,11 @@ EXPECTED_SOURCE = {
 }
 
 
-class RayNPUResources(RuntimePatch):
+class RayDeviceResources(RuntimePatch):
+    """Each target module's ``ray`` becomes ``VIEW`` (a :class:`DeviceRay` subclass)."""
+
+    VIEW: type[DeviceRay] = NPURay
+
     def check(self, modules: dict[str, ModuleType]) -> list[str]:
         problems: list[str] = []
         for name, module in modules.items():
@@ -138,37 +182,17 @@ class RayNPUResources(RuntimePatch):
         return problems
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
+        view, resource = self.VIEW, self.VIEW.RESOURCE
         for name, module in modules.items():
-            self.wrap(module, "ray", lambda ray_module: NPURay(ray_module))
+            self.wrap(module, "ray", lambda ray_module: view(ray_module))
             if name == "slime.ray.placement_group":
-                self.wrap(module, "placement_group", npu_placement_group)
-                self.wrap(module, "InfoActor", _redecorate_info_actor)
+                self.wrap(module, "placement_group", lambda original: device_placement_group(original, resource))
+                # @ray.remote(num_gpus=1) InfoActor, re-declared through the view
+                self.wrap(module, "InfoActor", lambda actor_class: _DeviceDefaults(actor_class, 1, resource))
 
 
-class _NPUDefaults(_TranslatingRemote):
-    """An ActorClass declared with ``num_gpus=n``, asking for ``n`` NPUs instead.
-
-    The class itself is not re-declared (Ray pickles it by reference to its module), so every
-    ``options``/``remote`` call carries the NPU request explicitly.
-    """
-
-    def __init__(self, wrapped: Any, gpus: float):
-        super().__init__(wrapped)
-        self._defaults = {"num_gpus": 0, "resources": {NPU: gpus}}
-
-    def options(self, **options: Any) -> Any:
-        translated = translate_options(options)
-        merged = {**self._defaults, **translated}
-        merged["resources"] = {**self._defaults["resources"], **translated.get("resources", {})}
-        return self._wrapped.options(**merged)
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self.options().remote(*args, **kwargs)
-
-
-def _redecorate_info_actor(actor_class: Any) -> Any:
-    """``@ray.remote(num_gpus=1) class InfoActor`` -> the same class asking for one NPU."""
-    return _NPUDefaults(actor_class, 1)
+class RayNPUResources(RayDeviceResources):
+    VIEW = NPURay
 
 
 PATCH = RayNPUResources(

@@ -1,0 +1,79 @@
+"""The ``cpu`` plugin: slime's own ``train.py`` / ``train_async.py`` on a host without GPUs.
+
+What the ``npu`` plugin does for Ascend, for the host CPU (``slime_on_cpu.md`` lists the blockers):
+
+* every process: the ``cpu`` accelerator joins slime's registry as soon as
+  ``slime.utils.accelerator`` is imported (gloo, ``current_device() == "cpu"``), and slime's Ray code
+  asks for a CPU share where it asks for a GPU (``driver.ray_cpu_resources``);
+* every process that imports Megatron: the ``train.cpu_*`` patches make Megatron's direct
+  ``torch.cuda`` calls act on the host (current device, ``.cuda()``, streams and events, ``cuda``
+  devices in tensor factories and ``.to()``, ``Tensor.type()`` strings), what torch_npu's
+  ``transfer_to_npu`` does on Ascend. They apply only where CUDA is absent;
+* the Megatron flags slime needs on the host, printed by ``slime-ascend config cpu --flags``: the
+  local transformer with :mod:`slime_ascend.cpu.spec` (THD-packed attention, TE parameter names),
+  CPU initialisation, no fused kernels.
+
+It is for development, debugging and CI of slime jobs without a GPU; a GPU or NPU host keeps its
+device (the accelerator has the lowest priority, and the torch shims refuse to replace CUDA).
+"""
+
+from __future__ import annotations
+
+from .. import _import_hooks, patch
+from ..plugins.base import CommandLineFlag, Plugin
+
+TORCH_PATCHES = ("train.cpu_current_device", "train.cpu_streams", "train.cpu_device_map", "train.cpu_tensor_type")
+SPEC = "slime_ascend.cpu.spec get_layer_spec"
+
+
+def _register_accelerator(module) -> None:
+    from . import accelerator
+
+    accelerator.register(module)
+
+
+def _install_torch_patches(_megatron_core) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return  # a CUDA host keeps CUDA: the cpu plugin only adds the accelerator there
+    for patch_id in TORCH_PATCHES:
+        patch.install(patch_id)
+
+
+def on_process_start() -> None:
+    from ..compat import typing_override
+
+    typing_override.ensure()  # megatron-core >= 0.17 on Python 3.11
+    _import_hooks.when_imported("slime.utils.accelerator", _register_accelerator)
+    patch.install_when_imported("driver.ray_cpu_resources")
+    _import_hooks.when_imported("megatron.core", _install_torch_patches)
+
+
+def _flag(flag: str, why: str, attr: str, value) -> CommandLineFlag:
+    return CommandLineFlag(flag, why, check=lambda a: getattr(a, attr, None) == value)
+
+
+PLUGIN = Plugin(
+    name="cpu",
+    description="slime on the host CPU (gloo, Ray without GPUs, Megatron's torch.cuda calls on the host, "
+    "a THD-packed local spec): development, debugging and CI without a GPU",
+    conflicts=("npu", "sglang-npu", "vllm-ascend"),
+    process_start=("slime_ascend.cpu.plugin.on_process_start",),
+    patches=("driver.ray_cpu_resources",) + TORCH_PATCHES,
+    command_line=(
+        _flag("--transformer-impl local", "TransformerEngine needs CUDA", "transformer_impl", "local"),
+        CommandLineFlag(f"--spec {SPEC}", "THD-packed attention and TE parameter names on the local transformer",
+                        check=lambda a: list(getattr(a, "spec", None) or []) == SPEC.split()),
+        _flag("--use-cpu-initialization", "Megatron initialises weights on the current CUDA device otherwise",
+              "use_cpu_initialization", True),
+        _flag("--inference-rng-tracker", "the CUDA RNG tracker reads torch.cuda.get_rng_state()",
+              "inference_rng_tracker", True),
+        _flag("--no-rope-fusion", "fused RoPE needs TransformerEngine", "apply_rope_fusion", False),
+        _flag("--no-gradient-accumulation-fusion", "needs a CUDA extension", "gradient_accumulation_fusion", False),
+        _flag("--no-masked-softmax-fusion", "needs a CUDA kernel", "masked_softmax_fusion", False),
+        _flag("--no-bias-swiglu-fusion", "jit-fused for CUDA", "bias_swiglu_fusion", False),
+        _flag("--no-bias-dropout-fusion", "jit-fused for CUDA", "bias_dropout_fusion", False),
+        _flag("--no-persist-layer-norm", "needs apex", "no_persist_layer_norm", True),
+    ),
+)

@@ -1,0 +1,227 @@
+"""Run slime's own ``train.py`` / ``train_async.py`` on this CPU with the ``cpu`` plugin.
+
+A tiny Qwen3 (vocab 1024, hidden 64, 2 layers) and a byte-level tokenizer are made locally, a
+prompt set is written as JSONL, reference engines serve on 127.0.0.1 (slime reaches them through its
+own sglang router, ``--rollout-external-engine-addrs``), and weights sync through
+``--update-weight-transport disk``. Nothing of slime or Megatron is edited; slime is found on
+``SLIME_SRC`` (default ``../shared/upstream/slime`` beside the repository).
+
+The evidence the tests read comes from slime's own output: its log lines and the step metrics it
+prints (``log_rollout_data`` / ``log_perf_data``), and the files it writes.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_SLIME_SRC = REPO.parent / "shared" / "upstream" / "slime"
+
+
+def slime_src() -> Path:
+    return Path(os.environ.get("SLIME_SRC") or DEFAULT_SLIME_SRC).resolve()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# Qwen3 architecture flags for the tiny model (slime's scripts/models/qwen3-*.sh, resized)
+TINY_QWEN3_ARGS = (
+    "--swiglu --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+    "--group-query-attention --num-query-groups 2 --use-rotary-position-embeddings --disable-bias-linear "
+    "--normalization RMSNorm --norm-epsilon 1e-6 --rotary-base 10000 --vocab-size 1024 --kv-channels 16 "
+    "--qk-layernorm --untie-embeddings-and-output-weights"
+)
+
+PROMPTS = [f"Q{i}: what is {i} plus {i % 3}?" for i in range(32)]
+
+
+def make_model(out_dir: Path, seed: int = 0) -> Path:
+    """The tiny random Qwen3 with its tokenizer, as an HF safetensors directory (bf16 weights)."""
+    import torch
+
+    from slime_ascend.rollout.reference_model import build_byte_tokenizer, load_model, save_model
+
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    model = load_model(None, dtype=torch.float32, seed=seed).to(torch.bfloat16)
+    model.config.torch_dtype = torch.bfloat16
+    save_model(model, out_dir, build_byte_tokenizer())
+    return out_dir
+
+
+def make_prompts(path: Path, n: int = 32, domains: tuple[str, ...] = ()) -> Path:
+    with path.open("w") as f:
+        for i, text in enumerate(PROMPTS[:n]):
+            row = {"prompt": text, "label": str(i + i % 3)}
+            if domains:
+                row["metadata"] = {"domain": domains[i % len(domains)]}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+@dataclasses.dataclass
+class Engine:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def addr(self) -> str:
+        return self.url.removeprefix("http://")
+
+
+def start_engine(model_dir: Path, log: Path, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 timeout: float = 120) -> Engine:
+    """``slime-ascend serve-reference`` on 127.0.0.1, waited for until /health answers."""
+    import urllib.request
+
+    port = free_port()
+    full_env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "slime_ascend.cli", "serve-reference", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), *extra]
+    fh = log.open("w")
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=str(log.parent),
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"reference engine exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return Engine(url, proc, log)
+        time.sleep(0.3)
+    stop(proc)
+    raise RuntimeError(f"reference engine did not answer /health within {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
+
+
+def slime_flags(model_dir: Path, prompts: Path, engines: list[Engine], work: Path, *, num_rollout: int = 2,
+                batch: int = 4, n_samples: int = 2, max_response: int = 8) -> list[str]:
+    """A GRPO job on the tiny model: one train actor on the host, external reference engine(s)."""
+    disk = work / "weights"
+    disk.mkdir(exist_ok=True)
+    flags = f"""
+      --hf-checkpoint {model_dir} --load {model_dir} --save {work / 'ckpt'} --save-interval 1000
+      {TINY_QWEN3_ARGS}
+      --prompt-data {prompts} --input-key prompt --label-key label --metadata-key metadata
+      --rm-type random --num-rollout {num_rollout} --rollout-batch-size {batch}
+      --n-samples-per-prompt {n_samples} --rollout-max-response-len {max_response} --rollout-temperature 1.0
+      --global-batch-size {batch * n_samples} --micro-batch-size 1
+      --seq-length 256 --max-position-embeddings 4096
+      --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28
+      --optimizer adam --lr 1e-4 --lr-decay-style constant --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98
+      --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1
+      --actor-num-nodes 1 --actor-num-gpus-per-node 1 --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1
+      --rollout-external --rollout-external-engine-addrs {' '.join(e.addr for e in engines)}
+      --update-weight-mode full --update-weight-transport disk --update-weight-disk-dir {disk}
+      --attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32
+      --attention-softmax-in-fp32 --bf16 --seed 1234
+    """
+    return shlex.split(flags)
+
+
+@dataclasses.dataclass
+class Run:
+    returncode: int
+    log: str
+    seconds: float
+
+    def metrics(self, prefix: str = "") -> list[dict]:
+        """The step-metric dicts slime logged (``... : {'rollout/...': ...}`` lines), in order."""
+        out = []
+        for match in re.finditer(r"(\{'[a-z_]+/[^\n]*\})\s*$", self.log, re.MULTILINE):
+            with contextlib.suppress(ValueError, SyntaxError):
+                value = ast.literal_eval(match.group(1))
+                if isinstance(value, dict) and (not prefix or any(str(k).startswith(prefix) for k in value)):
+                    out.append(value)
+        return out
+
+    def metric_keys(self) -> set[str]:
+        return {k for m in self.metrics() for k in m}
+
+
+# The local Ray cluster slime's first Ray call starts in the driver advertises one logical CPU per core;
+# slime asks for one per device bundle, one for the RolloutManager and one for its lock actor, more than
+# a 2-core host has. Logical CPUs are scheduling tokens, not cores: Ray's RAY_OVERRIDE_RESOURCES sets them.
+RAY_LOGICAL_CPUS = 8
+
+
+def job_env(plugins: tuple[str, ...], extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    src = slime_src()
+    env = dict(os.environ)
+    env.update({
+        "SLIME_ASCEND_PLUGINS": ",".join(plugins),
+        "PYTHONPATH": os.pathsep.join([str(src), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "SLIME_HOST_IP": "127.0.0.1",
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": RAY_LOGICAL_CPUS}),
+    })
+    env.update(extra_env or {})
+    return env
+
+
+def plugin_flags(plugins: tuple[str, ...]) -> list[str]:
+    """The flags ``slime-ascend config PLUGIN... --flags`` prints, as a launch script uses them."""
+    out = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *plugins, "--flags"],
+                         capture_output=True, text=True, check=True).stdout
+    return shlex.split(out)
+
+
+def run_slime(script: str, flags: list[str], work: Path, plugins: tuple[str, ...], *,
+              custom_config: Path | None = None, extra_env: dict[str, str] | None = None,
+              timeout: float = 900) -> Run:
+    """Run slime's ``script`` (train.py / train_async.py) from ``SLIME_SRC`` with ``plugins`` enabled."""
+    cmd = [sys.executable, str(slime_src() / script), *flags]
+    if custom_config is not None:
+        cmd += ["--custom-config-path", str(custom_config)]
+    cmd += plugin_flags(plugins)
+    env = job_env(plugins, extra_env)
+    log_path = work / f"{Path(script).stem}.log"
+    start = time.monotonic()
+    with log_path.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(work),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            rc = -9
+    return Run(rc, log_path.read_text(errors="replace"), time.monotonic() - start)
