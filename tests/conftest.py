@@ -19,6 +19,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def slime_src() -> Path | None:
+    """The slime source tree the tests use: the one ``import slime`` finds (``.ci/run`` puts
+    ``SLIME_SRC``, default ``../shared/upstream/slime``, on PYTHONPATH), else ``$SLIME_SRC``."""
+    spec = importlib.util.find_spec("slime")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations))).resolve().parent
+    value = os.environ.get("SLIME_SRC")
+    return Path(value).resolve() if value else None
+
+
 def slime_importable() -> bool:
     spec = importlib.util.find_spec("slime")
     if spec is None or not spec.submodule_search_locations:
@@ -39,7 +49,13 @@ if not hasattr(typing, "override"):  # megatron.training uses typing.override (P
         pass
 
 
+REQUIRE_SLIME = os.environ.get("SLIME_ASCEND_REQUIRE_SLIME") == "1"  # set by .ci/run: no slime test may skip
+
+
 def pytest_collection_modifyitems(config, items):
+    if REQUIRE_SLIME and not SLIME:
+        raise pytest.UsageError("SLIME_ASCEND_REQUIRE_SLIME=1 but real slime is not importable: put SLIME_SRC "
+                                "(default ../shared/upstream/slime) on PYTHONPATH")
     skip = pytest.mark.skip(reason=SLIME_REASON)
     for item in items:
         if "slime" in item.keywords and not SLIME:

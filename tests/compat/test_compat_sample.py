@@ -33,7 +33,7 @@ def test_get_sample_class_matches_environment():
 
 
 def test_fallback_mirrors_slime_field_names_and_defaults():
-    types = pytest.importorskip("slime.utils.types", reason="slime is not importable (set PYTHONPATH=/opt/slime-src)")
+    types = pytest.importorskip("slime.utils.types", reason="slime is not importable (set SLIME_SRC on PYTHONPATH)")
     slime_fields = {f.name: f for f in fields(types.Sample)}
     ours = FallbackSample()
     theirs = types.Sample()

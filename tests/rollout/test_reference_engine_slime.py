@@ -1,4 +1,4 @@
-"""Drive the reference engine with slime's real client code (needs slime importable: PYTHONPATH=/opt/slime-src).
+"""Drive the reference engine with slime's real client code (needs slime importable: SLIME_SRC on PYTHONPATH).
 
 Checks that slime's ``sglang_rollout.generate`` fills Samples with the engine's exact tokens and
 log-probs, that external-engine discovery and its server-args sanity check accept the engine,
@@ -23,7 +23,7 @@ try:
     from slime.utils.async_utils import run
     from slime.utils.types import Sample
 except ImportError as exc:  # CI has no slime
-    pytest.skip(f"slime is not importable (run with PYTHONPATH=/opt/slime-src): {exc}", allow_module_level=True)
+    pytest.skip(f"slime is not importable (run with SLIME_SRC on PYTHONPATH): {exc}", allow_module_level=True)
 
 from slime_ascend.rollout import reference_model
 from slime_ascend.rollout.reference_engine import ReferenceEngine

@@ -173,12 +173,12 @@ def test_launch_bridge_refuses_a_changed_target():
 
 @pytest.mark.slime
 def test_bootstrap_installs_the_bridge_in_a_fresh_process():
-    from conftest import run_python
+    from conftest import run_python, slime_src
 
     code = textwrap.dedent("""
         import slime.backends.sglang_utils.sglang_engine as m
         print("WRAPPED", hasattr(m.SGLangEngine._init_normal, "__wrapped__"))
     """)
-    env = {"SLIME_ASCEND_PLUGINS": "sglang-npu", "PYTHONPATH": os.pathsep.join(["/opt/slime-src", str(REPO)])}
+    env = {"SLIME_ASCEND_PLUGINS": "sglang-npu", "PYTHONPATH": os.pathsep.join([str(slime_src()), str(REPO)])}
     done = run_python(code, env=env, timeout=300)
     assert "WRAPPED True" in done.stdout, done.stdout + done.stderr
