@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_loop import make_model, make_prompts, run_slime, slime_flags, start_engine, stop
+from slime_ascend.demo.slime_job import make_model, make_prompts, run_slime, slime_flags, start_engine, stop
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
 

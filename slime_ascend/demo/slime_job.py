@@ -3,8 +3,8 @@
 A tiny Qwen3 (vocab 1024, hidden 64, 2 layers) and a byte-level tokenizer are made locally, a
 prompt set is written as JSONL, reference engines serve on 127.0.0.1 (slime reaches them through its
 own sglang router, ``--rollout-external-engine-addrs``), and weights sync through
-``--update-weight-transport disk``. Nothing of slime or Megatron is edited; slime is found on
-``SLIME_SRC`` (default ``../shared/upstream/slime`` beside the repository).
+``--update-weight-transport disk``. Nothing of slime or Megatron is edited; slime is found by
+:func:`slime_src`. Used by ``slime-ascend demo --slime-src`` and by ``tests/e2e``.
 
 The evidence the tests read comes from slime's own output: its log lines and the step metrics it
 prints (``log_rollout_data`` / ``log_perf_data``), and the files it writes.
@@ -26,12 +26,40 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_SLIME_SRC = REPO.parent / "shared" / "upstream" / "slime"
+# the directory holding the slime_ascend package: put on the job's PYTHONPATH so that every process
+# slime starts imports this copy
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def slime_src() -> Path:
-    return Path(os.environ.get("SLIME_SRC") or DEFAULT_SLIME_SRC).resolve()
+class SlimeNotFound(RuntimeError):
+    """No slime source tree (with ``train.py`` / ``train_async.py``) was given or importable."""
+
+
+def is_slime_tree(path: Path) -> bool:
+    """THUDM/slime's source tree (its accelerator registry and train scripts), not the PyPI namesake."""
+    return (path / "slime" / "utils" / "accelerator" / "__init__.py").is_file() and (path / "train.py").is_file()
+
+
+def slime_src(explicit: str | os.PathLike | None = None) -> Path:
+    """The slime source tree to run: ``explicit``, else ``$SLIME_SRC``, else the tree ``import slime``
+    finds. Raises :class:`SlimeNotFound` naming what to set."""
+    import importlib.util
+
+    if explicit is not None or os.environ.get("SLIME_SRC"):
+        path = Path(explicit if explicit is not None else os.environ["SLIME_SRC"]).expanduser().resolve()
+        if not is_slime_tree(path):
+            what = "--slime-src" if explicit is not None else "SLIME_SRC"
+            raise SlimeNotFound(f"{what}={path} is not a THUDM/slime source tree (no slime/utils/accelerator "
+                                "or train.py there); point it at a clone of github.com/THUDM/slime")
+        return path
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("slime")
+        if spec is not None and spec.submodule_search_locations:
+            root = Path(next(iter(spec.submodule_search_locations))).resolve().parent
+            if is_slime_tree(root):
+                return root
+    raise SlimeNotFound("no THUDM/slime source tree found: pass --slime-src DIR or set SLIME_SRC to a clone of "
+                        "github.com/THUDM/slime")
 
 
 def free_port() -> int:
@@ -177,12 +205,13 @@ class Run:
 RAY_LOGICAL_CPUS = 8
 
 
-def job_env(plugins: tuple[str, ...], extra_env: dict[str, str] | None = None) -> dict[str, str]:
-    src = slime_src()
+def job_env(plugins: tuple[str, ...], extra_env: dict[str, str] | None = None, src: Path | None = None
+            ) -> dict[str, str]:
+    src = src or slime_src()
     env = dict(os.environ)
     env.update({
         "SLIME_ASCEND_PLUGINS": ",".join(plugins),
-        "PYTHONPATH": os.pathsep.join([str(src), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "PYTHONPATH": os.pathsep.join([str(src), str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "SLIME_HOST_IP": "127.0.0.1",
         "RAY_DEDUP_LOGS": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -207,13 +236,15 @@ def plugin_flags(plugins: tuple[str, ...]) -> list[str]:
 
 def run_slime(script: str, flags: list[str], work: Path, plugins: tuple[str, ...], *,
               custom_config: Path | None = None, extra_env: dict[str, str] | None = None,
-              timeout: float = 900) -> Run:
-    """Run slime's ``script`` (train.py / train_async.py) from ``SLIME_SRC`` with ``plugins`` enabled."""
-    cmd = [sys.executable, str(slime_src() / script), *flags]
+              timeout: float = 900, src: Path | None = None) -> Run:
+    """Run slime's ``script`` (train.py / train_async.py) from ``src`` (default :func:`slime_src`) with
+    ``plugins`` enabled."""
+    src = src or slime_src()
+    cmd = [sys.executable, str(src / script), *flags]
     if custom_config is not None:
         cmd += ["--custom-config-path", str(custom_config)]
     cmd += plugin_flags(plugins)
-    env = job_env(plugins, extra_env)
+    env = job_env(plugins, extra_env, src)
     log_path = work / f"{Path(script).stem}.log"
     start = time.monotonic()
     with log_path.open("w") as fh:
