@@ -12,6 +12,13 @@ holds ``partition``) adds ``metadata = [data["metadata"][j] for j in partition]`
 side): ``log_rollout_data`` is called without the ``metadata`` key. Install the rollout side in
 the RolloutManager (:func:`install_rollout_side`) and the train side in each train actor
 (:func:`install_train_side`); each checks only its own targets.
+
+Ray runs an actor from a by-value (cloudpickle) copy of its class: the live RolloutManager's
+``_split_train_data_by_dp`` is not the module's, and it reads its globals (among them
+``tensorize_rollout_data_for_training``) from a private dict, so wrapping the module reaches
+nothing. When the patch is installed inside the RolloutManager actor, the live copy's method is
+therefore replaced by one that calls the module's (wrapped) method, which runs the same slime
+code with the module's globals.
 """
 
 from __future__ import annotations
@@ -68,6 +75,32 @@ def _wrap_log(original):
     return log_rollout_data
 
 
+def _delegate_to(module_cls):
+    def _split_train_data_by_dp(self, data):
+        return module_cls._split_train_data_by_dp(self, data)  # looked up per call: the module's wrapped method
+
+    return _split_train_data_by_dp
+
+
+def live_actor_class(module_cls: type) -> type | None:
+    """The class of this process's Ray actor that defines ``_split_train_data_by_dp``, when that actor is a
+    (by-value) copy of ``module_cls``; None outside such an actor or when it is ``module_cls`` itself."""
+    try:
+        import ray
+
+        worker = ray._private.worker.global_worker
+        instance = worker.actors.get(worker.actor_id)
+    except Exception:  # noqa: BLE001 - no Ray, or not connected: not inside an actor
+        return None
+    if instance is None:
+        return None
+    for klass in type(instance).__mro__:
+        if (klass.__name__ == module_cls.__name__ and klass.__module__ == module_cls.__module__
+                and "_split_train_data_by_dp" in vars(klass)):
+            return None if klass is module_cls else klass
+    return None
+
+
 class ForwardMetadata(RuntimePatch):
     def check(self, modules: dict[str, ModuleType]) -> list[str]:
         problems: list[str] = []
@@ -97,8 +130,12 @@ class ForwardMetadata(RuntimePatch):
         rollout = modules.get(ROLLOUT)
         if rollout is not None:
             manager = rollout.RolloutManager
-            self.wrap(getattr(manager, "__ray_actor_class__", manager), "_split_train_data_by_dp", _wrap_split)
+            module_cls = getattr(manager, "__ray_actor_class__", manager)
+            self.wrap(module_cls, "_split_train_data_by_dp", _wrap_split)
             self.wrap(rollout, "tensorize_rollout_data_for_training", _wrap_tensorize)
+            live = live_actor_class(module_cls)
+            if live is not None:  # inside the RolloutManager actor: Ray's copy of the class is what runs
+                self.replace(live, "_split_train_data_by_dp", _delegate_to(module_cls))
         metrics = modules.get(TRAIN_METRICS)
         if metrics is not None:
             self.wrap(metrics, "log_rollout_data", _wrap_log)
@@ -110,8 +147,9 @@ PATCH = ForwardMetadata(
              f"{TRAIN_METRICS}:log_rollout_data"),
     why="slime drops train_data['metadata'] (Sample.train_metadata) before training; plugins need per-sample "
     "facts in the trainer (OPD teacher and coefficient).",
-    how="Slice metadata by each DP rank's partition inside the per-rank tensorize call; hide it from the "
-    "train-side rollout logger, which cannot sum dicts.",
+    how="Slice metadata by each DP rank's partition inside the per-rank tensorize call (in the RolloutManager "
+    "actor, Ray's by-value copy of the class delegates to the module's method); hide it from the train-side "
+    "rollout logger, which cannot sum dicts.",
     upstream="patches/0004-forward-metadata-extra-batch-keys.patch",
     checked_on=("0.3.1",),
 )
