@@ -384,6 +384,8 @@ def _positive_float(text: str) -> float:
 def serve_reference(argv: list[str] | None = None) -> int:
     """CLI entry: ``slime-ascend serve-reference --model DIR --host 127.0.0.1 --port PORT``."""
     args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:  # the engine's own events (weight updates) on stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     main(
         model=args.model,
         host=args.host,

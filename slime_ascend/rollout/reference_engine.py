@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import math
 import os
 import random
@@ -53,7 +54,9 @@ import torch
 
 from slime_ascend.rollout import reference_model
 
-__all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "parse_sampling_params"]
+__all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
+
+logger = logging.getLogger("slime_ascend.rollout.engine")
 
 _GREEDY_EPS = 1e-6
 _DEFAULT_MAX_NEW_TOKENS = 128
@@ -137,6 +140,21 @@ _ROUTER_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "return_entropy": (False,),
     "log_metrics": (True, False),  # only decides whether SGLang records metrics
 }
+
+
+def checkpoint_quantization(model_dir: str | os.PathLike | None) -> str | None:
+    """The quantised format (``slime-ascend quantize --format`` name) of the checkpoint in ``model_dir``:
+    what ``/server_info`` and ``/model_info`` report as ``quantization`` (SGLang's field); None when the
+    checkpoint is unquantised (or there is none: the tiny random model)."""
+    if model_dir is None or not reference_model.is_quantized_checkpoint(model_dir):
+        return None
+    from slime_ascend.quant.hf_config import format_from_quantization_config, read_checkpoint_quant_config
+
+    try:
+        fmt = format_from_quantization_config(read_checkpoint_quant_config(model_dir))
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{str(model_dir)!r}: cannot read its quantization config: {exc}") from exc
+    return fmt or "unknown"
 
 
 class RequestError(ValueError):
@@ -366,6 +384,7 @@ class ReferenceEngine:
         self.seed = seed
         self.model = reference_model.load_model(self.model_path, self.dtype, seed=seed)
         self.tokenizer = reference_model.load_tokenizer(self.model_path)
+        self.quantization = checkpoint_quantization(self.model_path)
         if return_original_logprob is None:
             return_original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true")
         self.return_original_logprob = bool(return_original_logprob)
@@ -413,6 +432,7 @@ class ReferenceEngine:
             "tokenizer_path": self.model_path,
             "served_model_name": self.model_path or "tiny-random-qwen3",
             "weight_version": self.weight_version,
+            "quantization": self.quantization,
             "dtype": str(self.dtype).replace("torch.", ""),
             "device": "cpu",
             "random_seed": self.seed,
@@ -439,6 +459,7 @@ class ReferenceEngine:
             "tokenizer_path": self.model_path,
             "is_generation": True,
             "weight_version": self.weight_version,
+            "quantization": self.quantization,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": getattr(self.model.config, "model_type", None),
@@ -517,6 +538,7 @@ class ReferenceEngine:
         with self._update_lock:
             try:  # load and check everything while the old weights keep serving
                 reference_model.check_same_architecture(self.model, model_path)
+                quantization = checkpoint_quantization(model_path)
                 state = reference_model.load_state_dict_from_dir(model_path, self.dtype, self._max_checkpoint_bytes)
                 reference_model.validate_state_dict(self.model, state, source=model_path)
             except (ValueError, OSError) as exc:
@@ -533,6 +555,7 @@ class ReferenceEngine:
                 with self._compute_lock:
                     reference_model.apply_state_dict(self.model, state, source=model_path)
                     self.model_path = model_path
+                    self.quantization = quantization
                     if weight_version is not None:
                         self.weight_version = str(weight_version)
                     elif self.weight_version.isdigit():
@@ -543,6 +566,8 @@ class ReferenceEngine:
                 with self._state:
                     self._updating = False
                     self._state.notify_all()
+            logger.info("loaded weight version %s from %s (%s)", self.weight_version, model_path,
+                        quantization or "unquantised")
         return {"success": True, "message": f"loaded weights from {model_path}", "num_paused_requests": 0}
 
     # ------------------------------------------------------------------ generate

@@ -587,3 +587,26 @@ def test_concurrent_requests_match_sequential(url):
     for (_, box), seq in zip(threads, sequential, strict=True):
         assert box["response"]["output_ids"] == seq["output_ids"]
         assert box["response"]["meta_info"]["output_token_logprobs"] == seq["meta_info"]["output_token_logprobs"]
+
+
+@pytest.mark.parametrize("fmt", ["int8-w8a8", "fp8-block"])
+def test_engine_reports_the_quantised_format_it_serves(tmp_path, fmt, caplog):
+    """/server_info and /model_info carry SGLang's ``quantization`` field: the format of the checkpoint the
+    engine loaded (at start and after each update_weights_from_disk), and each update is logged with its
+    version, path and format."""
+    from slime_ascend.quant.cli import main_quantize
+
+    bf16 = save_model(load_model(None, seed=3), tmp_path / "bf16")
+    qdir = tmp_path / fmt
+    assert main_quantize([str(bf16), str(qdir), "--format", fmt]) == 0
+    eng = ReferenceEngine(model_path=str(bf16))
+    assert eng.server_info()["quantization"] is None and eng.model_info()["quantization"] is None
+    with caplog.at_level("INFO", logger="slime_ascend.rollout.engine"):
+        eng.update_weights_from_disk(str(qdir), weight_version="7")
+    assert eng.server_info()["quantization"] == fmt and eng.model_info()["quantization"] == fmt
+    assert f"loaded weight version 7 from {qdir} ({fmt})" in caplog.text
+    assert ReferenceEngine(model_path=str(qdir)).model_info()["quantization"] == fmt
+    with caplog.at_level("INFO", logger="slime_ascend.rollout.engine"):
+        eng.update_weights_from_disk(str(bf16))
+    assert eng.model_info()["quantization"] is None and eng.weight_version == "8"
+    assert f"loaded weight version 8 from {bf16} (unquantised)" in caplog.text

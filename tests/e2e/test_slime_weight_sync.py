@@ -1,0 +1,202 @@
+"""``int8-sync`` and ``fp8-sync`` in slime's own ``train.py`` on this CPU.
+
+The rollout engine (the reference engine on 127.0.0.1) serves a checkpoint made by ``slime-ascend
+quantize`` from the tiny BF16 model; slime trains the BF16 model (``--load``) and, with the sync plugin,
+pushes every weight version in the engine's format through ``--update-weight-transport disk``.
+
+Evidence, all from slime's and the engine's own output:
+
+* slime's step metrics: ``perf/weight_sync_*`` (tensors quantised, bytes on the wire);
+* the engine's ``/model_info`` and its log: it loaded every version slime wrote, serves the last one,
+  and reports the quantised format it loaded;
+* the bytes: the first version slime pushed (the BF16 weights slime loaded, before any training) is
+  tensor-for-tensor identical to ``slime-ascend quantize`` of those BF16 weights, and the last version
+  (after training) is identical to ``slime-ascend quantize`` of slime's own Megatron checkpoint of the
+  same step, converted to HF BF16 by slime's own ``tools/convert_torch_dist_to_hf.py``.
+
+One slime run per format (the sync plugins conflict: one job syncs one format).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from slime_ascend.demo.slime_job import (
+    job_env,
+    make_model,
+    make_prompts,
+    run_slime,
+    slime_flags,
+    slime_src,
+    start_engine,
+    stop,
+)
+
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+NUM_ROLLOUT = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    pytest.importorskip("megatron.training", reason="megatron-core with megatron.training is not installed")
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
+
+
+def _cli(*argv: str, env: dict | None = None) -> str:
+    out = subprocess.run([sys.executable, "-m", "slime_ascend.cli", *argv], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def quantize(src: Path, out: Path, fmt: str) -> Path:
+    _cli("quantize", str(src), str(out), "--format", fmt)
+    return out
+
+
+def tensors(directory: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Every tensor of the safetensors files in ``directory``: name -> (dtype, shape, raw bytes)."""
+    import torch
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                t = f.get_tensor(name).contiguous()
+                assert name not in out, f"{name} in two files of {directory}"
+                out[name] = (str(t.dtype), tuple(t.shape), t.view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def assert_same_tensors(pushed: Path, reference: Path) -> None:
+    got, want = tensors(pushed), tensors(reference)
+    assert sorted(got) == sorted(want), (sorted(set(got) ^ set(want)))
+    for name in want:
+        assert got[name][:2] == want[name][:2], (name, got[name][:2], want[name][:2])
+        assert got[name][2] == want[name][2], f"{name}: bytes differ between {pushed} and {reference}"
+
+
+def model_info(url: str) -> dict:
+    with urllib.request.urlopen(url + "/model_info", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+# slime's tools/convert_torch_dist_to_hf.py, driven through its own reader, planner and save_tensors. Its
+# __main__ reads Megatron's args from iter_*/common.pt, which megatron-core 0.19 no longer writes: it keeps
+# the common state inside the distributed checkpoint (key common_state/...), read here with the same reader.
+_CONVERT = """
+import runpy, sys
+import torch.distributed.checkpoint as dcp
+tool_path, iter_dir, out_dir, origin = sys.argv[1:]
+tool = runpy.run_path(tool_path, run_name="slime_convert_torch_dist_to_hf")
+
+class CommonState(dcp.default_planner.DefaultLoadPlanner):
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        for key, value in metadata.state_dict_metadata.items():
+            if key.startswith("common_state"):
+                state_dict[key] = value
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+common = {}
+dcp.state_dict_loader._load_state_dict(common, storage_reader=tool["WrappedStorageReader"](iter_dir),
+                                       planner=CommonState(), no_dist=True)
+(entry,) = common.values()
+megatron_args = entry[0]["args"]
+state_dict = {}
+dcp.state_dict_loader._load_state_dict(state_dict, storage_reader=tool["WrappedStorageReader"](iter_dir),
+                                       planner=tool["EmptyStateDictLoadPlanner"](), no_dist=True)
+state_dict = {k: v for k, v in state_dict.items() if not hasattr(v, "read")}  # _extra_state / rng bytes
+tool["save_tensors"](megatron_args, "qwen3", state_dict, out_dir, 5 * 1024**3)
+tool["copy_assets"](origin, out_dir)
+"""
+
+
+def torch_dist_to_hf(ckpt: Path, origin_hf: Path, out: Path, plugins: tuple[str, ...]) -> Path:
+    """slime's own converter (tools/convert_torch_dist_to_hf.py) of the newest Megatron checkpoint slime saved:
+    the BF16 HF weights of that step."""
+    latest = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
+    iter_dir = ckpt / f"iter_{int(latest):07d}"
+    src = slime_src()
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT, str(src / "tools" / "convert_torch_dist_to_hf.py"), str(iter_dir), str(out),
+         str(origin_hf)],
+        capture_output=True, text=True, env=job_env(plugins, src=src), cwd=str(out.parent), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _run_sync(model_dir: Path, tmp_path: Path, plugin: str, fmt: str):
+    qdir = quantize(model_dir, tmp_path / f"tiny-qwen3-{fmt}", fmt)
+    engine = start_engine(qdir, tmp_path / "engine.log")
+    try:
+        info0 = model_info(engine.url)
+        plugins = ("cpu", plugin)
+        config = tmp_path / "ascend.yaml"
+        _cli("config", *plugins, "-o", str(config))
+        prompts = make_prompts(tmp_path / "prompts.jsonl")
+        flags = slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=NUM_ROLLOUT)
+        # the engine's checkpoint is --hf-checkpoint (its format is what the plugin syncs); Megatron loads the
+        # BF16 weights from --load
+        at = flags.index("--hf-checkpoint")
+        flags[at + 1] = str(qdir)
+        flags.append("--update-weight-disk-keep-files")  # slime deletes each version after the reload otherwise
+        run = run_slime("train.py", flags, tmp_path, plugins, custom_config=config)
+        info = model_info(engine.url)
+    finally:
+        stop(engine.proc)
+    assert run.returncode == 0, run.log[-6000:]
+    return run, qdir, info0, info, engine.log.read_text()
+
+
+def _check_run(run, model_dir: Path, qdir: Path, tmp_path: Path, plugin: str, fmt: str, info0, info, engine_log):
+    plugins = ("cpu", plugin)
+    # the plugin ran in the train actor, checked the engine's format and installed its patches
+    assert any("MegatronTrainRayActor" in line and f"slime-ascend plugins active: cpu, {plugin}" in line
+               for line in run.log.splitlines())
+    assert f"{plugin}: rollout checkpoint {qdir} is {fmt}" in run.log
+    for patch_id in ("train.quantize_params", "train.weight_sync_metrics"):
+        assert f"applied runtime patch {patch_id}" in run.log
+
+    # slime wrote one version before training and one after each step
+    weights = tmp_path / "weights"
+    versions = sorted(p.name for p in weights.iterdir())
+    assert versions == [f"weight_v{v:06d}" for v in range(1, NUM_ROLLOUT + 2)], versions
+    last = weights / versions[-1]
+
+    # slime's perf metrics report the quantised sync: every linear weight quantised, fewer bytes sent
+    syncs = [m for m in run.metrics() if "perf/weight_sync_bytes" in m]
+    assert syncs, "slime logged no perf/weight_sync_* metrics"
+    n_linear = 14  # 2 layers x (q, k, v, o, gate, up, down)
+    for m in syncs:
+        assert m["perf/weight_sync_quantized_params"] % n_linear == 0 and m["perf/weight_sync_quantized_params"] > 0
+        assert 0 < m["perf/weight_sync_bytes"] < m["perf/weight_sync_source_bytes"], m
+
+    # the engine loaded every version slime pushed, serves the last one, and reports its format
+    assert info0["weight_version"] == "default" and info0.get("quantization") == fmt, info0
+    assert info["model_path"] == str(last), info
+    assert info["weight_version"] == str(NUM_ROLLOUT + 1), info
+    assert info.get("quantization") == fmt, info
+    for v, name in enumerate(versions, start=1):
+        assert f"loaded weight version {v} from {weights / name} ({fmt})" in engine_log, engine_log[-3000:]
+
+    # bytes: version 1 is the BF16 model slime loaded, before any training
+    assert_same_tensors(weights / versions[0], quantize(model_dir, tmp_path / "ref-v1", fmt))
+    # bytes: the last version is slime's own checkpoint of the last step, quantised offline
+    bf16 = torch_dist_to_hf(tmp_path / "ckpt", model_dir, tmp_path / "ckpt-hf", plugins)
+    assert_same_tensors(last, quantize(bf16, tmp_path / "ref-last", fmt))
+    # and training changed the weights, so the comparison is not vacuous
+    assert tensors(weights / versions[0]) != tensors(last)
+
+
+@pytest.mark.parametrize(("plugin", "fmt"), [("int8-sync", "int8-w8a8"), ("fp8-sync", "fp8-block")])
+def test_quantised_sync_matches_offline_quantize(model_dir, tmp_path, plugin, fmt):
+    run, qdir, info0, info, engine_log = _run_sync(model_dir, tmp_path, plugin, fmt)
+    _check_run(run, model_dir, qdir, tmp_path, plugin, fmt, info0, info, engine_log)
