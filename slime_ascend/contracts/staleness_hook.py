@@ -28,7 +28,8 @@ Returns ``(raw_rewards, rewards)``: ``raw_rewards`` unchanged; ``rewards`` uncha
 rollouts (the valid source's reward). Each sample's ``metadata["ascend_staleness"]`` records
 ``action`` (keep, drop_stale, drop_env_failed, drop_group, pad; a pad also has ``reason``: stale or
 env_failed, ``original_rollout_id`` and ``padded_from_index``), ``lag`` and ``trainer_version``; the
-counts are logged and kept for :func:`last_staleness_report`.
+counts are kept for :func:`last_staleness_report` and reported on slime's rollout metrics as
+``rollout/staleness_*`` (:func:`report_metrics`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any
 from ..algorithms.staleness import SampleStatus, filter_groups, parse_weight_versions
 from ..plugins.settings import SettingsError
 
-__all__ = ["last_staleness_report", "reset_state", "staleness_post_process", "validate"]
+__all__ = ["last_staleness_report", "report_metrics", "reset_state", "staleness_post_process", "validate"]
 
 logger = logging.getLogger("slime_ascend.staleness")
 
@@ -196,6 +197,7 @@ def staleness_post_process(args: Any, samples: list, raw_rewards: list, rewards:
     }
     with _lock:
         _state["report"] = report
+    report_metrics(args, report)
     if report["kept"] != report["rollouts"] or unversioned:
         logger.info(
             "staleness: trainer version %d, tau %d: of %d rollouts kept %d, padded %d, dropped %d; invalid: %d stale "
@@ -205,6 +207,20 @@ def staleness_post_process(args: Any, samples: list, raw_rewards: list, rewards:
             report["env_failed"], dropped_groups, report["dropped_group_members"], unversioned, report["lag_histogram"],
         )
     return raw_rewards, rewards
+
+
+METRIC_PREFIX = "rollout/staleness_"
+METRIC_KEYS = ("rollouts", "kept", "padded", "dropped", "stale", "env_failed", "dropped_groups", "unversioned",
+               "max_lag", "trainer_version")
+
+
+def report_metrics(args: Any, report: dict[str, Any]) -> dict[str, float]:
+    """Put the counts of one call on slime's rollout metrics (``rollout/staleness_*``): a ``staleness
+    <rollout_id>: {...}`` line in the RolloutManager's log and slime's trackers
+    (:func:`slime_ascend.contracts.rollout_metrics.report`). Returns the metrics."""
+    from .rollout_metrics import report as report_rollout
+
+    return report_rollout(args, logger, "staleness", {METRIC_PREFIX + key: float(report[key]) for key in METRIC_KEYS})
 
 
 def validate(args: Any, settings: Any) -> None:

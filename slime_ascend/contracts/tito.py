@@ -248,9 +248,11 @@ def check_samples(args: Any, samples: list, raw_rewards: list, rewards: list) ->
 
     fp = _rollout_side_check(args)
     require = runtime.settings(args, "tito").require_record
-    bad, missing = [], []
+    bad, missing, checked = [], [], 0
     for sample in samples:
         record = (getattr(sample, "metadata", None) or {}).get(META_KEY)
+        if record is not None:
+            checked += 1
         if record is None:
             status = str(getattr(getattr(sample, "status", None), "name", "")).upper()
             if not getattr(sample, "remove_sample", False) and status not in ("ABORTED", "FAILED"):
@@ -273,6 +275,10 @@ def check_samples(args: Any, samples: list, raw_rewards: list, rewards: list) ->
             "rollout_sample_hook). Fix: use a rollout function that applies them, or set "
             "ascend_tito_require_record: false"
         )
+    from .rollout_metrics import report
+
+    report(args, logger, "tito", {"rollout/tito_checked_samples": float(checked),
+                                  "rollout/tito_unrecorded_samples": float(len(missing))})
     return raw_rewards, rewards
 
 

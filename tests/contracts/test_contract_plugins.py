@@ -288,6 +288,37 @@ def test_staleness_drops_lag_above_tau_without_group_rule():
     assert report["lag_histogram"] == {0: 1, 2: 1, 4: 1, 5: 1}
 
 
+def test_staleness_counts_reach_slimes_rollout_metrics(monkeypatch, caplog):
+    """Each call reports rollout/staleness_* as one ``staleness <rollout_id>: {...}`` line (the shape of slime's
+    own rollout metric line) and, with a tracker on, through slime's logging_utils.log at the rollout step."""
+    import ast
+    import sys
+
+    logged = []
+    fake_hooks = types.SimpleNamespace(_current_rollout_id=3)
+    fake_logging = types.SimpleNamespace(log=lambda a, metrics, step_key: logged.append((metrics, step_key)))
+    fake_metric_utils = types.SimpleNamespace(compute_rollout_step=lambda a, rid: rid * 10)
+    monkeypatch.setitem(sys.modules, "slime.rollout.sample_hooks", fake_hooks)
+    monkeypatch.setitem(sys.modules, "slime.observability.logging_utils", fake_logging)
+    monkeypatch.setitem(sys.modules, "slime.observability.metric_utils", fake_metric_utils)
+    monkeypatch.setitem(sys.modules, "slime.observability", types.SimpleNamespace(logging_utils=fake_logging,
+                                                                                  metric_utils=fake_metric_utils))
+    args = make_args(["staleness"], ascend_staleness_tau=0, ascend_staleness_group_rule=False, use_tensorboard=True)
+    samples = [sample(0, 0, [5]), sample(1, 0, [4]), sample(2, 1, [5])]
+    with caplog.at_level("INFO", logger="slime_ascend.staleness"):
+        staleness_hook.staleness_post_process(args, samples, [0.0] * 3, [0.0] * 3)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("staleness 3: {"))
+    metrics = ast.literal_eval(line.split(": ", 1)[1])
+    assert metrics["rollout/staleness_dropped"] == metrics["rollout/staleness_stale"] == 1.0
+    assert metrics["rollout/staleness_kept"] == 2.0 and metrics["rollout/staleness_max_lag"] == 1.0
+    assert metrics["rollout/staleness_trainer_version"] == 5.0
+    assert logged == [({**metrics, "rollout/step": 30}, "rollout/step")]
+    # no tracker: the log line only
+    logged.clear()
+    staleness_hook.staleness_post_process(make_args(["staleness"]), [sample(3, 0, [5])], [0.0], [0.0])
+    assert logged == []
+
+
 def test_staleness_trainer_version_is_a_high_water_mark():
     args = make_args(["staleness"], ascend_staleness_tau=1, ascend_staleness_group_rule=False)
     staleness_hook.staleness_post_process(args, [sample(0, 0, [9])], [0.0], [0.0])
@@ -359,12 +390,16 @@ def test_tokenizer_fingerprint_separates_vocab_and_template(tmp_path):
         tito.tokenizer_fingerprint(str(tmp_path))
 
 
-def test_tito_passes_untouched_tokens_and_names_the_changed_sample(tmp_path):
+def test_tito_passes_untouched_tokens_and_names_the_changed_sample(tmp_path, caplog):
     args = make_args(["tito"], hf_checkpoint=tokenizer_dir(tmp_path / "tok"))
     samples = [hooks.rollout_sample_hook(args, Sample(index=i, tokens=[5, 6, 7, 8 + i], response_length=2))
                for i in range(3)]
     assert samples[0].metadata["ascend_tito"]["tokenizer"].startswith("tok:")
-    hooks.reward_post_process(types.SimpleNamespace(**{**vars(args), "advantage_estimator": "ppo"}), samples)
+    with caplog.at_level("INFO", logger="slime_ascend.tito"):
+        hooks.reward_post_process(types.SimpleNamespace(**{**vars(args), "advantage_estimator": "ppo"}), samples)
+    # the check's counts on slime's rollout metric line (no rollout id outside slime's RolloutManager)
+    assert ("tito -: {'rollout/tito_checked_samples': 3.0, 'rollout/tito_unrecorded_samples': 0.0}"
+            in caplog.messages)
     samples[1].tokens[-1] = 99  # e.g. a re-encode of the response text
     with pytest.raises(tito.TitoError, match=r"sample index=1: token IDs changed after generation"):
         tito.check_samples(args, samples, [0.0] * 3, [0.0] * 3)
