@@ -6,7 +6,8 @@ teacher of the ``ascend_opd_teachers`` section; only that teacher scores it. The
 * ``reward_model`` (rollout manager, async): routes the sample, scores ``sample.tokens`` at its
   teacher (``POST /generate``, ``max_new_tokens=0``, ``return_logprob``, ``logprob_start_len=0``)
   and returns the task reward (``ascend_opd_task_rm_path``; 0.0 when unset, i.e. pure
-  distillation), so ``raw_reward`` stays a task reward rather than slime's teacher JSON.
+  distillation; ``slime_ascend.opd.slime_hooks.slime_rule_reward`` applies slime's own ``--rm-type``),
+  so ``raw_reward`` stays a task reward rather than slime's teacher JSON.
 * ``reward_post_process`` (order 300): fills ``sample.teacher_log_probs`` (response-aligned, as
   slime's ``post_process_rewards``) and ``sample.train_metadata["opd_teacher"/"opd_coef"]``;
   logs routing counts; runs the same-origin KL check once, before the first training step.
@@ -14,7 +15,9 @@ teacher of the ``ascend_opd_teachers`` section; only that teacher scores it. The
   with the routed teacher's coefficient. When no earlier plugin computed ``A_task``, slime's own
   estimator is run first. slime's own OPD term is kept off (``opd_kl_coef: 0``) while
   ``use_opd: true`` keeps slime forwarding and CP-slicing ``teacher_log_probs`` and recomputing the
-  student log-probs before advantages.
+  student log-probs before advantages. Adds ``opd_coef`` and ``opd_share/<teacher>`` per sample,
+  which slime's train-side rollout logger reports as ``rollout/opd_coef`` and
+  ``rollout/opd_share/<teacher>``; the rollout manager logs routing and teacher-pool counters.
 
 Per-teacher coefficients reach the trainer through ``train_metadata`` when the
 ``rollout.forward_metadata`` runtime patch is in the ledger; without it every teacher must have

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import functools
 import inspect
 import itertools
@@ -57,10 +58,12 @@ __all__ = [
     "build_score_payload",
     "response_teacher_log_probs",
     "teacher_reward",
+    "slime_rule_reward",
     "fill_teacher_log_probs",
     "per_sample_coefs",
     "slime_base_advantages",
     "opd_advantage",
+    "opd_rollout_metrics",
     "opd_stats",
 ]
 
@@ -256,6 +259,16 @@ class _PoolSwitcher:
             from .pool import TeacherPool
 
             self._local = TeacherPool(specs, factory(), **student)
+        if self.prefetch_enabled:
+            # stage the first switched teacher while the first rollout generates, so that the first
+            # switch is a prefetch hit rather than a cold copy in the scoring path
+            self.set_schedule([t.name for t in teachers])
+
+    def set_schedule(self, names: Sequence[str]) -> None:
+        if self._actor is not None:
+            self._actor.set_schedule.remote(list(names))  # fire and forget; the actor runs it in order
+        else:
+            self._local.set_schedule(list(names))
 
     async def activate(self, name: str) -> None:
         if self._actor is not None:
@@ -325,6 +338,7 @@ def reset_state() -> None:
     """Forget per-process contexts (tests)."""
     with _CONTEXTS_LOCK:
         _CONTEXTS.clear()
+        _RULE_ARGS.clear()
 
 
 def _student_info(args: Any) -> dict[str, Any]:
@@ -496,6 +510,35 @@ async def _task_reward(args: Any, ctx: OPDContext, sample: Any, **kwargs: Any) -
     return await out if inspect.isawaitable(out) else out
 
 
+async def slime_rule_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
+    """Task reward from slime's own rule-based reward models (``--rm-type``), for ``ascend_opd_task_rm_path``.
+
+    With the ``opd`` plugin ``--custom-rm-path`` is our dispatcher, so slime's ``async_rm`` would call it
+    back instead of applying ``--rm-type``; this calls ``async_rm`` with the custom path cleared on a
+    shallow copy of ``args`` (made once per ``args``).
+    """
+    from slime.rollout.rm_hub import async_rm
+
+    key = id(args)
+    with _CONTEXTS_LOCK:
+        base = _RULE_ARGS.get(key)
+        if base is None:
+            base = copy.copy(args)
+            base.custom_rm_path = None
+            _RULE_ARGS[key] = base
+    if not (getattr(base, "rm_type", None) or "").strip() and not (
+        isinstance(getattr(sample, "metadata", None), dict) and sample.metadata.get("rm_type")
+    ):
+        raise ValueError(
+            "ascend_opd_task_rm_path is slime_rule_reward but --rm-type is not set. Fix: pass --rm-type "
+            "(e.g. math, deepscaler, dapo), or unset ascend_opd_task_rm_path for pure distillation (reward 0.0)"
+        )
+    return await async_rm(base, sample, **kwargs)
+
+
+_RULE_ARGS: dict[int, Any] = {}
+
+
 async def _reward_one(args: Any, ctx: OPDContext, sample: Any, **kwargs: Any) -> Any:
     if getattr(sample, "metadata", None) is None:
         sample.metadata = {}
@@ -589,9 +632,23 @@ def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any]
         first = ctx.post_process_calls == 1
     logger.info("opd routing this step: %s; per-teacher KL(student||teacher) k3: %s", dict(counts),
                 {n: round(v, 5) for n, v in per_teacher_kl.items()})
+    if ctx.switcher is not None:
+        logger.info("opd teacher pool: %s", format_pool_metrics(ctx.switcher.metrics()))
     if first and ctx.settings["ascend_opd_same_origin_check"]:
         _same_origin_once(ctx, kl_sum, kl_tokens)
     return raw_rewards, rewards
+
+
+_POOL_LOG_KEYS = ("switches", "prefetch_started", "prefetch_hits", "prefetch_late", "prefetch_misses", "cold_loads",
+                  "stage_retries", "stage_failures", "failed_teachers")
+
+
+def format_pool_metrics(metrics: Mapping[str, Any]) -> str:
+    """One log fragment ``switches=N prefetch_started=N ... stall_s=S`` of a TeacherPool's counters."""
+    parts = [f"{k}={int(metrics[k])}" for k in _POOL_LOG_KEYS if k in metrics]
+    if "stall_s" in metrics:
+        parts.append(f"stall_s={float(metrics['stall_s']):.3f}")
+    return " ".join(parts)
 
 
 def _same_origin_once(ctx: OPDContext, kl_sum: Mapping[str, float], kl_tokens: Mapping[str, int]) -> None:
@@ -695,6 +752,24 @@ def opd_advantage(args: Any, rollout_data: dict[str, Any]) -> None:
         rollout_data["returns"] = new_adv
     rollout_data["advantages"] = new_adv
     rollout_data["opd_reverse_kl"] = reverse_kls
+    rollout_data.update(opd_rollout_metrics(ctx, rollout_data, coefs))
+
+
+def opd_rollout_metrics(ctx: OPDContext, rollout_data: Mapping[str, Any], coefs: Sequence[float]) -> dict[str, list]:
+    """Per-sample columns that slime's train-side ``log_rollout_data`` reports as step metrics (each list
+    averaged over the rollout's samples): ``rollout/opd_coef`` (the coefficient applied) and, when each
+    sample's teacher was forwarded, ``rollout/opd_share/<teacher>`` (the fraction routed to it). Every
+    DP rank emits the same keys (one per configured teacher), as slime's gather requires."""
+    if not coefs:
+        return {}
+    out: dict[str, list] = {"opd_coef": [float(c) for c in coefs]}
+    metadata = rollout_data.get("metadata")
+    if metadata is not None and len(metadata) == len(coefs):
+        names = [md.get(META_TEACHER) if isinstance(md, Mapping) else None for md in metadata]
+        if all(n is not None for n in names):
+            for teacher in ctx.coefs:
+                out[f"opd_share/{teacher}"] = [1.0 if n == teacher else 0.0 for n in names]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -368,6 +368,62 @@ def test_switched_teachers_use_the_pool_and_engine(two_teacher_engines, tmp_path
     assert stats["pool"]["switches"] == stats["switches"]
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_switched_teacher_is_prefetched_before_its_first_switch(two_teacher_engines, tmp_path, caplog, prefetch):
+    """One URL teacher and one switched teacher (found in slime's real loop: with a single switched teacher the
+    gate never had a *next* teacher to prefetch, so the first switch was always a cold copy into the stage
+    dir). The pool now stages the switched teachers in the background when it is created, and the rollout
+    manager logs the pool's counters each step."""
+    from slime_ascend.rollout.reference_engine import ReferenceEngine
+    from slime_ascend.rollout.reference_model import save_model, score_tokens
+
+    (eng_a, eng_b), url_a, _ = two_teacher_engines
+    code_dir = save_model(eng_b.model, tmp_path / "code-ckpt")
+    stage = tmp_path / "stage"
+    teachers = [dict(TEACHERS[0], url=url_a), {"name": "code", "checkpoint_dir": str(code_dir), "domains": ["code"],
+                                               "coef": 0.5}]
+    switched = ReferenceEngine(seed=3)
+    with switched.start_in_thread() as url:
+        args = make_args(ascend_opd_teachers=teachers, ascend_opd_switch_engine_urls=[url],
+                         ascend_opd_stage_dir=str(stage), ascend_opd_prefetch=prefetch,
+                         ascend_opd_same_origin_check=False)
+        ctx = hooks.get_context(args, rollout_side=True)
+        pool = ctx.switcher._local
+        if prefetch:
+            assert pool.prefetched == "code"  # staging started before any request
+            pool._slot.future.result(timeout=30)
+        else:
+            assert pool.prefetched is None
+        rng = random.Random(7)
+        samples = [make_sample(i, [rng.randrange(1000) for _ in range(8)], 4, domain=d)
+                   for i, d in enumerate(["math", "code", "code", "math"])]
+        asyncio.run(hooks.teacher_reward(args, samples))
+        with caplog.at_level(logging.INFO, logger="slime_ascend.opd"):
+            hooks.fill_teacher_log_probs(args, samples, [0.0] * 4, [0.0] * 4)
+    for s in samples:
+        ref = eng_a if s.metadata["opd_teacher"] == "math" else eng_b
+        torch.testing.assert_close(s.teacher_log_probs, score_tokens(ref.model, s.tokens)[-4:], atol=1e-4, rtol=1e-4)
+    m = pool.metrics()
+    assert m["switches"] == 1
+    assert (m["prefetch_hits"], m["cold_loads"]) == ((1, 0) if prefetch else (0, 1))
+    assert (stage / "code" / ".slime-ascend-staged").is_file()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("opd teacher pool:"))
+    assert f"switches=1 prefetch_started={int(prefetch)} prefetch_hits={int(prefetch)}" in line
+    assert f"cold_loads={int(not prefetch)}" in line and "stall_s=" in line
+
+
+def test_slime_rule_reward_uses_slimes_rm_type_not_the_dispatcher():
+    pytest.importorskip("slime.rollout.rm_hub", reason="needs slime's reward models")
+    args = make_args(rm_type="random", custom_rm_path="no.such.module.would_recurse")
+    s = make_sample(0, [1, 2, 3], 1, domain="math")
+    s.response, s.label, s.custom_rm_path = "x", "1", None
+    rewards = {asyncio.run(hooks.slime_rule_reward(args, s)) for _ in range(40)}
+    assert rewards == {0, 1}
+    assert args.custom_rm_path == "no.such.module.would_recurse"  # the caller's args are not touched
+    with pytest.raises(ValueError, match="--rm-type is not set"):
+        asyncio.run(hooks.slime_rule_reward(make_args(rm_type=None, custom_rm_path="x.y"), s))
+
+
 # ---------------------------------------------------------------------------------------------- advantage
 def _rollout_data(n=5, seed=0, cp_local=True):
     g = torch.Generator().manual_seed(seed)
@@ -394,6 +450,10 @@ def test_advantage_applies_per_teacher_coefficients_from_forwarded_metadata():
             rkl = data["log_probs"][i][t] - data["teacher_log_probs"][i][t]
             assert abs(float(data["opd_reverse_kl"][i][t]) - float(rkl)) < 1e-6
     assert data["returns"][0] is not data["advantages"][0]
+    # per-sample columns slime's train-side rollout logger averages into step metrics
+    assert data["opd_coef"] == [1.0, 0.5, 0.5, 1.0, 0.5]
+    assert data["opd_share/math"] == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert data["opd_share/code"] == [0.0, 1.0, 1.0, 0.0, 1.0]
 
 
 def test_advantage_uses_rollout_log_probs_when_slime_does():
@@ -404,6 +464,7 @@ def test_advantage_uses_rollout_log_probs_when_slime_does():
     for i in range(5):
         want = base[i] + 2.0 * (data["teacher_log_probs"][i] - data["rollout_log_probs"][i])
         torch.testing.assert_close(data["advantages"][i], want)
+    assert data["opd_coef"] == [2.0] * 5 and not any(k.startswith("opd_share/") for k in data)
 
 
 def test_advantage_without_metadata_and_different_coefs_fails_clearly():
