@@ -14,6 +14,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.mindspeed_repatch | mindspeed.megatron_adaptor.repatch(args) after init | 0001-plugin-import-from-environment |
 | train.critic_train_iters | MegatronTrainRayActor.train_critic: K value-loss passes | 0003-critic-train-iters |
 | train.critic_advantage_function | critic's compute_advantages_and_returns keeps our GAE | 0003-critic-train-iters |
+| train.critic_hf_value_head | hf_to_megatron.load_model_hf_weights: the critic's value-head bias from an HF --load | 0011-critic-hf-value-head-bias |
 | train.quantize_params | megatron_to_hf.quantize_params funnel -> our formats | 0005-quantizer-hook |
 | train.quant_post_process | updaters' engine restore/post-process gate also for Ascend W8A8_DYNAMIC | 0005-quantizer-hook |
 | train.weight_sync_metrics | updaters' update_weights timed, pop_metrics gets perf/weight_sync_* | 0005-quantizer-hook |
@@ -53,6 +54,7 @@ LEDGER: dict[str, str] = {
     "train.cpu_tensor_type": "slime_ascend.patch.train.cpu_tensor_type",
     "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",
     "train.critic_advantage_function": "slime_ascend.patch.train.critic_advantage_function",
+    "train.critic_hf_value_head": "slime_ascend.patch.train.critic_hf_value_head",
     "train.quantize_params": "slime_ascend.patch.train.quantize_params",
     "train.quant_post_process": "slime_ascend.patch.train.quant_post_process",
     "train.weight_sync_metrics": "slime_ascend.patch.train.weight_sync_metrics",

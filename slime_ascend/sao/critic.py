@@ -1,9 +1,10 @@
 """SAO critic wiring: the megatron_init contribution, start-up validation, and the per-role config.
 
-``megatron_init`` runs in every train process (actor and critic) with that process's args. It copies
-the K setting onto the args keys of the upstream ``--critic-train-iters`` proposal and installs
-``train.critic_train_iters`` and ``train.critic_advantage_function`` (both only act inside
-``train_critic``, so installing them in the actor is harmless).
+``megatron_init`` runs in every train process (actor and critic) with that process's args, before
+slime builds and loads the model. It copies the K setting onto the args keys of the upstream
+``--critic-train-iters`` proposal and installs ``train.critic_train_iters`` and
+``train.critic_advantage_function`` (both only act inside ``train_critic``, so installing them in the
+actor is harmless) and ``train.critic_hf_value_head`` (acts only on a model with a value head).
 
 The critic's freeze list cannot go into the shared YAML (that would freeze the actor too). It goes
 into the critic role of slime's ``--megatron-config-path``; :func:`write_megatron_role_config` writes
@@ -71,6 +72,7 @@ def megatron_init(args: Any) -> None:
     setattr(args, critic_train_iters.SCHEDULE_KEY, settings.critic_lr_schedule)
     patch.install("train.critic_train_iters", args)
     patch.install("train.critic_advantage_function", args)
+    patch.install("train.critic_hf_value_head", args)
 
 
 def critic_role_overrides(freeze_patterns: Sequence[str] = ("self_attention",), **extra: Any) -> dict:

@@ -15,7 +15,9 @@ How (in each train process, from the plugin's megatron_init, with the real ``arg
   when it is None (the critic); an actor's value is left alone. slime's
   ``compute_advantages_and_returns`` reads the path at call time, so this is enough.
 * ``MegatronTrainRayActor.train_critic`` is wrapped to mark the call as a critic pass
-  (:func:`in_critic_pass`), so the advantage function and the loss know the role.
+  (:func:`in_critic_pass`), so the advantage function and the loss know the role. It is wrapped on
+  the Ray actor class too (:func:`with_ray_actor_classes`): Ray copies every method onto its own
+  subclass when the worker loads the class, before ``init`` (and so this patch) runs.
 * ``loss.value_loss_function`` is wrapped: during a critic pass with ``custom_loss_function_path``
   set it calls that function (our dispatcher) instead; otherwise slime's own value loss runs.
 
@@ -66,6 +68,23 @@ def _wrap_train_critic(original):
     return train_critic
 
 
+def with_ray_actor_classes(cls: type, method: str) -> list[type]:
+    """``cls`` and every subclass that holds its own ``method``: the classes whose ``method`` an instance uses.
+
+    Ray's worker turns an actor class into a subclass and copies every method onto it (wrapped in a
+    tracing span that holds the original function), before the actor's ``init`` runs. A method
+    patched afterwards on ``cls`` alone never reaches the live actor; it must be patched on that
+    subclass too.
+    """
+    out, stack = [cls], list(cls.__subclasses__())
+    while stack:
+        sub = stack.pop()
+        stack.extend(sub.__subclasses__())
+        if method in vars(sub) and sub not in out:
+            out.append(sub)
+    return out
+
+
 def _wrap_value_loss(original):
     @functools.wraps(original)
     def value_loss_function(args, batch, logits, sum_of_sample_mean):
@@ -105,7 +124,8 @@ class CriticAdvantageFunction(RuntimePatch):
         if args is not None and getattr(args, ARGS_KEY, None) is None:
             self.replace(args, ARGS_KEY, DISPATCHER)
         if ACTOR in modules:
-            self.wrap(modules[ACTOR].MegatronTrainRayActor, "train_critic", _wrap_train_critic)
+            for owner in with_ray_actor_classes(modules[ACTOR].MegatronTrainRayActor, "train_critic"):
+                self.wrap(owner, "train_critic", _wrap_train_critic)
         if LOSS in modules:
             self.wrap(modules[LOSS], "value_loss_function", _wrap_value_loss)
 

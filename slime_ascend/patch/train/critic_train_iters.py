@@ -7,7 +7,8 @@ faster value update (TTUR) trains the critic K times (K = 2) on each batch befor
 How: ``train_critic`` is wrapped to announce K for the duration of the call, and the ``train`` name
 that ``actor.py`` imported from ``model.py`` is wrapped to run K passes over the same data iterators
 while that announcement is active (``train`` resets the iterators itself; ``train_actor`` is
-unaffected). The values returned to the actor are the pre-update ones, as in slime; value clipping
+unaffected). ``train_critic`` is wrapped on the Ray actor class as well: Ray copies the methods onto
+its own subclass when the worker loads the class, before ``init`` installs this patch. The values returned to the actor are the pre-update ones, as in slime; value clipping
 is relative to them in every pass, and the targets are those of this rollout.
 
 K is read at call time from ``args.critic_train_iters`` (missing: 1). The learning-rate / weight-decay
@@ -142,8 +143,12 @@ class CriticTrainIters(RuntimePatch):
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
         if args is not None:
             plan_from_args(args)  # fail at start on bad values
+        from .critic_advantage_function import with_ray_actor_classes
+
         actor = modules[ACTOR]
-        self.wrap(actor.MegatronTrainRayActor, "train_critic", _wrap_train_critic)
+        # Ray's actor class (a subclass holding copies of the methods) is what the live actor calls
+        for owner in with_ray_actor_classes(actor.MegatronTrainRayActor, "train_critic"):
+            self.wrap(owner, "train_critic", _wrap_train_critic)
         self.wrap(actor, "train", _wrap_train)
 
 
