@@ -11,7 +11,9 @@ What the ``npu`` plugin does for Ascend, for the host CPU (``slime_on_cpu.md`` l
   ``transfer_to_npu`` does on Ascend. They apply only where CUDA is absent;
 * the Megatron flags slime needs on the host, printed by ``slime-ascend config cpu --flags``: the
   local transformer with :mod:`slime_ascend.cpu.spec` (THD-packed attention, TE parameter names),
-  CPU initialisation, no fused kernels.
+  CPU initialisation, no fused kernels;
+* ``offload_train: false`` in the YAML: slime turns train offload on for PPO's critic, and offload
+  preloads torch_memory_saver's CUDA library into the train actors, which then cannot start.
 
 It is for development, debugging and CI of slime jobs without a GPU; a GPU or NPU host keeps its
 device (the accelerator has the lowest priority, and the torch shims refuse to replace CUDA).
@@ -61,6 +63,10 @@ PLUGIN = Plugin(
     conflicts=("npu", "sglang-npu", "vllm-ascend"),
     process_start=("slime_ascend.cpu.plugin.on_process_start",),
     patches=("driver.ray_cpu_resources",) + TORCH_PATCHES,
+    # slime forces offload_train for PPO (--advantage-estimator ppo: actor and critic share devices) and then
+    # LD_PRELOADs torch_memory_saver's CUDA hook into every train actor, which cannot even start without
+    # libcuda; on the host there is no device memory to offload (the YAML is applied after that rule)
+    slime_args=(("offload_train", False),),
     command_line=(
         _flag("--transformer-impl local", "TransformerEngine needs CUDA", "transformer_impl", "local"),
         CommandLineFlag(f"--spec {SPEC}", "THD-packed attention and TE parameter names on the local transformer",
