@@ -72,6 +72,10 @@ def _args_at(role: str, position: int):
         @functools.wraps(fn)
         def wrapper(*a, **kw):
             args = a[position] if len(a) > position else kw.get("args")
+            if role == "train":  # TrainRayActor.init(self, args, role, ...): "actor" or "critic"
+                from . import runtime
+
+                runtime.set_train_role(a[position + 1] if len(a) > position + 1 else kw.get("role"))
             if args is not None:
                 validate_now(args, role)
             return fn(*a, **kw)

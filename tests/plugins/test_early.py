@@ -164,3 +164,20 @@ def test_inert_in_a_process_that_never_imports_slime(fake_slime):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split(" ", 2)[:2] == ["None", "False"]
     assert "slime.utils.arguments" in proc.stdout and "slime.ray.train_actor" in proc.stdout
+
+
+def test_train_actor_records_its_role_before_validating(fake_slime):
+    good = argparse.Namespace(**yaml.safe_load(config.build(["dis"]).yaml_text))
+    code = (
+        "import pickle\n"
+        f"good = pickle.loads({__import__('pickle').dumps(good)!r})\n"
+        "from slime.ray.train_actor import TrainRayActor\n"
+        "from slime_ascend.plugins import runtime\n"
+        "print(runtime.train_role())\n"
+        "TrainRayActor().init(good, 'critic'); print(runtime.train_role())\n"
+        "runtime.reset(); print(runtime.train_role())\n"
+        "TrainRayActor().init(args=good, role='actor'); print(runtime.train_role())\n"
+    )
+    proc = run_python(code, env=_env(fake_slime, "dis"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["None", "critic", "None", "actor"]
