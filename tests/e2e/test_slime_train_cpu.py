@@ -33,11 +33,17 @@ def engine(model_dir, tmp_path):
     stop(eng.proc)
 
 
-def _config(tmp_path: Path, *plugins: str) -> Path:
+def _config(tmp_path: Path, *plugins: str, settings: dict[str, object] | None = None) -> Path:
     out = tmp_path / "ascend.yaml"
-    subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *plugins, "-o", str(out)], check=True,
+    sets = [a for k, v in (settings or {}).items() for a in ("--set", f"{k}={v}")]
+    subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *plugins, *sets, "-o", str(out)], check=True,
                    capture_output=True, text=True)
     return out
+
+
+def _rollout_reports(run, name: str) -> list[dict]:
+    """The counts a rollout-side plugin reported on slime's rollout metric path, one dict per rollout."""
+    return [m for m in run.metrics() if any(k.startswith(f"rollout/{name}_") for k in m)]
 
 
 def _steps(run, key: str) -> list[dict]:
@@ -48,32 +54,91 @@ def _assert_finished(run):
     assert run.returncode == 0, run.log[-6000:]
 
 
-def test_train_py_grpo_with_dis_and_staleness(model_dir, engine, tmp_path):
-    plugins = ("cpu", "dis", "staleness")
+def test_train_py_grpo_with_dis_staleness_and_tito(model_dir, engine, tmp_path):
+    plugins = ("cpu", "dis", "staleness", "tito")
     prompts = make_prompts(tmp_path / "prompts.jsonl")
-    run = run_slime("train.py", slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=2, n_samples=4),
+    batch, n_samples = 4, 4
+    run = run_slime("train.py", slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=2, n_samples=n_samples,
+                                            batch=batch) + ["--update-weight-disk-keep-files"],
                     tmp_path, plugins, custom_config=_config(tmp_path, *plugins))
     _assert_finished(run)
     # every role ran the plugins, from the bootstrap and the YAML slime loaded
     for role in ("RolloutManager", "MegatronTrainRayActor"):
-        assert any(role in line and "slime-ascend plugins active: cpu, dis, staleness" in line
+        assert any(role in line and "slime-ascend plugins active: cpu, dis, staleness, tito" in line
                    for line in run.log.splitlines()), role
     for patch_id in ("driver.ray_cpu_resources", "train.cpu_current_device", "train.cpu_streams",
                      "train.cpu_device_map", "train.cpu_tensor_type"):
         assert f"applied runtime patch {patch_id}" in run.log
     train_steps = _steps(run, "train/step")
     assert [m["train/step"] for m in train_steps] == [0, 1]
-    # DIS measured the train/rollout ratio on every step, inside slime's policy loss
-    assert all(any(k.startswith("train/dis_") for k in m) for m in train_steps), train_steps
+    # DIS measured the train/rollout ratio and masked outside its band on every step, inside slime's policy loss
+    for m in train_steps:
+        assert 0.0 <= m["train/dis_masked"] <= 1.0 and "train/dis_ratio" in m, m
+    # staleness judged every rollout: train.py is synchronous, so every sample is from the newest version
+    staleness = _rollout_reports(run, "staleness")
+    assert len(staleness) == 2, staleness
+    for m in staleness:
+        assert m["rollout/staleness_rollouts"] == m["rollout/staleness_kept"] == batch * n_samples, m
+        assert m["rollout/staleness_dropped"] == m["rollout/staleness_max_lag"] == 0, m
+    assert [m["rollout/staleness_trainer_version"] for m in staleness] == [1, 2]  # slime's disk weight versions
+    # tito checked every sample's tokens against its rollout record before slime built the train data
+    tito = _rollout_reports(run, "tito")
+    assert [m["rollout/tito_checked_samples"] for m in tito] == [batch * n_samples] * 2, tito
+    assert all(m["rollout/tito_unrecorded_samples"] == 0 for m in tito)
+    assert "tito: train-side tokenizer revision tok:" in run.log
     # training saw real gradients (random 0/1 rewards: a step whose every group drew equal rewards has
     # zero GRPO advantages, so not every step must) and the train/rollout log-prob gap stays small
     # (Megatron bf16 vs the engine's fp32)
     assert any(m["train/grad_norm"] > 0 for m in train_steps), train_steps
     assert all(m["train/train_rollout_logprob_abs_diff"] < 0.05 for m in train_steps)
-    # the weights slime pushed after each step were written for the engine's update_weights_from_disk
+    # the weights slime pushed before training and after each step were written for the engine's
+    # update_weights_from_disk
     versions = sorted(p.name for p in (tmp_path / "weights").iterdir())
-    assert len(versions) >= 2, versions
+    assert versions == ["weight_v000001", "weight_v000002", "weight_v000003"], versions
     assert _steps(run, "perf/update_weights_time")
+
+
+def test_train_async_py_fully_async_grpo_with_icepop_staleness_and_tito(model_dir, engine, tmp_path):
+    """IcePop masks and staleness drops in slime's own asynchronous loop.
+
+    slime's fully-async rollout worker keeps up to ``--sglang-server-concurrency`` groups generating or
+    finished ahead of the trainer. With 2 of them for 4 groups a rollout, the 2 groups the worker finishes
+    while the (slow) first train step runs are of the old weights; the next rollout takes them first and
+    generates the other 2 after the weight update. With ``ascend_staleness_tau: 0`` the old ones lag the
+    newest version seen by 1, so they are stale and dropped. IcePop's band is tight ([1/1.0001, 1.0001])
+    so that the Megatron-bf16 vs engine-fp32 log-prob gap (about 1e-3) masks tokens: its mask visibly acts.
+    """
+    plugins = ("cpu", "icepop", "staleness", "tito")
+    prompts = make_prompts(tmp_path / "prompts.jsonl")
+    batch, n_samples, num_rollout = 4, 2, 3
+    flags = slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=num_rollout, batch=batch,
+                        n_samples=n_samples) + [
+        "--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+        "--sglang-server-concurrency", "2"]
+    config = _config(tmp_path, *plugins, settings={"ascend_staleness_tau": 0, "ascend_icepop_beta": 1.0001})
+    run = run_slime("train_async.py", flags, tmp_path, plugins, custom_config=config)
+    _assert_finished(run)
+    for role in ("RolloutManager", "MegatronTrainRayActor"):
+        assert any(role in line and "slime-ascend plugins active: cpu, icepop, staleness, tito" in line
+                   for line in run.log.splitlines()), role
+    train_steps = _steps(run, "train/step")
+    assert [m["train/step"] for m in train_steps] == list(range(num_rollout))
+    # IcePop measured and masked the train/rollout ratio on every step, inside slime's policy loss
+    for m in train_steps:
+        assert 0.0 <= m["train/icepop_masked"] <= 1.0 and "train/icepop_ratio" in m, m
+    assert any(m["train/icepop_masked"] > 0 for m in train_steps), train_steps
+    # staleness judged every rollout and dropped the groups generated before the last weight update
+    staleness = _rollout_reports(run, "staleness")
+    assert len(staleness) == num_rollout, staleness
+    assert all(m["rollout/staleness_rollouts"] == batch * n_samples for m in staleness), staleness
+    assert sum(m["rollout/staleness_dropped"] for m in staleness) > 0, staleness
+    for m in staleness:
+        assert m["rollout/staleness_dropped"] == m["rollout/staleness_rollouts"] - m["rollout/staleness_kept"] \
+            - m["rollout/staleness_padded"], m
+        assert m["rollout/staleness_stale"] == 0 or m["rollout/staleness_max_lag"] >= 1, m
+    assert "staleness: trainer version" in run.log  # the plugin's own account of what it dropped and why
+    tito = _rollout_reports(run, "tito")
+    assert [m["rollout/tito_checked_samples"] for m in tito] == [batch * n_samples] * num_rollout, tito
 
 
 def test_train_async_py(model_dir, engine, tmp_path):
