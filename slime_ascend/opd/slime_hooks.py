@@ -64,6 +64,7 @@ __all__ = [
     "slime_base_advantages",
     "opd_advantage",
     "opd_rollout_metrics",
+    "rollout_step_metrics",
     "opd_stats",
 ]
 
@@ -632,23 +633,31 @@ def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any]
         first = ctx.post_process_calls == 1
     logger.info("opd routing this step: %s; per-teacher KL(student||teacher) k3: %s", dict(counts),
                 {n: round(v, 5) for n, v in per_teacher_kl.items()})
-    if ctx.switcher is not None:
-        logger.info("opd teacher pool: %s", format_pool_metrics(ctx.switcher.metrics()))
+    from ..contracts.rollout_metrics import report
+
+    report(args, logger, "opd", rollout_step_metrics(ctx, counts, per_teacher_kl))
     if first and ctx.settings["ascend_opd_same_origin_check"]:
         _same_origin_once(ctx, kl_sum, kl_tokens)
     return raw_rewards, rewards
 
 
-_POOL_LOG_KEYS = ("switches", "prefetch_started", "prefetch_hits", "prefetch_late", "prefetch_misses", "cold_loads",
-                  "stage_retries", "stage_failures", "failed_teachers")
+_POOL_KEYS = ("switches", "prefetch_started", "prefetch_hits", "prefetch_late", "prefetch_misses", "cold_loads",
+              "stage_retries", "stage_failures", "failed_teachers", "stall_s")
 
 
-def format_pool_metrics(metrics: Mapping[str, Any]) -> str:
-    """One log fragment ``switches=N prefetch_started=N ... stall_s=S`` of a TeacherPool's counters."""
-    parts = [f"{k}={int(metrics[k])}" for k in _POOL_LOG_KEYS if k in metrics]
-    if "stall_s" in metrics:
-        parts.append(f"stall_s={float(metrics['stall_s']):.3f}")
-    return " ".join(parts)
+def rollout_step_metrics(ctx: OPDContext, counts: Mapping[str, int], kl: Mapping[str, float]) -> dict[str, float]:
+    """This rollout's routing and teacher-pool figures, as ``rollout/*`` keys for slime's rollout metric path:
+    ``rollout/opd_samples/<teacher>`` (samples routed to it; every configured teacher),
+    ``rollout/opd_kl_k3/<teacher>`` (mean per-token KL(student||teacher), k3) and, with a switched-teacher
+    pool, its counters since start as ``rollout/opd_pool/<counter>`` (switches, prefetch started / hits /
+    late / misses, cold loads, stage retries / failures, failed teachers, stall seconds)."""
+    out: dict[str, float] = {f"rollout/opd_samples/{n}": int(counts.get(n, 0)) for n in ctx.coefs}
+    out.update({f"rollout/opd_kl_k3/{n}": float(v) for n, v in kl.items()})
+    if ctx.switcher is not None:
+        pool = ctx.switcher.metrics()
+        out.update({f"rollout/opd_pool/{k}": (float(pool[k]) if k == "stall_s" else int(pool[k]))
+                    for k in _POOL_KEYS if k in pool})
+    return out
 
 
 def _same_origin_once(ctx: OPDContext, kl_sum: Mapping[str, float], kl_tokens: Mapping[str, int]) -> None:

@@ -13,8 +13,10 @@ slime's own ``--rm-type random`` (through ``ascend_opd_task_rm_path: slime_rule_
 GRPO part of the advantage is not identically zero.
 
 Evidence, all from slime's output and the teacher engines: slime's rollout and train dumps
-(``--save-debug-rollout-data`` / ``--save-debug-train-data``), the metric dicts and log lines slime
-prints, and the engines' ``/get_model_info`` and ``/generate``.
+(``--save-debug-rollout-data`` / ``--save-debug-train-data``), the metric dicts slime's processes log
+(the rollout manager's ``opd <id>: {'rollout/opd_*': ...}`` on slime's rollout metric path, the train
+actor's ``rollout <id>: {...}`` and ``step <id>: {...}``), the switched engine's log, and the engines'
+``/get_model_info`` and ``/generate``.
 """
 
 from __future__ import annotations
@@ -143,17 +145,17 @@ def test_train_py_opd_two_teachers_url_and_switched(models, engines, tmp_path):
     assert switch_log.count("loaded weight version") == 1 and f"loaded weight version 1 from {staged}" in switch_log
     math_info = _get(engines["math"].url + "/get_model_info")
     assert math_info["model_path"] == str(models["math"]) and math_info["weight_version"] == "default"
-    # the background prefetch staged the teacher before the first switch needed it; the pool's switch
-    # count and prefetch outcome are in the rollout manager's log
-    pool_lines = [line for line in run.log.splitlines() if "opd teacher pool:" in line]
-    assert pool_lines, "no teacher-pool report in slime's log"
-    assert "switches=1" in pool_lines[-1] and "prefetch_started=1" in pool_lines[-1], pool_lines[-1]
-    assert "cold_loads=0" in pool_lines[-1], pool_lines[-1]
-
-    # ---- routing, as the rollout manager logged it each step
-    routing = [line for line in run.log.splitlines() if "opd routing this step:" in line]
-    assert len(routing) == NUM_ROLLOUT, routing
-    assert all("'math': 4" in line and "'code': 4" in line for line in routing), routing
+    # ---- routing and switching, as the rollout manager reported them on slime's rollout metric path each
+    # step: 4 samples per teacher, one switch (student -> code teacher), staged by the background prefetch
+    # (never a cold load in the scoring path), nothing failed
+    opd_steps = [m for m in run.metrics() if "rollout/opd_samples/math" in m]
+    assert len(opd_steps) == NUM_ROLLOUT, run.metric_keys()
+    for m in opd_steps:
+        assert (m["rollout/opd_samples/math"], m["rollout/opd_samples/code"]) == (4, 4), m
+        assert m["rollout/opd_kl_k3/math"] > 0 and m["rollout/opd_kl_k3/code"] > 0, m
+        assert m["rollout/opd_pool/switches"] == 1 and m["rollout/opd_pool/prefetch_started"] == 1, m
+        assert m["rollout/opd_pool/prefetch_hits"] + m["rollout/opd_pool/prefetch_late"] == 1, m
+        assert m["rollout/opd_pool/cold_loads"] == 0 and m["rollout/opd_pool/failed_teachers"] == 0, m
 
     # ---- slime's own dumps: each sample's domain, teacher, teacher log-probs and advantages
     for rollout_id in range(NUM_ROLLOUT):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import logging
 import random
+import re
 import types
 
 import pytest
@@ -407,9 +409,15 @@ def test_switched_teacher_is_prefetched_before_its_first_switch(two_teacher_engi
     assert m["switches"] == 1
     assert (m["prefetch_hits"], m["cold_loads"]) == ((1, 0) if prefetch else (0, 1))
     assert (stage / "code" / ".slime-ascend-staged").is_file()
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("opd teacher pool:"))
-    assert f"switches=1 prefetch_started={int(prefetch)} prefetch_hits={int(prefetch)}" in line
-    assert f"cold_loads={int(not prefetch)}" in line and "stall_s=" in line
+    # the rollout manager reports routing and the pool's counters on slime's rollout metric path
+    lines = [re.fullmatch(r"opd (\S+): (\{'rollout/.*\})", r.getMessage()) for r in caplog.records]
+    reported = ast.literal_eval(next(m for m in lines if m).group(2))
+    assert {k: reported[k] for k in ("rollout/opd_samples/math", "rollout/opd_samples/code")} == {
+        "rollout/opd_samples/math": 2, "rollout/opd_samples/code": 2}
+    assert reported["rollout/opd_pool/switches"] == 1
+    assert reported["rollout/opd_pool/prefetch_started"] == reported["rollout/opd_pool/prefetch_hits"] == int(prefetch)
+    assert reported["rollout/opd_pool/cold_loads"] == int(not prefetch)
+    assert reported["rollout/opd_pool/stall_s"] >= 0
 
 
 def test_slime_rule_reward_uses_slimes_rm_type_not_the_dispatcher():
