@@ -124,7 +124,10 @@ def validate(args: Any, settings: Mapping[str, Any]) -> None:
             "(rollout.py _split_train_data_by_dp, model.py train_one_step key lists). Fix: use 'sampled'"
         )
     problems = []
-    if not getattr(args, "use_opd", False):
+    # slime gives the critic its own args with use_opd switched off (_apply_megatron_role_overrides): the
+    # critic fits values and never sees teachers, so the pass-through rule is the actor's and the driver's
+    critic = runtime.train_role() == "critic"
+    if not critic and not getattr(args, "use_opd", False):
         problems.append("use_opd must be true (slime then forwards and CP-slices teacher_log_probs and "
                         "recomputes the student log-probs before advantages)")
     if getattr(args, "opd_type", "sglang") != "sglang":

@@ -98,6 +98,20 @@ def test_validate_refuses_bad_configs(overrides, needle):
     assert needle in str(e.value)
 
 
+def test_critic_role_args_pass_without_use_opd():
+    """slime's critic gets its own args with use_opd off (_apply_megatron_role_overrides): found when
+    sao (PPO critic) and opd ran together in slime's train_async.py."""
+    from slime_ascend.plugins import runtime
+
+    critic_args = make_args(use_opd=False, kl_coef=0, custom_advantage_function_path=None)
+    runtime.set_train_role("critic")
+    assert runtime.settings(critic_args, "opd") is not None
+    runtime.reset()
+    runtime.set_train_role("actor")
+    with pytest.raises(SettingsError, match="use_opd must be true"):
+        runtime.settings(critic_args, "opd")
+
+
 def test_different_coefs_need_the_forward_metadata_patch(monkeypatch):
     from slime_ascend.plugins import runtime
 
