@@ -11,7 +11,8 @@ from .loop import DEFAULT_PLUGINS, DemoConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slime-ascend demo",
-        description="Run slime's RL loop in miniature on a local Ray cluster: rollout on the reference engine, "
+        description="Run slime's RL loop on this machine: in slime's own train_async.py when slime is available "
+                    "(--slime-src), else in miniature on a local Ray cluster: rollout on the reference engine, "
                     "rewards from a digits task, a tiny policy and critic trained through the enabled plugins' "
                     "hooks, and an online-quantised weight sync after every update.",
     )
@@ -22,6 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=DemoConfig.out, help="output directory (default ./%(default)s)")
     p.add_argument("--batch", type=int, default=DemoConfig.batch, help="rollouts per step (default %(default)s)")
     p.add_argument("--lr", type=float, default=DemoConfig.lr, help="policy learning rate (default %(default)s)")
+    p.add_argument("--slime-src", metavar="DIR", default=None,
+                   help="run the plugins in slime's own train_async.py from this THUDM/slime source tree (cpu "
+                        "plugin; slime's dependencies must be installed: README, 'slime on CPU')")
+    p.add_argument("--loop", choices=("auto", "slime", "mini"), default="auto",
+                   help="slime: slime's own loop (--slime-src, $SLIME_SRC or an importable slime); mini: the "
+                        "embedded miniature loop; auto (default): slime's loop when slime and its dependencies "
+                        "are importable or --slime-src is given, else the miniature")
     p.add_argument("--no-check", action="store_true", help="skip the contract report at the end")
     p.add_argument("--no-progress", action="store_true", help="plain per-step lines, no progress bar")
     return p
@@ -35,6 +43,26 @@ def main(argv: list[str] | None = None) -> int:
     plugins = tuple(p.strip() for p in ns.plugins.split(",") if p.strip())
     cfg = DemoConfig(steps=ns.steps, plugins=plugins, seed=ns.seed, out=ns.out, batch=ns.batch, lr=ns.lr,
                      contract_check=not ns.no_check, progress=not ns.no_progress)
+    if ns.slime_src is not None and ns.loop == "mini":
+        print("error: --slime-src runs slime's own loop; drop --loop mini (or --slime-src)", file=sys.stderr)
+        return 2
+    if ns.loop != "mini":
+        from .slime_loop import resolve_slime, run_slime_demo
+
+        src, why = resolve_slime(ns.slime_src)
+        if src is None and (ns.loop == "slime" or ns.slime_src is not None):
+            print(f"error: {why}", file=sys.stderr)
+            return 2
+        if src is not None:
+            try:
+                summary = run_slime_demo(cfg, src)
+            except KeyboardInterrupt:
+                print("interrupted", file=sys.stderr)
+                return 130
+            if summary.get("interrupted"):
+                return 130
+            return 0 if summary.get("returncode") == 0 and not summary["plugins_without_evidence"] else 1
+        print(f"note: running the miniature loop ({why})", file=sys.stderr)
     from .loop import run_demo
 
     try:

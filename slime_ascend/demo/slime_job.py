@@ -198,6 +198,29 @@ class Run:
     def metric_keys(self) -> set[str]:
         return {k for m in self.metrics() for k in m}
 
+    def by_rollout(self) -> dict[int, dict]:
+        return parse_rollout_metrics(self.log)
+
+
+# slime's labels (rollout, step, perf, eval) and the plugins' own rollout reports (staleness, tito, ...:
+# slime_ascend.contracts.rollout_metrics), each "<label> <rollout id>: {'<group>/<name>': ...}"
+_LABELLED_METRICS = re.compile(r"\b([a-z][a-z0-9_]*) (\d+): (\{'[a-z_]+/[^\n]*\})\s*$", re.MULTILINE)
+
+
+def parse_rollout_metrics(text: str) -> dict[int, dict]:
+    """slime's labelled metric dicts (``rollout N: {...}``, ``step N: {...}``, ``perf N: {...}``, and the
+    plugins' ``<name> N: {...}`` rollout reports) merged by N.
+
+    With one train step per rollout (global batch = rollout batch x samples), the train step N is
+    rollout N, so each entry holds everything slime logged for that rollout."""
+    out: dict[int, dict] = {}
+    for match in _LABELLED_METRICS.finditer(text):
+        with contextlib.suppress(ValueError, SyntaxError):
+            value = ast.literal_eval(match.group(3))
+            if isinstance(value, dict):
+                out.setdefault(int(match.group(2)), {}).update(value)
+    return dict(sorted(out.items()))
+
 
 # The local Ray cluster slime's first Ray call starts in the driver advertises one logical CPU per core;
 # slime asks for one per device bundle, one for the RolloutManager and one for its lock actor, more than
@@ -222,6 +245,9 @@ def job_env(plugins: tuple[str, ...], extra_env: dict[str, str] | None = None, s
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": RAY_LOGICAL_CPUS}),
+        # every Ray worker imports torch at start (the plugin bootstrap); on a loaded 2-core host that can
+        # take longer than Ray's 60 s registration timeout ("worker startup repeatedly failed")
+        "RAY_worker_register_timeout_seconds": "600",
     })
     env.update(extra_env or {})
     return env

@@ -153,7 +153,11 @@ def task_reward(args: Any, sample: Any, **_: Any) -> float:
     return _episode_reward(sample)
 
 
-async def async_task_reward(args: Any, sample: Any, **kwargs: Any) -> float:
+async def async_task_reward(args: Any, sample: Any, **kwargs: Any) -> float | list[float]:
+    """slime's ``--custom-rm-path`` form: one sample, or (batch mode: slime passes the segments a custom
+    generate returned as one list) a list of samples -> a list of rewards."""
+    if isinstance(sample, list):
+        return [task_reward(args, s, **kwargs) for s in sample]
     return task_reward(args, sample, **kwargs)
 
 

@@ -112,3 +112,17 @@ def test_soft_label_sft_reaches_the_requested_probability():
         _sft(model, examples, 1, 1e-3, answer_prob=[0.5])
     with pytest.raises(ValueError, match="answer_ids"):
         _sft(model, examples, 1, 1e-3, answer_prob=0.5)
+
+
+def test_async_task_reward_single_and_batch_mode():
+    """slime calls --custom-rm-path in batch mode (a list) for the segments a custom generate returns."""
+    import asyncio
+    import types
+
+    from slime_ascend.demo.task import async_task_reward
+
+    right = types.SimpleNamespace(index=0, response="5", metadata={"task": {"domain": "next", "digit": 4, "fillers": 0}})
+    wrong = types.SimpleNamespace(index=1, response="x", metadata={"task": {"domain": "copy", "digit": 4, "fillers": 0}})
+    segment = types.SimpleNamespace(index=2, response="", metadata={"env_info": {"correct": True}})
+    assert asyncio.run(async_task_reward(None, right)) == 1.0
+    assert asyncio.run(async_task_reward(None, [right, wrong, segment])) == [1.0, 0.0, 1.0]

@@ -1,0 +1,410 @@
+"""``slime-ascend demo --slime-src DIR``: the demo's plugins inside slime's own ``train_async.py``.
+
+The same task as the miniature loop (:mod:`.task`: the tiny Qwen3 policy that knows the digits task
+but hedges, two domain-expert teachers of the same origin, the digits environment with long
+episodes that need compaction), the same plugins, run by stock slime on this CPU with the ``cpu``
+plugin: RayTrainGroup, the RolloutManager, slime's sglang router, a Megatron actor (and critic, for
+SAO), weight updates to the reference engine through ``--update-weight-transport disk``.
+
+Everything reported comes from slime's own output: the metric dicts slime logs per rollout and per
+train step (``rollout N: {...}``, ``step N: {...}``, ``perf N: {...}``), its log lines and the files
+it writes. ``metrics.jsonl`` has one line per rollout with the miniature loop's keys where slime has
+the same quantity (``reward``, ``mismatch``, ``masked_frac``, ...) and slime's own dicts beside them;
+``summary.json`` has ``"loop": "slime"`` and, per plugin, the evidence found in slime's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .loop import DemoConfig
+from .slime_job import (
+    TINY_QWEN3_ARGS,
+    Engine,
+    SlimeNotFound,
+    job_env,
+    parse_rollout_metrics,
+    slime_src,
+    start_engine,
+    stop,
+)
+
+__all__ = ["SLIME_DEPENDENCIES", "missing_dependencies", "resolve_slime", "run_slime_demo"]
+
+# what slime's train_async.py imports on the path the demo runs, beyond slime itself
+SLIME_DEPENDENCIES = ("ray", "megatron.training", "sglang", "sglang_router", "transformers")
+
+
+def missing_dependencies() -> list[str]:
+    import importlib.util
+
+    missing = []
+    for name in SLIME_DEPENDENCIES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def resolve_slime(explicit: str | None) -> tuple[Path | None, str]:
+    """``(slime source tree, "")`` when the demo can run in slime's loop, else ``(None, why not)``."""
+    try:
+        src = slime_src(explicit)
+    except SlimeNotFound as exc:
+        return None, str(exc)
+    missing = missing_dependencies()
+    if missing:
+        return None, (f"slime at {src} needs {', '.join(missing)} (not importable here); install slime's "
+                      "dependencies as the README's 'slime on CPU' section says")
+    return src, ""
+
+
+@dataclasses.dataclass
+class _Job:
+    """What the plugins add to the slime job: YAML values, command-line flags, engines to stop."""
+
+    out: Path
+    paths: dict[str, str]
+    yaml: dict[str, Any] = dataclasses.field(default_factory=dict)
+    flags: dict[str, str | None] = dataclasses.field(default_factory=dict)  # flag -> value (None: a switch)
+    engines: list[Engine] = dataclasses.field(default_factory=list)
+
+
+def _prompt_rows(cfg: DemoConfig, rollouts: int) -> list[dict[str, Any]]:
+    """The task's episodes as slime prompt-data rows (``metadata`` carries the task and the domain)."""
+    from .task import answer_for, make_episodes
+
+    rows = []
+    for step in range(rollouts):
+        rng = random.Random(cfg.seed * 7919 + step)
+        for i, ep in enumerate(make_episodes(rng, cfg.batch, cfg.long_fraction, cfg.fillers)):
+            task = ep.to_task()
+            rows.append({"prompt": f"{ep.domain} {ep.digit} =", "label": answer_for(ep.domain, ep.digit),
+                         "metadata": {"domain": ep.domain, "task": task, "seed": cfg.seed * 1_000_003 + step * 997 + i}})
+    return rows
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _base_flags(cfg: DemoConfig, job: _Job, engine: Engine) -> dict[str, str | None]:
+    p = job.paths
+    flags: dict[str, str | None] = {
+        "--hf-checkpoint": p["policy"], "--load": p["policy"], "--save": str(job.out / "slime_ckpt"),
+        "--save-interval": "100000",
+        "--prompt-data": p["prompts"], "--input-key": "prompt", "--label-key": "label", "--metadata-key": "metadata",
+        "--num-rollout": str(cfg.steps), "--rollout-batch-size": str(cfg.batch), "--n-samples-per-prompt": "1",
+        "--global-batch-size": str(cfg.batch), "--micro-batch-size": "1",
+        "--rollout-max-response-len": str(cfg.max_new_tokens), "--rollout-max-context-len": str(cfg.context_budget),
+        "--rollout-temperature": "1.0", "--rollout-seed": str(cfg.seed),
+        "--seq-length": "512", "--max-position-embeddings": "4096",
+        "--eps-clip": "0.2", "--optimizer": "adam", "--lr": str(cfg.lr), "--lr-decay-style": "constant",
+        "--weight-decay": "0.0", "--adam-beta1": "0.9", "--adam-beta2": "0.98",
+        "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1", "--context-parallel-size": "1",
+        "--actor-num-nodes": "1", "--actor-num-gpus-per-node": "1", "--rollout-num-gpus": "1",
+        "--rollout-num-gpus-per-engine": "1",
+        "--rollout-external": None, "--rollout-external-engine-addrs": engine.addr,
+        "--update-weight-mode": "full", "--update-weight-transport": "disk",
+        "--update-weight-disk-dir": str(job.out / "weights"),
+        "--attention-dropout": "0.0", "--hidden-dropout": "0.0", "--accumulate-allreduce-grads-in-fp32": None,
+        "--attention-softmax-in-fp32": None, "--bf16": None, "--seed": str(cfg.seed),
+        "--custom-rm-path": "slime_ascend.demo.task.async_task_reward",
+    }
+    return flags
+
+
+# -- per plugin: what it adds to the job ---------------------------------------------------------------
+def _setup_sao(cfg: DemoConfig, job: _Job) -> None:
+    from slime_ascend.sao.critic import write_megatron_role_config
+
+    role_config = job.out / "sao_megatron.yaml"
+    write_megatron_role_config(str(role_config), ["self_attention"], force=True)
+    job.flags["--megatron-config-path"] = str(role_config)
+    job.flags["--critic-lr"] = str(cfg.critic_lr)
+    job.yaml.update(ascend_sao_freeze_patterns=["self_attention"])
+
+
+def _setup_compaction(cfg: DemoConfig, job: _Job) -> None:
+    job.yaml.update(ascend_compaction_env="slime_ascend.demo.task.DigitsEnv", ascend_compaction_env_kwargs={},
+                    ascend_compaction_context_budget=cfg.context_budget,
+                    ascend_compaction_trigger_tokens=cfg.trigger_tokens, ascend_compaction_keep_pairs=1,
+                    ascend_compaction_max_compactions=2, ascend_compaction_summary_max_tokens=4,
+                    ascend_compaction_use_chat_template=False, ascend_compaction_env_reward=False,
+                    ascend_compaction_summary_prompt_path=job.paths["summary_prompt"],
+                    ascend_compaction_resume_template_path=job.paths["resume_template"])
+
+
+def _setup_opd(cfg: DemoConfig, job: _Job) -> None:
+    teacher = start_engine(Path(job.paths["copy"]), job.out / "teacher_engine.log")
+    job.engines.append(teacher)
+    job.yaml.update(ascend_opd_teachers=[{"name": "copy", "checkpoint_dir": job.paths["copy"], "domains": ["copy"]},
+                                         {"name": "next", "checkpoint_dir": job.paths["next"], "domains": ["next"]}],
+                    ascend_opd_switch_engine_urls=[teacher.url],
+                    ascend_opd_task_rm_path="slime_ascend.demo.task.task_reward",
+                    ascend_opd_stage_dir=str(job.out / "teacher_stage"), ascend_opd_prefetch=True,
+                    ascend_opd_coef=cfg.opd_coef, ascend_opd_clip=cfg.opd_clip)
+
+
+# the checkpoint format each sync plugin pushes; the engine serves (and --hf-checkpoint names) a checkpoint
+# of that format, made by `slime-ascend quantize` from the policy, as a user of the plugin does
+SYNC_FORMATS = {"int8-sync": "int8-w8a8", "fp8-sync": "fp8-block"}
+
+
+def _setup_sync(plugin: str) -> Callable[[DemoConfig, _Job], None]:
+    def setup(cfg: DemoConfig, job: _Job) -> None:
+        fmt = SYNC_FORMATS[plugin]
+        quantized = job.out / "checkpoints" / f"policy_init_{fmt}"
+        cmd = [sys.executable, "-m", "slime_ascend.cli", "quantize", job.paths["policy"], str(quantized),
+               "--format", fmt, "--force"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        job.paths["engine_checkpoint"] = str(quantized)
+        job.flags["--hf-checkpoint"] = str(quantized)  # --load stays the BF16 policy Megatron trains
+
+    return setup
+
+
+def _setup_staleness(cfg: DemoConfig, job: _Job) -> None:
+    job.yaml.update(ascend_staleness_tau=cfg.staleness_tau)
+
+
+SETUPS: dict[str, Callable[[DemoConfig, _Job], None]] = {
+    "sao": _setup_sao, "compaction": _setup_compaction, "opd": _setup_opd, "staleness": _setup_staleness,
+    **{plugin: _setup_sync(plugin) for plugin in SYNC_FORMATS},
+}
+
+# per plugin: the metric keys (prefixes) in slime's logged dicts that are its evidence (keys slime logs
+# whatever the plugins, such as perf/update_weights_time, are not evidence of anything)
+EVIDENCE_METRICS: dict[str, tuple[str, ...]] = {
+    "sao": ("train/critic-", "rollout/values", "rollout/gae_lambdas", "train/dis_"),
+    "compaction": ("rollout/round_number", "rollout/compaction_"),
+    "opd": ("rollout/opd_", "rollout/teacher_log_probs"),
+    "staleness": ("rollout/staleness_",),
+    "tito": ("rollout/tito_",),
+    "int8-sync": ("perf/weight_sync_",),
+    "fp8-sync": ("perf/weight_sync_",),
+    "dis": ("train/dis_",),
+    "icepop": ("train/icepop",),
+}
+# per plugin: lines of slime's log (or, for the sync plugins, of the rollout engine's log) that are its evidence
+EVIDENCE_LOG: dict[str, tuple[str, ...]] = {
+    "cpu": (r"applied runtime patch (?:driver\.ray_cpu_resources|train\.cpu_\w+)", r"backend=gloo"),
+    "sao": (r"applied runtime patch train\.critic_\w+",),
+}
+EVIDENCE_ENGINE_LOG: dict[str, tuple[str, ...]] = {
+    "int8-sync": (r"loaded weight version \d+ from \S+ \(int8[^)]*\)",),
+    "fp8-sync": (r"loaded weight version \d+ from \S+ \(fp8[^)]*\)",),
+}
+
+
+def critic_passes(log: str) -> dict[int, int]:
+    """How many critic updates slime logged per rollout (``critic-step N: {...}`` lines)."""
+    counts: dict[int, int] = {}
+    for match in re.finditer(r"critic-step (\d+): \{", log):
+        counts[int(match.group(1))] = counts.get(int(match.group(1)), 0) + 1
+    return counts
+
+
+def plugin_evidence(plugins: tuple[str, ...], steps: dict[int, dict[str, Any]], log: str,
+                    engine_log: str = "") -> dict[str, Any]:
+    """Per plugin: the matching metric series from slime's dicts and up to five matching log lines."""
+    out: dict[str, Any] = {}
+    for plugin in plugins:
+        prefixes = EVIDENCE_METRICS.get(plugin, ())
+        series: dict[str, list[Any]] = {}
+        for step in sorted(steps):
+            for key, value in steps[step].items():
+                if prefixes and key.startswith(prefixes):
+                    series.setdefault(key, []).append(value)
+        lines: list[str] = []
+        for text, table in ((log, EVIDENCE_LOG), (engine_log, EVIDENCE_ENGINE_LOG)):
+            for pattern in table.get(plugin, ()):
+                lines += [m.group(0)[:200] for m in re.finditer(pattern, text)]
+        entry: dict[str, Any] = {"metrics": series, "log": sorted(set(lines))[:5]}
+        if plugin == "sao":
+            entry["critic_passes_per_rollout"] = critic_passes(log)
+        entry["found"] = bool(series or lines)
+        out[plugin] = entry
+    return out
+
+
+def _history_row(step: int, m: dict[str, Any]) -> dict[str, Any]:
+    """One metrics.jsonl line: the miniature loop's keys where slime logs the same quantity, then slime's dict."""
+    def first(*keys: str) -> Any:
+        return next((m[k] for k in keys if k in m), None)
+
+    return {
+        "step": step,
+        "reward": first("rollout/raw_reward", "rollout/rewards"),
+        "mismatch": first("train/train_rollout_logprob_abs_diff"),
+        "masked_frac": first("train/dis_masked_frac", "train/icepop_masked_frac"),
+        "kl": first("rollout/opd_kl", "train/ppo_kl"),
+        "staleness_drops": first("rollout/staleness_dropped", "rollout/staleness_drops"),
+        "slime": m,
+    }
+
+
+def _flags_list(flags: dict[str, str | None]) -> list[str]:
+    out: list[str] = []
+    for flag, value in flags.items():
+        out.append(flag)
+        if value is not None:
+            out += shlex.split(value) if flag in ("--rollout-external-engine-addrs",) else [value]
+    return out
+
+
+def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the demo's plugins in slime's ``train_async.py``; returns the summary (also ``summary.json``)."""
+    import yaml
+
+    from slime_ascend import config as ascend_config
+
+    from .loop import _write_prompts
+    from .plots import plot_curves
+    from .task import checkpoint_answer_probs, prepare_checkpoints
+
+    t_start = time.perf_counter()
+    out = Path(cfg.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    plugins = ("cpu", *[p for p in cfg.plugins if p != "cpu"])
+    log(f"slime-ascend demo in slime's own loop ({src / 'train_async.py'}): plugins {', '.join(plugins)}; "
+        f"seed {cfg.seed}; {cfg.steps} rollouts; output {out}")
+    t0 = time.perf_counter()
+    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
+    start = checkpoint_answer_probs(ckpt)
+    log(f"prepared the initial policy and two teachers in {time.perf_counter() - t0:.1f}s")
+    (out / "weights").mkdir(exist_ok=True)
+    paths = dict(ckpt, prompts=str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps))),
+                 **_write_prompts(out / "prompts"))
+    job = _Job(out, paths)
+    summary: dict[str, Any] = {"loop": "slime", "slime_src": str(src), "plugins": list(plugins), "seed": cfg.seed,
+                               "steps_requested": cfg.steps, "interrupted": False, "start_answer_probs": start}
+    run_log = out / "train_async.log"
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.write_text("")
+    rc = None
+    # SIGTERM acts as Ctrl-C: the engines and slime's process group are stopped, not left running
+    previous_sigterm = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        for plugin in plugins:
+            if plugin in SETUPS:
+                SETUPS[plugin](cfg, job)
+        engine = start_engine(Path(job.paths.get("engine_checkpoint", ckpt["policy"])), out / "engine.log")
+        job.engines.append(engine)
+        generated = ascend_config.build(list(plugins))
+        values = yaml.safe_load(generated.yaml_text)
+        unknown = [k for k in job.yaml if k not in values]
+        if unknown:
+            raise RuntimeError(f"the demo sets keys the generated YAML does not have: {unknown}")
+        values.update(job.yaml)
+        (out / "ascend.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
+        flags = _base_flags(cfg, job, engine)
+        plugin_flags = shlex.split(generated.flags_line())
+        merged = dict(flags)
+        i = 0
+        while i < len(plugin_flags):  # the plugins' flags, then the demo's own values where both set one
+            flag = plugin_flags[i]
+            value = plugin_flags[i + 1] if i + 1 < len(plugin_flags) and not plugin_flags[i + 1].startswith("--") else None
+            merged.setdefault(flag, value)
+            i += 2 if value is not None else 1
+        merged.update(job.flags)
+        cmd = [sys.executable, str(src / "train_async.py"), *TINY_QWEN3_ARGS.split(), *_flags_list(merged),
+               "--custom-config-path", str(out / "ascend.yaml")]
+        (out / "command.txt").write_text(shlex.join(cmd) + "\n")
+        log(f"running slime's train_async.py (log: {run_log}); one line per rollout as slime logs it")
+        rc = _run_streaming(cmd, job_env(plugins, src=src), out, run_log, metrics_path, cfg.steps, log)
+    except KeyboardInterrupt:
+        summary["interrupted"] = True
+        log("interrupted: slime stopped; metrics written so far are kept")
+    finally:
+        for eng in job.engines:
+            stop(eng.proc)
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    text = run_log.read_text(errors="replace") if run_log.exists() else ""
+    steps = parse_rollout_metrics(text)
+    history = [_history_row(s, steps[s]) for s in sorted(steps)]
+    metrics_path.write_text("".join(json.dumps(h, default=str) + "\n" for h in history))
+    summary["returncode"] = rc
+    summary["steps_done"] = sum(1 for h in history if "train/step" in h["slime"])
+    rewards = [h["reward"] for h in history if h["reward"] is not None]
+    if rewards:
+        k = max(1, min(5, len(rewards) // 3))
+        summary["reward_first"], summary["reward_last"] = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    engine_log = (out / "engine.log").read_text(errors="replace") if (out / "engine.log").exists() else ""
+    summary["evidence"] = plugin_evidence(plugins, steps, text, engine_log)
+    summary["plugins_without_evidence"] = [p for p, e in summary["evidence"].items() if not e["found"]]
+    if history and rewards:
+        summary["plot"] = plot_curves([h for h in history if h["reward"] is not None], str(out / "curves.png"))
+    summary["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if rc not in (0, None):
+        tail = "\n".join(text.splitlines()[-40:])
+        log(f"slime's train_async.py exited with {rc}; the end of {run_log}:\n{tail}")
+    else:
+        log(f"\n{summary['steps_done']} train steps in slime's loop; evidence from slime's output for "
+            + ", ".join(f"{p} ({'yes' if e['found'] else 'none'})" for p, e in summary["evidence"].items())
+            + f"\nwrote {metrics_path}, {out / 'summary.json'}" + (f", {summary['plot']}" if "plot" in summary else "")
+            + f" in {summary['elapsed_s']}s")
+    return summary
+
+
+def _terminate_as_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_streaming(cmd: list[str], env: dict[str, str], out: Path, run_log: Path, metrics_path: Path, steps: int,
+                   log: Callable[[str], None]) -> int:
+    """Run slime (its own process group) with its output in ``run_log``; echo one line per rollout as its
+    metrics appear; stop the group on any exit (Ctrl-C, SIGTERM)."""
+    seen: set[int] = set()
+    with run_log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(out),
+                                text=True, errors="replace", start_new_session=True)
+        try:
+            assert proc.stdout is not None
+            buffered = ""
+            for line in proc.stdout:
+                fh.write(line)
+                buffered += line
+                if " step " in line and "'train/step'" in line:
+                    parsed = parse_rollout_metrics(buffered)
+                    for s in sorted(set(parsed) - seen):
+                        if "train/step" in parsed[s]:
+                            seen.add(s)
+                            row = _history_row(s, parsed[s])
+                            with metrics_path.open("a") as mf:
+                                mf.write(json.dumps(row, default=str) + "\n")
+                            log(_step_line(s, steps, row))
+            return proc.wait()
+        except BaseException:
+            stop(proc)
+            raise
+
+
+def _step_line(step: int, steps: int, row: dict[str, Any]) -> str:
+    def f(v: Any, fmt: str = "{:.3f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    m = row["slime"]
+    return (f"rollout {step + 1:>3}/{steps} | reward {f(row['reward'])} | mismatch {f(row['mismatch'], '{:.4f}')} | "
+            f"masked {f(row['masked_frac'])} | grad norm {f(m.get('train/grad_norm'))} | "
+            f"critic value loss {f(m.get('train/critic-value_loss'))} | "
+            f"stale drops {f(row['staleness_drops'], '{:.0f}')} | teacher switches "
+            f"{f(m.get('rollout/opd_pool/switches'), '{:.0f}')}")

@@ -1,0 +1,107 @@
+"""The demo's slime mode, without running slime: reading slime's logged metrics, per-plugin evidence,
+and how ``slime-ascend demo`` chooses (or refuses) slime's loop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slime_ascend.demo import slime_job, slime_loop
+
+ESC = "\x1b"
+LOG = f"""\
+{ESC}[36m(RolloutManager pid=1){ESC}[0m [2026-12-01 02:07:25] rollout_metrics.py:268 - perf 0: {{'rollout/response_len/mean': 8.0, 'perf/rollout_time': 0.6}}
+{ESC}[36m(MegatronTrainRayActor pid=2){ESC}[0m [2026-12-01 02:07:25] train_metric_utils.py:135 - rollout 0: {{'rollout/raw_reward': 0.75, 'rollout/advantages': 0.1}}
+(MegatronTrainRayActor pid=2) [..] model.py:918 - step 0: {{'train/loss': 0.5, 'train/dis_masked_frac': 0.25, 'train/train_rollout_logprob_abs_diff': 0.001, 'train/step': 0}}
+(MegatronTrainRayActor pid=2) [..] train_metric_utils.py:401 - perf 0: {{'perf/update_weights_time': 0.05}}
+a line that is not a metric: {{'not/labelled': 1}}
+(MegatronTrainRayActor pid=2) [..] train_metric_utils.py:135 - rollout 1: {{'rollout/raw_reward': 0.25}}
+(RolloutManager pid=1) [..] staleness_hook.py:80 - staleness 1: {{'rollout/staleness_dropped': 2.0}}
+(RolloutManager pid=1) [..] staleness_hook.py:80 - staleness -: {{'rollout/staleness_dropped': 9.0}}
+(MegatronTrainRayActor pid=2) actor train: 100%|####| 8/8 [2026-12-01 02:07:52] model.py:918 - step 1: {{'train/loss': 0.4, 'train/step': 1}}
+(MegatronTrainRayActor pid=2) [..] applied runtime patch train.cpu_streams (x)
+(MegatronTrainRayActor pid=2) [..] step 2: {{'train/loss': nan_is_not_a_literal}}
+"""
+
+
+def test_parse_rollout_metrics_merges_by_rollout():
+    steps = slime_job.parse_rollout_metrics(LOG)
+    assert list(steps) == [0, 1]  # the unparsable dict of step 2 is skipped, the unlabelled one ignored
+    assert steps[0] == {"rollout/response_len/mean": 8.0, "perf/rollout_time": 0.6, "rollout/raw_reward": 0.75,
+                        "rollout/advantages": 0.1, "train/loss": 0.5, "train/dis_masked_frac": 0.25,
+                        "train/train_rollout_logprob_abs_diff": 0.001, "train/step": 0,
+                        "perf/update_weights_time": 0.05}
+    assert steps[1] == {"rollout/raw_reward": 0.25, "rollout/staleness_dropped": 2.0, "train/loss": 0.4,
+                        "train/step": 1}
+    run = slime_job.Run(0, LOG, 1.0)
+    assert run.by_rollout() == steps
+
+
+def test_history_row_uses_the_miniature_keys():
+    steps = slime_job.parse_rollout_metrics(LOG)
+    row = slime_loop._history_row(0, steps[0])
+    assert row["step"] == 0 and row["reward"] == 0.75 and row["masked_frac"] == 0.25 and row["mismatch"] == 0.001
+    assert row["slime"] is steps[0]
+    assert slime_loop._history_row(1, steps[1])["masked_frac"] is None
+
+
+def test_plugin_evidence_reports_what_slime_logged():
+    steps = slime_job.parse_rollout_metrics(LOG)
+    engine_log = ("loaded weight version 1 from /w/weight_v000001 (int8-w8a8)\n"
+                  "loaded weight version 2 from /w/weight_v000002 (bf16)\n")
+    critic = "x critic-step 0: {'train/critic-value_loss': 1.0}\ny critic-step 0: {'a/b': 2}\nz critic-step 1: {'a/b': 3}\n"
+    ev = slime_loop.plugin_evidence(("cpu", "dis", "icepop", "int8-sync", "fp8-sync", "sao"), steps, LOG + critic,
+                                    engine_log)
+    assert ev["dis"]["found"] and ev["dis"]["metrics"] == {"train/dis_masked_frac": [0.25]}
+    assert ev["cpu"]["found"] and ev["cpu"]["log"] == ["applied runtime patch train.cpu_streams"]
+    assert ev["icepop"] == {"metrics": {}, "log": [], "found": False}
+    # the engine served a version in the plugin's format; slime's own perf keys are not evidence
+    assert ev["int8-sync"]["log"] == ["loaded weight version 1 from /w/weight_v000001 (int8-w8a8)"]
+    assert ev["int8-sync"]["metrics"] == {} and not ev["fp8-sync"]["found"]
+    assert ev["sao"]["critic_passes_per_rollout"] == {0: 2, 1: 1}
+
+
+def _fake_tree(root: Path) -> Path:
+    (root / "slime" / "utils" / "accelerator").mkdir(parents=True)
+    (root / "slime" / "utils" / "accelerator" / "__init__.py").write_text("")
+    (root / "train.py").write_text("")
+    return root
+
+
+def test_slime_src_explicit_env_and_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLIME_SRC", raising=False)
+    tree = _fake_tree(tmp_path / "slime-tree")
+    assert slime_job.slime_src(str(tree)) == tree.resolve()
+    with pytest.raises(slime_job.SlimeNotFound, match=r"--slime-src=.*not a THUDM/slime source tree"):
+        slime_job.slime_src(str(tmp_path))
+    monkeypatch.setenv("SLIME_SRC", str(tmp_path / "missing"))
+    with pytest.raises(slime_job.SlimeNotFound, match=r"SLIME_SRC=.*missing"):
+        slime_job.slime_src()
+    monkeypatch.setenv("SLIME_SRC", str(tree))
+    assert slime_job.slime_src() == tree.resolve()
+
+
+def test_resolve_slime_names_missing_dependencies(tmp_path, monkeypatch):
+    tree = _fake_tree(tmp_path / "slime-tree")
+    monkeypatch.setattr(slime_loop, "SLIME_DEPENDENCIES", ("json", "surely_not_a_module_xyz"))
+    src, why = slime_loop.resolve_slime(str(tree))
+    assert src is None and "surely_not_a_module_xyz" in why and "json" not in why.split("needs")[1].split("(")[0]
+    monkeypatch.setattr(slime_loop, "SLIME_DEPENDENCIES", ("json",))
+    assert slime_loop.resolve_slime(str(tree)) == (tree.resolve(), "")
+
+
+def _demo(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slime_ascend.cli", "demo", *argv], capture_output=True, text=True,
+                          cwd=str(cwd), timeout=120)
+
+
+def test_cli_refuses_a_bad_slime_src_in_one_line(tmp_path):
+    proc = _demo("--slime-src", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: --slime-src=") and len(proc.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    proc = _demo("--slime-src", str(tmp_path), "--loop", "mini", cwd=tmp_path)
+    assert proc.returncode == 2 and "drop --loop mini" in proc.stderr
