@@ -15,7 +15,7 @@ pip install -q -e ".[test]"
 # the router), then the pinned packages without their dependency trees
 pip install -q "transformers==5.12.1" "sglang-router>=0.3.0" torch_memory_saver pybase64 "httpx[http2]" \
   omegaconf blobfile pylatexenc xxhash zstandard tensorboard wandb openai partial_json_parser msgspec \
-  sentencepiece pyzmq dill einops triton orjson setproctitle uvloop
+  sentencepiece pyzmq dill einops triton orjson setproctitle uvloop gguf
 pip install -q --no-deps "sglang==0.5.15.post1"
 # megatron-core with megatron.training: 0.19.2 is published for Python >= 3.12 only, as a cp312
 # wheel whose one compiled file (datasets' helpers_cpp) slime does not use; its Python code runs on
