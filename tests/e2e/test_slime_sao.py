@@ -21,27 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from slime_ascend.demo.slime_job import make_model, make_prompts, run_slime, slime_flags, start_engine, stop
+from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags
+from e2e_fixtures import engine, model_dir  # noqa: F401  (pytest fixtures)
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 PLUGINS = ("cpu", "sao")
 K = 2
 NUM_ROLLOUT = 2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    pytest.importorskip("megatron.training", reason="megatron-core with megatron.training is not installed")
-    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
-    return make_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
-
-
-@pytest.fixture
-def engine(model_dir, tmp_path):
-    eng = start_engine(model_dir, tmp_path / "engine.log")
-    yield eng
-    stop(eng.proc)
 
 
 def _cli(*argv: str) -> None:
