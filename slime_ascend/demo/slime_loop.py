@@ -379,12 +379,13 @@ def _run_streaming(cmd: list[str], env: dict[str, str], out: Path, run_log: Path
                                 text=True, errors="replace", start_new_session=True)
         try:
             assert proc.stdout is not None
-            buffered = ""
+            metric_lines = ""  # only slime's labelled metric lines: the rest of its log is never re-read
             for line in proc.stdout:
                 fh.write(line)
-                buffered += line
+                if ": {'" in line:
+                    metric_lines += line
                 if " step " in line and "'train/step'" in line:
-                    parsed = parse_rollout_metrics(buffered)
+                    parsed = parse_rollout_metrics(metric_lines)
                     for s in sorted(set(parsed) - seen):
                         if "train/step" in parsed[s]:
                             seen.add(s)
