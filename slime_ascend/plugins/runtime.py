@@ -15,6 +15,7 @@ import difflib
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +37,10 @@ class Active:
 
 
 _lock = threading.Lock()
-_validated: dict[tuple[str, ...], Active] = {}
+# (id(args), plugin names) -> (args, its validation). Each entry holds its args, so an id is not reused
+# while cached; bounded, since a caller may copy args per step (the oldest entries are validated again).
+_validated: OrderedDict[tuple[int, tuple[str, ...]], tuple[Any, Active]] = OrderedDict()
+_MAX_VALIDATED = 64
 _train_role: str | None = None
 
 
@@ -154,16 +158,22 @@ def check(args: Any, names: list[str] | None = None, *, command_line: bool = Tru
 
 
 def active(args: Any) -> Active:
-    """Resolve and validate the enabled plugins against ``args`` (once per process and selection)."""
+    """Resolve and validate the enabled plugins against ``args`` (once per ``args`` object and selection:
+    two roles of one process, e.g. slime's actor and critic args, each get their own values)."""
     names = tuple(enabled_names(args))
+    key = (id(args), names)
     with _lock:
-        cached = _validated.get(names)
-    if cached is not None:
-        return cached
+        cached = _validated.get(key)
+    if cached is not None and cached[0] is args:
+        return cached[1]
     result = check(args, list(names))
     with _lock:
-        _validated[names] = result
-    logger.info("slime-ascend plugins active: %s", ", ".join(result.selection.names) or "none")
+        first = all(k[1] != names for k in _validated)
+        _validated[key] = (args, result)
+        while len(_validated) > _MAX_VALIDATED:
+            _validated.popitem(last=False)
+    if first:
+        logger.info("slime-ascend plugins active: %s", ", ".join(result.selection.names) or "none")
     return result
 
 

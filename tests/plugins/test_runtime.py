@@ -57,3 +57,14 @@ def test_args_without_dict_are_not_scanned(two_plugins):
     a = Slots()
     a.ascend_plugins = ["k-one"]
     assert runtime.check(a).selection.names == ("k-one",)
+
+
+def test_validation_is_cached_per_args_not_per_plugin_names(two_plugins):
+    """Two roles in one process (slime's actor and critic args) enable the same plugins with different
+    values: each args object gets its own validated settings, and a repeat call is served from the cache."""
+    actor, critic = args(ascend_kone_critic_iters=3), args(ascend_kone_critic_iters=5)
+    first = runtime.active(actor)
+    assert first.settings["k-one"].critic_iters == 3
+    assert runtime.active(critic).settings["k-one"].critic_iters == 5
+    assert runtime.settings(actor, "k-one").critic_iters == 3
+    assert runtime.active(actor) is first
