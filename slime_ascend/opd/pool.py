@@ -540,8 +540,6 @@ class TeacherPool:
             "stage_retries": 0,
             "stage_failures": 0,
             "peak_host_bytes": 0,
-            "max_prefetched": 0,
-            "max_resident": 0,
         }
         if validate:
             for spec in specs:
@@ -617,9 +615,7 @@ class TeacherPool:
                 self._discard_slot()
             fut = self._executor.submit(self._stage_bg, spec)
             self._slot = _Slot(name, fut)
-            with self._count_lock:
-                self.counters["prefetch_started"] += 1
-                self.counters["max_prefetched"] = max(self.counters["max_prefetched"], 1)
+            self._count("prefetch_started")
             return True
 
     def _prefetch_next(self) -> None:
@@ -738,7 +734,6 @@ class TeacherPool:
                 c["switches"] += 1
                 c["stall_s"] += stall
                 c["last_stall_s"] = stall
-                c["max_resident"] = max(c["max_resident"], 1)
                 c[{"hit": "prefetch_hits", "late": "prefetch_late", "miss": "prefetch_misses"}[kind]] += 1
             self._advance_schedule(name)
             return SwitchInfo(name, prev, True, kind, stall)
