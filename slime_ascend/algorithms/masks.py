@@ -4,7 +4,7 @@ Both act on per-token log-probabilities of the *sampled* tokens, given as same-s
 flat tensor of concatenated samples, or [B, T]). Ratios are computed in fp32 (fp64 inputs stay fp64).
 A NaN ratio is never inside a band, so such tokens are masked out.
 
-DIS (specs.md §1.1, DESIGN.md "Numerical conventions"):
+DIS (GLM-5 report; DESIGN.md "Numerical conventions"):
     r = exp(logp_train - logp_rollout), with logp_train at the *current* parameters (with grad) and
     logp_rollout recorded by the inference engine; no separate pi_old.
     f(r) = r if 1 - eps_low < r < 1 + eps_high (strict, open band), else 0.
@@ -13,7 +13,7 @@ DIS (specs.md §1.1, DESIGN.md "Numerical conventions"):
     The batch loss is the mean over all *trainable* tokens (loss_mask), masked-out tokens included in
     the denominator (:func:`token_mean`).
 
-IcePop (specs.md §2.1):
+IcePop (GLM-5 report, Ring-1T; DESIGN.md "Numerical conventions"):
     rho = exp(logp_train_old - logp_rollout), both at the old parameters (the trainer's recompute vs
     the engine). M(rho) = rho if low <= rho <= high (inclusive), else 0; default band [1/beta, beta],
     beta = 2 (GLM-5). The weight multiplies the per-token PPO loss. ``reweight=False`` gives the pure

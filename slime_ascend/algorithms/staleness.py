@@ -3,7 +3,7 @@
 Pure Python (lists and small dataclasses); the slime adapter maps ``Sample`` objects onto
 :class:`SampleStatus` and applies the returned decisions.
 
-Staleness (GLM-5 §3.3, specs.md §1.1): a response generated under weight versions w_0..w_k is dropped
+Staleness (GLM-5 report §3.3): a response generated under weight versions w_0..w_k is dropped
 when ``trainer_version - min(w) > tau``. slime records the versions as strings in
 ``Sample.weight_versions`` (``str(int)``, or zero-padded ``"000003"`` by the disk-delta updater); SGLang
 reports ``"default"`` before any update, which we read as version 0.

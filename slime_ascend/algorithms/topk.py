@@ -1,6 +1,6 @@
 """Deterministic top-k index selection for sparse attention (DSA lightning indexer), and index replay.
 
-Specification (DESIGN.md "Numerical conventions", specs.md §5):
+Specification (DESIGN.md "Numerical conventions", deterministic top-k):
 
 * Total order: a key ranks above another iff its score is larger, or the scores are equal and its
   index is smaller (score desc, index asc). ``-0.0`` and ``+0.0`` are equal scores.

@@ -208,7 +208,7 @@ def _unstable_topk() -> Callable[[torch.Tensor, int], torch.Tensor]:
 
 
 def _stable_sort_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Independent reference (specs §5 implementation A): stable descending sort, first k, ascending."""
+    """Independent reference (DESIGN.md "Numerical conventions", top-k): stable descending sort, first k, ascending."""
     length = scores.shape[-1]
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     valid = scores.gather(-1, order) != float("-inf")
@@ -321,7 +321,7 @@ def run_check(
     report = CheckReport(meta={**meta, "device": str(dev), "seed": seed, "batch": batch, "seq_len": seq_len,
                                "torch": torch.__version__, "inject": inject,
                                "dis_band": list(DIS_PRESETS[_DIS_PRESET]), "icepop_beta": _ICEPOP_BETA,
-                               "int8_fake_quant": "local amax/127 per-channel (to be replaced by slime_ascend.quant)"})
+                               "int8_fake_quant": "int8-w8a8 per output channel (slime_ascend.quant)"})
     bad = [p for p, t in paths.items() if not bool(torch.isfinite(t).all())]
     report.contracts.append(ContractResult("logprobs.finite", FAIL if bad else PASS, not bad, "all paths finite",
                                            f"non-finite: {bad}" if bad else ""))

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -306,3 +307,19 @@ def check_train_rollout(args: Any, rollout_id: int, rollout_data: dict) -> None:
     compare_fingerprints("train", _side_fingerprint(args), runtime.settings(args, "tito").tokenizer_revision, peer)
     with _lock:
         _state["checked_rollout"] = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``slime-ascend tito-fingerprint HF_CHECKPOINT``: print the revision to pin as ascend_tito_tokenizer_revision."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="slime-ascend tito-fingerprint",
+                                     description="print the tokenizer/chat-template revision of a checkpoint "
+                                     "(the value for ascend_tito_tokenizer_revision)")
+    parser.add_argument("hf_checkpoint", help="checkpoint directory or hub id (what --hf-checkpoint gets)")
+    try:
+        print(tokenizer_fingerprint(parser.parse_args(argv).hf_checkpoint)["revision"])
+    except (TitoError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -390,6 +390,16 @@ def test_tokenizer_fingerprint_separates_vocab_and_template(tmp_path):
         tito.tokenizer_fingerprint(str(tmp_path))
 
 
+def test_tito_fingerprint_command_prints_the_revision_to_pin(tmp_path, capsys):
+    from slime_ascend import cli
+
+    path = tokenizer_dir(tmp_path / "a")
+    assert cli.main(["tito-fingerprint", path]) == 0
+    assert capsys.readouterr().out.strip() == tito.tokenizer_fingerprint(path)["revision"]
+    assert cli.main(["tito-fingerprint", str(tmp_path / "missing")]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
 def test_tito_passes_untouched_tokens_and_names_the_changed_sample(tmp_path, caplog):
     args = make_args(["tito"], hf_checkpoint=tokenizer_dir(tmp_path / "tok"))
     samples = [hooks.rollout_sample_hook(args, Sample(index=i, tokens=[5, 6, 7, 8 + i], response_length=2))

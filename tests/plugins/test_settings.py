@@ -64,3 +64,23 @@ def test_view_short_and_full_names():
     assert view.critic_iters == 2 and view["ascend_sao_alpha"] == 1.5
     with pytest.raises(AttributeError, match="no setting"):
         view.nothing
+
+
+def test_every_command_a_help_text_names_exists():
+    """A setting's help (or a plugin's description or command-line reason) that tells the user to run
+    `slime-ascend NAME` names a real subcommand."""
+    import re
+
+    from slime_ascend import cli
+    from slime_ascend.plugins import registry
+
+    commands = set(cli.PASSTHROUGH) | {
+        name for action in cli.build_parser()._subparsers._group_actions for name in action.choices
+    }
+    named = []
+    for plugin in registry.available().values():
+        texts = [plugin.description, *(s.help for s in plugin.settings), *(f.why for f in plugin.command_line)]
+        named += [(plugin.name, m) for text in texts for m in re.findall(r"`slime-ascend ([a-z][\w-]*)", text)]
+    assert named, "no help text names a command: the pattern no longer matches"
+    missing = [(p, c) for p, c in named if c not in commands]
+    assert not missing, f"help texts name commands the CLI does not have: {missing}"
