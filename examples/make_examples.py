@@ -1,8 +1,9 @@
 """Regenerate every recipe (ascend.yaml via `slime-ascend config`, run.sh from one template).
 
 Run: python examples/make_examples.py  (after installing a plugin that was missing, e.g. int8-sync).
+     python examples/make_examples.py --check  (writes nothing; exit 1 naming each file out of date)
 """
-import os, textwrap, yaml
+import argparse, os, sys, yaml
 from pathlib import Path
 from slime_ascend import config
 from slime_ascend.rollout.backends import sglang_npu
@@ -48,9 +49,8 @@ def edit_yaml(text, edits):
             out.append(line)
     return "\n".join(out) + "\n"
 
-for name, title, plugins, m, est, edits in RECIPES:
-    d = ROOT / name
-    d.mkdir(parents=True, exist_ok=True)
+def render(name, title, plugins, m, est, edits):
+    """The recipe's (ascend.yaml, run.sh) texts."""
     try:
         g = config.build(plugins)
         ytext = edit_yaml(g.yaml_text, edits)
@@ -64,15 +64,7 @@ for name, title, plugins, m, est, edits in RECIPES:
         ytext = (f"# PLACEHOLDER: regenerate with `slime-ascend config {' '.join(plugins)} -o ascend.yaml --force`\n"
                  f"# (plugin not loadable when this example was written: {str(exc)[:150]})\n"
                  f"ascend_plugins: [{', '.join(names)}]\n")
-    (d / "ascend.yaml").write_text(ytext)
-    flags = []
-    for flag, who, why in cmdline:
-        flags.append((flag, who, why))
-    extra_cli = ""
     train = "train.py"
-    for flag, who, why in cmdline:
-        if flag.startswith("train_async.py"):
-            continue
     plugin_lines = "\n".join(f"#   {p:<11} {WHY.get(p, '')}" for p in names)
     adv = "--advantage-estimator ppo" if est == "ppo" else "--advantage-estimator grpo"
     nspp = "1" if "sao" in plugins else "8"
@@ -234,9 +226,31 @@ ray job submit --address="http://127.0.0.1:8265" \\
    "${{MISC_ARGS[@]}}" \\
 {ascend_use}   --custom-config-path "${{HERE}}/ascend.yaml"  # [ascend] the added slime flag: our hooks, settings, sglang-npu
 """
-    if added_cli:
-        # put plugin-required CLI flags before the final line (bash: comments after \ would break the line)
-        pass
-    (d / "run.sh").write_text(script)
-    os.chmod(d / "run.sh", 0o755)
-    print(name, env_value, cmdline)
+    return ytext, script
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="regenerate (or, with --check, compare) every recipe")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each file out of date")
+    check = parser.parse_args(argv).check
+    stale = []
+    for recipe in RECIPES:
+        d = ROOT / recipe[0]
+        for path, text in zip((d / "ascend.yaml", d / "run.sh"), render(*recipe)):
+            if check:
+                if not path.is_file() or path.read_text() != text:
+                    stale.append(str(path.relative_to(ROOT.parent)))
+                continue
+            d.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        if not check:
+            os.chmod(d / "run.sh", 0o755)
+            print(recipe[0])
+    if stale:
+        print("out of date (regenerate with python examples/make_examples.py):", *stale, sep="\n  ", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
