@@ -1,4 +1,4 @@
-"""A registry of named objects found through an entry-point group (plugins, rollout backends).
+"""A registry of named objects found through an entry-point group (the plugins).
 
 Entry points are loaded once, on first use. One that fails to load, has the wrong type, or is
 named differently from its entry point is reported by :meth:`EntryPointRegistry.broken` and
@@ -19,7 +19,7 @@ class EntryPointRegistry(Generic[T]):
     def __init__(self, group: str, kind: type, what: str):
         self.group = group
         self.kind = kind
-        self.what = what  # "plugin", "rollout backend": used in messages
+        self.what = what  # "plugin": used in messages
         self._lock = threading.Lock()
         self._cache: dict[str, T] | None = None
         self._broken: dict[str, str] = {}

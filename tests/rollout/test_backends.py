@@ -1,4 +1,4 @@
-"""Rollout backend registry: entry points, selection by name, plugin declarations, reference backend."""
+"""Rollout backends: options from plugin settings, plugin declarations, the reference backend."""
 
 from __future__ import annotations
 
@@ -7,40 +7,11 @@ import urllib.request
 
 import pytest
 
-from slime_ascend.rollout import backends
-from slime_ascend.rollout.backends import BackendError, RolloutBackend
-
-
-def test_entry_points_load_all_three():
-    known = backends.available()
-    assert {"sglang-npu", "vllm-ascend", "reference"} <= set(known)
-    assert not {k: v for k, v in backends.broken().items() if k in ("sglang-npu", "vllm-ascend", "reference")}
-    for name, backend in known.items():
-        assert isinstance(backend, RolloutBackend) and backend.name == name and backend.description
-
-
-def test_get_by_name_and_unknown():
-    assert backends.get(" SGLang-NPU ").name == "sglang-npu"
-    with pytest.raises(BackendError, match="unknown rollout backend 'nope'.*Known: .*reference"):
-        backends.get("nope")
-
-
-def test_register_and_unregister():
-    class Toy(RolloutBackend):
-        name = "toy"
-        description = "toy"
-
-    backends.register(Toy())
-    try:
-        assert backends.get("toy").name == "toy"
-    finally:
-        backends.unregister("toy")
-    with pytest.raises(BackendError):
-        backends.get("toy")
+from slime_ascend.rollout.backends import BackendError, reference, sglang_npu
 
 
 def test_options_defaults_overrides_and_bad_values():
-    b = backends.get("sglang-npu")
+    b = sglang_npu.BACKEND
     assert b.defaults()["attention_backend"] == "ascend"
     opts = b.options({"ascend_rollout_mem_fraction": "0.75", "graph_mode": "false"})
     assert opts["mem_fraction"] == 0.75 and opts["graph_mode"] is False
@@ -55,7 +26,7 @@ def test_options_defaults_overrides_and_bad_values():
 def test_options_from_args_reads_yaml_keys():
     import argparse
 
-    b = backends.get("sglang-npu")
+    b = sglang_npu.BACKEND
     args = argparse.Namespace(ascend_rollout_use_fia=False)
     opts = b.options_from_args(args)
     assert opts["use_fia"] is False and opts["attention_backend"] == "ascend"
@@ -100,10 +71,8 @@ def test_vllm_plugin_command_line_checks():
 
 
 def test_reference_backend_serves_slime_discovery_fields():
-    from slime_ascend.rollout.backends import reference
-
-    b = backends.get("reference")
-    assert b.external and b.slime_flags({}, ["h:1"])[:2] == ["--rollout-external-engine-addrs", "h:1"]
+    b = reference.BACKEND
+    assert b.slime_flags({}, ["h:1"])[:2] == ["--rollout-external-engine-addrs", "h:1"]
     with reference.serve(seed=0) as addr:
         info = json.loads(urllib.request.urlopen(f"http://{addr}/server_info", timeout=30).read())
         # the fields slime's external discovery and server-args sanity check read
@@ -122,8 +91,6 @@ def test_reference_backend_serves_slime_discovery_fields():
 @pytest.mark.slime
 def test_reference_backend_through_slime_external_discovery():
     from slime.backends.sglang_utils.external import discover_external_engines
-
-    from slime_ascend.rollout.backends import reference
 
     with reference.serve(seed=0) as addr:
         (info,) = discover_external_engines([addr])

@@ -366,7 +366,6 @@ class VLLMAscendBackend(RolloutBackend):
     name = "vllm-ascend"
     description = "vLLM + vllm-ascend behind an SGLang-surface adapter, attached as external engines (disk sync)"
     plugin = "vllm-ascend"
-    external = True
 
     def env(self, options: Mapping[str, Any]) -> dict[str, str]:
         # for the vLLM server: dev-mode endpoints (sleep/wake, collective_rpc), no expandable segments
