@@ -82,13 +82,6 @@ TRAIN_META_COEF = "opd_coef"
 # ------------------------------------------------------------------------------------------------
 # start-up validation (every process)
 # ------------------------------------------------------------------------------------------------
-def forward_metadata_available() -> bool:
-    """True when the ledger has the patch that forwards ``train_metadata`` to the trainer."""
-    from .. import patch
-
-    return FORWARD_METADATA_PATCH in patch.LEDGER
-
-
 def _teachers(settings: Mapping[str, Any]) -> list[TeacherSpec]:
     raw = settings["ascend_opd_teachers"]
     if not raw:
@@ -101,10 +94,6 @@ def _teachers(settings: Mapping[str, Any]) -> list[TeacherSpec]:
         return parse_teachers(raw)
     except ValueError as e:
         raise SettingsError(f"setting ascend_opd_teachers: {e}") from None
-
-
-def _distinct_coefs(teachers: Sequence[TeacherSpec], default: float) -> set[float]:
-    return {t.effective_coef(default) for t in teachers}
 
 
 def validate(args: Any, settings: Mapping[str, Any]) -> None:
@@ -142,14 +131,6 @@ def validate(args: Any, settings: Mapping[str, Any]) -> None:
             "plugin 'opd' needs slime's own OPD switched to pass-through: " + "; ".join(problems)
             + ". Fix: keep use_opd: true, opd_type: sglang, opd_kl_coef: 0 from `slime-ascend config opd` "
             "and drop --opd-teacher-load / --opd-kl-coef from the command line"
-        )
-    coefs = _distinct_coefs(teachers, settings["ascend_opd_coef"])
-    if len(coefs) > 1 and not forward_metadata_available():
-        raise SettingsError(
-            f"teachers have different coefficients {sorted(coefs)}, but this slime-ascend has no runtime patch "
-            f"{FORWARD_METADATA_PATCH!r} to carry each sample's teacher to the trainer (stock slime drops "
-            "train_metadata in _split_train_data_by_dp). Fix: give every teacher the same coef, or use a "
-            "slime with upstream patch 0004-forward-metadata-extra-batch-keys"
         )
     switched = [t.name for t in teachers if t.url is None]
     if switched and not settings["ascend_opd_switch_engine_urls"] and not getattr(args, "sglang_config", None):
@@ -574,8 +555,6 @@ async def teacher_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
 # reward post-process
 # ------------------------------------------------------------------------------------------------
 def _ensure_forward_metadata(args: Any) -> None:
-    if not forward_metadata_available():
-        return
     from ..patch.rollout.forward_metadata import install_rollout_side
 
     install_rollout_side(args)
@@ -812,4 +791,4 @@ def opd_stats(args: Any = None) -> dict[str, Any]:
     return out
 
 
-__all__ += ["RoutingError", "forward_metadata_available"]
+__all__ += ["RoutingError"]

@@ -34,8 +34,7 @@ INSTALLS: list = []
 @pytest.fixture(autouse=True)
 def _clean(fresh_runtime, monkeypatch):
     monkeypatch.delenv("SLIME_ASCEND_PLUGINS", raising=False)
-    # the forward-metadata runtime patch is another module's: pretend it exists, record installs
-    monkeypatch.setattr(hooks, "forward_metadata_available", lambda: True)
+    # the forward-metadata runtime patch is another module's: record installs
     monkeypatch.setattr(hooks, "_ensure_forward_metadata", lambda args: INSTALLS.append(args))
     hooks.reset_state()
     yield
@@ -110,16 +109,6 @@ def test_critic_role_args_pass_without_use_opd():
     runtime.set_train_role("actor")
     with pytest.raises(SettingsError, match="use_opd must be true"):
         runtime.settings(critic_args, "opd")
-
-
-def test_different_coefs_need_the_forward_metadata_patch(monkeypatch):
-    from slime_ascend.plugins import runtime
-
-    monkeypatch.setattr(hooks, "forward_metadata_available", lambda: False)
-    with pytest.raises(SettingsError, match="different coefficients"):
-        runtime.settings(make_args(), "opd")
-    same = [dict(t, coef=0.7) for t in TEACHERS]
-    assert runtime.settings(make_args(ascend_opd_teachers=same), "opd").coef == 1.0
 
 
 # ---------------------------------------------------------------------------------------------- routing
