@@ -17,7 +17,6 @@ student (vocabulary size, tokenizer files) is checked by :func:`check_teacher_co
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,20 +33,8 @@ __all__ = [
     "read_vocab_size",
     "tokenizer_fingerprint",
     "check_teacher_compatible",
-    "TOKENIZER_FILES",
     "NAME_RE",
 ]
-
-#: Files hashed by :func:`tokenizer_fingerprint` (those present in the directory).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-)
 
 _FIELDS = {"name", "checkpoint_dir", "domains", "coef", "tokenizer_revision", "vocab_size", "url"}
 
@@ -211,21 +198,17 @@ def read_vocab_size(model_dir: str | Path) -> int | None:
 
 
 def tokenizer_fingerprint(model_dir: str | Path) -> str | None:
-    """sha256 over the tokenizer files present in ``model_dir`` (name + bytes); None if none."""
-    d = Path(model_dir)
-    h = hashlib.sha256()
-    found = False
-    for fname in TOKENIZER_FILES:
-        p = d / fname
-        if p.is_file():
-            found = True
-            h.update(fname.encode())
-            h.update(b"\0")
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-            h.update(b"\0")
-    return h.hexdigest() if found else None
+    """The tokenizer/chat-template revision of ``model_dir`` (the one ``slime-ascend tito-fingerprint``
+    prints); None when it is not a directory holding tokenizer files."""
+    from ..contracts.tito import TitoError
+    from ..contracts.tito import tokenizer_fingerprint as fingerprint
+
+    if not Path(model_dir).is_dir():
+        return None
+    try:
+        return fingerprint(str(model_dir))["revision"]
+    except TitoError:
+        return None
 
 
 def check_teacher_compatible(
@@ -268,5 +251,5 @@ def check_teacher_compatible(
         if t_fp is not None and s_fp is not None and t_fp != s_fp:
             raise TeacherMismatchError(
                 f"teacher {teacher.name!r} ({teacher.checkpoint_dir}): tokenizer files differ from the "
-                f"student's ({student_dir}); fingerprints {t_fp[:12]} != {s_fp[:12]}"
+                f"student's ({student_dir}); revisions {t_fp} != {s_fp}"
             )

@@ -85,7 +85,7 @@ def test_compatibility_checks(tmp_path):
         check_teacher_compatible(rev, student_tokenizer_revision="v2")
     check_teacher_compatible(rev, student_vocab_size=5)  # nothing known to compare: accepted
     assert tokenizer_fingerprint(tmp_path / "ok") == tokenizer_fingerprint(student)
-    assert tokenizer_fingerprint(tmp_path) is None
+    assert tokenizer_fingerprint(tmp_path) is None and tokenizer_fingerprint(tmp_path / "absent") is None
 
 
 def test_router_routes_counts_and_errors():
