@@ -73,12 +73,5 @@ def activation_error() -> BaseException | None:
     return _error
 
 
-def _reset_for_tests() -> None:
-    global _error
-    with _lock:
-        _started.clear()
-        _error = None
-
-
 if os.environ.get(ENV):
     activate()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import threading
 import time
 from collections import Counter
@@ -270,7 +269,3 @@ class RolloutWorker:
 
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
-
-
-def episode_rng(seed: int, step: int) -> random.Random:
-    return random.Random(seed * 7919 + step)

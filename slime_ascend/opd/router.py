@@ -127,11 +127,6 @@ class DomainRouter:
         """Per-teacher counts and number of defaulted routes since the last reset."""
         return {"counts": dict(self.counts), "defaulted": self.defaulted_count, "total": sum(self.counts.values())}
 
-    def reset_stats(self) -> None:
-        self.counts.clear()
-        self.defaulted_count = 0
-        self.decisions.clear()
-
 
 def group_by_teacher(
     items: Iterable[T],

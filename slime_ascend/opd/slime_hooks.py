@@ -288,7 +288,6 @@ class OPDContext:
     coefs: dict[str, float]
     switcher: _PoolSwitcher | None = None
     gates: dict[int, SwitchGate] = field(default_factory=dict)
-    step_counts: Counter = field(default_factory=Counter)
     requests: Counter = field(default_factory=Counter)
     request_s: Counter = field(default_factory=Counter)
     request_retries: int = 0
@@ -610,7 +609,6 @@ def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any]
     per_teacher_kl = {n: kl_sum[n] / kl_tokens[n] for n in kl_tokens if kl_tokens[n] > 0}
     with ctx.lock:
         ctx.post_process_calls += 1
-        ctx.step_counts = counts
         ctx.last_step = {"counts": dict(counts), "kl_k3": per_teacher_kl}
         first = ctx.post_process_calls == 1
     logger.info("opd routing this step: %s; per-teacher KL(student||teacher) k3: %s", dict(counts),

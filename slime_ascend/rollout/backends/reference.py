@@ -24,11 +24,6 @@ class ReferenceBackend(RolloutBackend):
         return ["--rollout-external-engine-addrs", *(addrs or ["127.0.0.1:30000"]), "--update-weight-transport",
                 "disk", "--update-weight-disk-dir", "DIR"]
 
-    def launch_command(self, model_path: str | None = None, host: str = "127.0.0.1", port: int = 30000) -> list[str]:
-        argv = ["slime-ascend", "serve-reference", "--host", host, "--port", str(port)]
-        return argv + (["--model", model_path] if model_path else [])
-
-
 BACKEND = ReferenceBackend()
 
 

@@ -378,10 +378,6 @@ class VLLMAscendBackend(RolloutBackend):
             argv += ["--additional-config", json.dumps({"rl_config": {"enabled": True}})]
         return argv
 
-    def adapter_command(self, vllm_url: str, model_path: str, port: int = 30000, tp_size: int = 1) -> list[str]:
-        return ["python", "-m", "slime_ascend.rollout.backends.vllm_ascend", "--vllm-url", vllm_url,
-                "--model", model_path, "--port", str(port), "--tp-size", str(tp_size)]
-
     def slime_flags(self, options: Mapping[str, Any], addrs: list[str] | None = None) -> list[str]:
         return ["--rollout-external-engine-addrs", *(addrs or ["HOST:PORT"]), "--update-weight-transport", "disk",
                 "--update-weight-disk-dir", "DIR"]
