@@ -57,8 +57,22 @@ def _int_reciprocal(x: torch.Tensor, inv: torch.Tensor, out: torch.Tensor, qmin:
     out.copy_((x.float() * inv).round().clamp(qmin, qmax).to(torch.int8))
 
 
+def _e4m3_codes(y: torch.Tensor) -> torch.Tensor:
+    """uint8 float8_e4m3fn codes of fp32 `y` (finite, |y| <= 448), round to nearest even: the integer
+    arithmetic on the fp32 bits of `native_kernels.c`'s `e4m3`. Inductor's CPU code for the
+    `.to(float8_e4m3fn)` cast is a scalar loop (the whole pass then ran slower than eager); this one
+    vectorises, and `fused.verified` holds it to the cast bit for bit."""
+    b = y.view(torch.int32)
+    a = b & 0x7FFFFFFF
+    r = a - (120 << 23)  # exponent re-bias 127 -> 7
+    normal = (r + 0x7FFFF + ((r >> 20) & 1)) >> 20  # RNE of the dropped 20 mantissa bits
+    sub = (a.view(torch.float32) + 16384.0).view(torch.int32) - 0x46800000  # RNE(|y| * 2^9), |y| < 2^-6
+    code = torch.where(a >= 0x3C800000, normal, sub) | ((b >> 24) & 0x80)
+    return code.to(torch.uint8)
+
+
 def _fp8_divide(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmax: float) -> None:
-    out.copy_((x.float() / scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn))
+    out.copy_(_e4m3_codes((x.float() / scale).clamp(-fmax, fmax)))  # out: the e4m3 output viewed as uint8
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -83,5 +97,5 @@ def int_quantize(
 
 
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmax: float) -> None:
-    """out = float8_e4m3fn(clamp(x / scale, ±fmax))."""
-    _compiled(("fp8", x.device.type), _fp8_divide)(_plain(x), _plain(scale), _plain(out), fmax)
+    """out = float8_e4m3fn(clamp(x / scale, ±fmax)) (fmax <= 448)."""
+    _compiled(("fp8", x.device.type), _fp8_divide)(_plain(x), _plain(scale), _plain(out.view(torch.uint8)), fmax)

@@ -48,10 +48,11 @@ def quantize_fp8_block(
     check_float_weight(weight, name)
     n, k = weight.shape[-2:]
     kind = _fused.backend(fused, weight)
-    if kind == "native" and not 0 < scheme.fp8_max <= _native.FP8_MAX_SUPPORTED:
+    if not 0 < scheme.fp8_max <= _native.FP8_MAX_SUPPORTED:  # both fast paths round with e4m3fn's range
         kind = None
     if (kind is not None and _fused.eligible(kind, weight.numel(), n, k // scheme.block_size[1])
-            and _fused_ok(scheme, weight.dtype, weight.device, kind)):
+            and _fused_ok(scheme, weight.dtype, weight.device, kind)
+            and (_fused.requested(fused) != "auto" or _faster_than_eager(scheme, weight.dtype, weight.device, kind))):
         try:
             q, s, ok = _quantize(weight, scheme, name, chunk_elems, out, kind)
             raise_if_not_finite(ok, name)
