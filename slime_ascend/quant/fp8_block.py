@@ -225,6 +225,18 @@ def _fused_ok(scheme: FP8BlockScheme, dtype: torch.dtype, device: torch.device, 
     return _fused.verified(("fp8", kind, scheme, dtype, device.type), check)
 
 
+def _faster_than_eager(scheme: FP8BlockScheme, dtype: torch.dtype, device: torch.device, kind: str) -> bool:
+    """`auto`: keep the fast path only where it is not slower than eager here (timed once, cached)."""
+    def setup():
+        w = _fused.calibration_weight(dtype, device)
+        out = (torch.empty(w.shape, dtype=FP8_DTYPE, device=device),
+               torch.empty(fp8_scale_shape(w.shape, scheme.block_size), dtype=torch.float32, device=device))
+        return (lambda: _quantize(w, scheme, "calibration", DEFAULT_CHUNK_ELEMS, out, kind),
+                lambda: _quantize(w, scheme, "calibration", DEFAULT_CHUNK_ELEMS, out, None))
+
+    return _fused.faster_than_eager(("fp8", kind, scheme, dtype, device.type), setup)
+
+
 def dequantize_fp8_block(
     q: torch.Tensor,
     scale_inv: torch.Tensor,

@@ -13,8 +13,15 @@ itself). Three ways to run the bulk passes:
 Switch: the `fused` argument of `quantize_int` / `quantize_fp8_block` (False: eager, True:
 ``auto``, or one of ``auto`` / ``native`` / ``compile`` / ``off``), or when it is None the
 environment variable `SLIME_ASCEND_QUANT_FUSED` (same words; unset means ``auto``). ``auto``
-picks ``native`` for CPU weights when the kernels build, else eager; accelerators (npu, cuda)
-stay eager unless ``compile`` is asked for. On first use per (kernel, backend, scheme, weight
+picks ``native`` for CPU weights when the kernels build and are not slower than eager on this
+machine, else eager; accelerators (npu, cuda) stay eager unless ``compile`` is asked for.
+
+``auto``'s timing (`faster_than_eager`): on first use per (kernel, scheme, weight dtype, device
+type, torch threads) both paths quantise a calibration weight (512 x 4096, a few ms each),
+interleaved, best of five; the native path is kept when it is not slower. The choice is cached
+in the process and on disk beside the compiled kernel library (`native.stored_choice`), so later
+processes on the same machine and build reuse it. Both paths give the same bits, so the choice
+changes only the speed. On first use per (kernel, backend, scheme, weight
 dtype, device type) the fast path quantises probe tensors (exact .5 ties, near ties, zeros,
 -0.0, subnormals, ±max, odd shapes) both ways; any bit difference or error disables it for
 that key with one warning, and the eager path is used from then on.
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
@@ -37,7 +45,10 @@ CHOICES = ("auto", "native", "compile", "off")
 _OFF = ("0", "off", "eager", "false", "no")
 _lock = threading.Lock()
 _verdict: dict[tuple, bool] = {}
+_auto: dict[tuple, bool] = {}  # auto's timed choice: True = the fast path, False = eager
 _warned_unavailable = False
+CALIBRATION_SHAPE = (512, 4096)
+CALIBRATION_REPEATS = 5
 
 
 def requested(fused: bool | str | None) -> str:
@@ -122,11 +133,72 @@ def disable(key: tuple, error: BaseException) -> None:
 
 
 def reset() -> None:
-    """Forget the self-check verdicts and the unavailability warning (tests); kernels are kept."""
+    """Forget the self-check verdicts, auto's in-process choices and the unavailability warning
+    (tests); kernels and the choices stored beside them are kept."""
     global _warned_unavailable
     with _lock:
         _verdict.clear()
+        _auto.clear()
         _warned_unavailable = False
+
+
+# --- auto: the fast path only where it is not slower than eager -----------------------------------
+
+def calibration_weight(dtype: torch.dtype, device: torch.device, multiple: int = 1) -> torch.Tensor:
+    """The weight `auto` times both paths on: CALIBRATION_SHAPE (columns rounded up to a `multiple`,
+    e.g. a group size), N(0, 0.02) like a trained layer."""
+    g = torch.Generator().manual_seed(7)
+    rows, cols = CALIBRATION_SHAPE
+    return torch.randn(rows, -(-cols // multiple) * multiple, generator=g).mul_(0.02).to(dtype).to(device)
+
+
+def _auto_key(key: tuple) -> tuple:
+    return (*key, torch.get_num_threads())
+
+
+def _best_times(fast: Callable[[], object], eager: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Best-of-`repeats` seconds of each, interleaved (a load spike hits both), after one warm-up."""
+    fast(), eager()
+    tf = te = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fast()
+        t1 = time.perf_counter()
+        eager()
+        t2 = time.perf_counter()
+        tf, te = min(tf, t1 - t0), min(te, t2 - t1)
+    return tf, te
+
+
+def faster_than_eager(key: tuple, setup: Callable[[], tuple[Callable[[], object], Callable[[], object]]]) -> bool:
+    """`auto`'s choice for `key` (a self-check key) on this machine: True when the fast path ran no
+    slower than eager on the calibration weight; `setup()` gives the two calls (fast, eager). Timed
+    once per key and torch thread count, then cached in this process and beside the kernel library;
+    an error while timing means eager in this process."""
+    k = _auto_key(key)
+    with _lock:
+        if k in _auto:
+            return _auto[k]
+    choice = _native.stored_choice(repr(k)) if key[1] == "native" else None
+    if choice is None:
+        try:
+            tf, te = _best_times(*setup(), CALIBRATION_REPEATS)
+            choice = tf <= te
+        except Exception:  # noqa: BLE001 - eager in this process (not stored: a later process times again)
+            tf = te = None
+            choice = False
+        if key[1] == "native" and tf is not None:
+            _native.store_choice(repr(k), choice, {"fast_ms": round(tf * 1e3, 3), "eager_ms": round(te * 1e3, 3),
+                                                   "shape": list(CALIBRATION_SHAPE)})
+    with _lock:
+        _auto.setdefault(k, choice)
+        return _auto[k]
+
+
+def auto_choice(key: tuple) -> bool | None:
+    """auto's cached choice for `key` at the current thread count (None: not timed yet)."""
+    with _lock:
+        return _auto.get(_auto_key(key))
 
 
 def probe_weight(dtype: torch.dtype, device: torch.device, rows: int = 133, cols: int = 389) -> torch.Tensor:

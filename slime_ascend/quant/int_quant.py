@@ -59,7 +59,8 @@ def quantize_int(
     rows = math.prod(weight.shape[:-1])
     kind = _fused.backend(fused, weight) if scheme.symmetric else None
     if (kind is not None and _fused.eligible(kind, weight.numel(), rows, weight.shape[-1])
-            and _fused_ok(scheme, weight.dtype, weight.device, kind)):
+            and _fused_ok(scheme, weight.dtype, weight.device, kind)
+            and (_fused.requested(fused) != "auto" or _faster_than_eager(scheme, weight, kind))):
         try:
             r, ok = _quantize_int(weight, scheme, name, chunk_elems, out, kind)
             raise_if_not_finite(ok, name)
@@ -75,6 +76,17 @@ def quantize_int(
 
 def _fused_key(scheme: IntScheme, weight: torch.Tensor, kind: str) -> tuple:
     return ("int", kind, scheme, weight.dtype, weight.device.type)
+
+
+def _faster_than_eager(scheme: IntScheme, weight: torch.Tensor, kind: str) -> bool:
+    """`auto`: keep the fast path only where it is not slower than eager here (timed once, cached)."""
+    def setup():
+        w = _fused.calibration_weight(weight.dtype, weight.device, scheme.group_size or 1)
+        out = _quantize_int(w, scheme, "calibration", DEFAULT_CHUNK_ELEMS, None, None)[0]
+        return (lambda: _quantize_int(w, scheme, "calibration", DEFAULT_CHUNK_ELEMS, out, kind),
+                lambda: _quantize_int(w, scheme, "calibration", DEFAULT_CHUNK_ELEMS, out, None))
+
+    return _fused.faster_than_eager(_fused_key(scheme, weight, kind), setup)
 
 
 def _quantize_int(

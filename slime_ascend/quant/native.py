@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -61,6 +62,7 @@ FP8_MAX_SUPPORTED = 448.0  # the kernel's e4m3 rounding covers |y| <= 448 (e4m3f
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_lib_path: Path | None = None  # the loaded library (auto's timed choices are stored beside it)
 _reason: str | None = None  # why the kernels are unavailable (None: not tried yet, or loaded)
 _tried = False
 
@@ -274,6 +276,7 @@ def _load() -> ctypes.CDLL:
 
 
 def _open(path: Path) -> ctypes.CDLL:
+    global _lib_path
     lib = ctypes.CDLL(str(path))  # after `import torch`: its libgomp (same soname) serves OpenMP
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
@@ -282,6 +285,7 @@ def _open(path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"{path}: ABI version {lib.sa_abi_version()} != {ABI_VERSION}")
     if not lib.sa_openmp():
         raise RuntimeError(f"{path}: built without OpenMP (single-threaded kernels would be slower than eager)")
+    _lib_path = path
     return lib
 
 
@@ -303,10 +307,50 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def _reset_for_tests() -> None:
-    global _lib, _reason, _tried
+def _choices_path() -> Path | None:
+    return None if _lib_path is None else _lib_path.with_name(_lib_path.name + ".auto.json")
+
+
+def _read_choices(p: Path) -> dict:
+    try:
+        if not os.path.lexists(p) or _untrusted_file(p):
+            return {}
+        with open(p) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def stored_choice(key: str) -> bool | None:
+    """`fused.faster_than_eager`'s stored choice for `key` with the loaded library (which is keyed by
+    the source, compiler, flags and host CPU): True native, False eager, None not stored (or the
+    record is missing, damaged or not this user's own)."""
+    p = _choices_path()
+    entry = _read_choices(p).get(key) if p is not None else None
+    choice = entry.get("native") if isinstance(entry, dict) else None
+    return choice if isinstance(choice, bool) else None
+
+
+def store_choice(key: str, native: bool, detail: dict) -> None:
+    """Record `key`'s choice beside the loaded library (atomic replace; best effort: on any error the
+    choice is simply timed again by the next process)."""
+    p = _choices_path()
+    if p is None:
+        return
     with _lock:
-        _lib, _reason, _tried = None, None, False
+        try:
+            data = _read_choices(p)
+            data[key] = {"native": bool(native), **detail}
+            _write_atomic(p, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        except OSError:
+            pass
+
+
+def _reset_for_tests() -> None:
+    global _lib, _lib_path, _reason, _tried
+    with _lock:
+        _lib, _lib_path, _reason, _tried = None, None, None, False
 
 
 def supports(weight: torch.Tensor) -> bool:
