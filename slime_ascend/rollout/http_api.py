@@ -1,18 +1,23 @@
-"""SGLang-compatible HTTP surface for :class:`ReferenceEngine` (stdlib ``http.server`` only).
+"""SGLang's HTTP surface, served for any engine that implements :class:`SGLangEngine` (stdlib only).
 
-Endpoints (the ones slime's rollout, external-engine discovery and weight sync call):
+One route table for the CPU reference engine (:mod:`slime_ascend.rollout.reference_engine`) and the
+vLLM adapter (:mod:`slime_ascend.rollout.backends.vllm_ascend`); ``slime-ascend serve-reference`` is
+:func:`serve_reference`. Endpoints (the ones slime's rollout, external-engine discovery and weight
+sync call):
 
 * ``POST /generate``; ``GET|POST /health``, ``/health_generate``
 * ``GET /server_info``, ``/get_server_info``, ``/get_model_info``, ``/model_info``, ``/get_weight_version``,
   ``/v1/loads``
 * ``POST /update_weights_from_disk``, ``/pause_generation``, ``/continue_generation``, ``/abort_request``
-* ``GET|POST /flush_cache``; no-op ``POST /release_memory_occupation``, ``/resume_memory_occupation``,
-  ``/post_process_weights``
-* ``POST /update_weights_from_distributed``, ``/update_weights_from_tensor``, ``/init_weights_update_group``:
-  501 (disk sync only).
+* ``GET|POST /flush_cache``; ``POST /release_memory_occupation``, ``/resume_memory_occupation`` (a no-op
+  for an engine without them), ``/post_process_weights`` (a no-op)
+* ``POST /update_weights_from_distributed``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
+  ``/destroy_weights_update_group``: 501 (disk sync only).
 
-Client errors answer 4xx with ``{"error": message}``; an unexpected failure answers 500 and the
-server keeps running. Binds 127.0.0.1 unless told otherwise.
+Client errors (:class:`RequestError`, the one error type of both engines) answer 4xx/5xx with
+``{"error": message, "success": false}``; an unexpected failure answers 500 and the server keeps
+running. Binds 127.0.0.1 unless told otherwise. :func:`check_generate_keys` is the shared refusal of
+``/generate`` fields an engine would not honour (slime's router adds some at neutral values).
 
 Bounded per server: a connection idle or stalled mid-request for ``timeout`` seconds is closed (408
 when a body was being read); at most ``max_connections`` connections are served at once (503 beyond,
@@ -32,13 +37,11 @@ import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from slime_ascend.rollout import reference_engine as _engine_mod
-from slime_ascend.rollout.reference_engine import ReferenceEngine, RequestError
-
-__all__ = ["main", "make_server", "serve_reference"]
+__all__ = ["RequestError", "SGLangEngine", "check_generate_keys", "make_server", "serve_reference",
+           "serve_until_interrupted"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +57,84 @@ _UNSUPPORTED_SYNC = (
     "/destroy_weights_update_group",
 )
 
+# Top-level /generate keys accepted only when falsy (SGLang features no engine here implements).
+NEUTRAL_REQUEST_KEYS = frozenset({
+    "stream", "image_data", "video_data", "audio_data", "input_embeds", "return_routed_experts", "lora_path",
+    "custom_logit_processor", "token_ids_logprob", "session_params", "return_hidden_states", "bootstrap_host",
+    "bootstrap_port", "bootstrap_room", "data_parallel_rank", "priority",
+})
+# Keys slime's sglang router adds when it re-serialises a /generate body, with the values that leave
+# the result unchanged (compared with ``is``: JSON true/false/null only). Any other value is a 400.
+ROUTER_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "background": (False,),
+    "model": (None,),
+    "no_logs": (False,),
+    "return_bytes": (False,),
+    "return_entropy": (False,),
+    "log_metrics": (True, False),  # only decides whether SGLang records metrics
+}
 
-def _routes(engine: ReferenceEngine) -> dict[tuple[str, str], Callable[[dict[str, Any]], tuple[int, Any]]]:
+
+class RequestError(ValueError):
+    """A client (4xx) or upstream (5xx) error: the server answers it with ``status`` and ``{"error": message}``."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class SGLangEngine(Protocol):
+    """What :func:`make_server` serves: SGLang's endpoint semantics as methods (dicts in, dicts out;
+    :class:`RequestError` for a refused request). ``engine_name`` names it in messages. Optional:
+    ``release_memory_occupation()`` and ``resume_memory_occupation(tags)`` (absent: a no-op)."""
+
+    engine_name: str
+    weight_version: str
+
+    def generate(self, payload: dict[str, Any], is_disconnected: Callable[[], bool] | None = None) -> Any: ...
+    def update_weights_from_disk(self, model_path: str, weight_version: Any = None, load_format: Any = None) -> dict: ...
+    def pause_generation(self, mode: str = "abort") -> dict[str, Any]: ...
+    def continue_generation(self) -> dict[str, Any]: ...
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict[str, Any]: ...
+    def flush_cache(self) -> dict[str, Any]: ...
+    def health(self) -> bool: ...
+    def health_generate(self) -> bool: ...
+    def server_info(self) -> dict[str, Any]: ...
+    def model_info(self) -> dict[str, Any]: ...
+    def loads(self) -> dict[str, Any]: ...
+
+
+def check_generate_keys(payload: Any, supported: set[str] | frozenset[str], engine_name: str) -> None:
+    """Refuse a ``/generate`` body that is not an object, has a key outside ``supported`` (and the
+    neutral ones), or sets a neutral key to a value that would change the result."""
+    if not isinstance(payload, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(payload).__name__}")
+    unknown = sorted(set(payload) - set(supported) - NEUTRAL_REQUEST_KEYS - set(ROUTER_NEUTRAL_VALUES))
+    if unknown:
+        raise RequestError(f"unknown /generate keys {unknown}; remove them ({engine_name} does not implement them)")
+    for key in NEUTRAL_REQUEST_KEYS:
+        if payload.get(key):
+            raise RequestError(f"/generate field {key!r} is not supported by {engine_name}")
+    for key, neutral in ROUTER_NEUTRAL_VALUES.items():
+        if key in payload and not any(payload[key] is v for v in neutral):
+            allowed = " or ".join(json.dumps(v) for v in neutral)
+            raise RequestError(
+                f"/generate field {key!r}={json.dumps(payload[key])[:80]} would change the result and is not "
+                f"supported by {engine_name}; send {allowed} or leave it out"
+            )
+
+
+def _routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[int, Any]]]:
+    name = engine.engine_name
+
     def ok(value: Any) -> tuple[int, Any]:
         return 200, value
 
     def health(_: dict) -> tuple[int, Any]:
-        return 200, {"status": "ok"}
+        return (200, {"status": "ok"}) if engine.health() else (503, {"error": f"{name} is not healthy"})
 
     def health_generate(_: dict) -> tuple[int, Any]:
-        return (200, {"status": "ok"}) if engine.health_generate() else (503, {"error": "non-finite logits"})
+        return (200, {"status": "ok"}) if engine.health_generate() else (503, {"error": f"{name} cannot generate"})
 
     def update_from_disk(body: dict) -> tuple[int, Any]:
         if "model_path" not in body:
@@ -72,7 +143,10 @@ def _routes(engine: ReferenceEngine) -> dict[tuple[str, str], Callable[[dict[str
         return ok(engine.update_weights_from_disk(body["model_path"], **extra))
 
     def pause(body: dict) -> tuple[int, Any]:
-        return ok(engine.pause_generation(body.get("mode", "abort")))
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "in_place", "retract"):
+            raise RequestError(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
+        return ok(engine.pause_generation(mode))
 
     def abort(body: dict) -> tuple[int, Any]:
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
@@ -82,21 +156,29 @@ def _routes(engine: ReferenceEngine) -> dict[tuple[str, str], Callable[[dict[str
             raise RequestError("abort_all must be true or false")
         return ok(engine.abort_request(rid=rid, abort_all=abort_all))
 
-    def noop(body: dict) -> tuple[int, Any]:
-        return ok({"success": True, "message": "no-op on the CPU reference engine"})
+    def memory(method: str) -> Callable[[dict], tuple[int, Any]]:
+        def call(body: dict) -> tuple[int, Any]:
+            fn = getattr(engine, method, None)
+            if fn is None:
+                return ok({"success": True, "message": f"no-op on {name}"})
+            if method == "resume_memory_occupation":
+                tags = body.get("tags")
+                if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+                    raise RequestError("tags must be a list of strings")
+                return ok(fn(tags))
+            return ok(fn())
+
+        return call
 
     def unsupported(body: dict) -> tuple[int, Any]:
-        return 501, {
-            "success": False,
-            "error": "the reference engine supports disk weight sync only (--update-weight-transport disk)",
-        }
+        return 501, {"success": False, "error": f"{name} supports disk weight sync only (--update-weight-transport disk)"}
 
     def generate(body: dict, is_disconnected: Callable[[], bool] | None = None) -> tuple[int, Any]:
         return ok(engine.generate(body, is_disconnected=is_disconnected))
 
     generate.needs_client = True  # type: ignore[attr-defined]  # _dispatch passes the disconnect probe
 
-    routes: dict[tuple[str, str], Callable[[dict[str, Any]], tuple[int, Any]]] = {
+    routes: dict[tuple[str, str], Callable[..., tuple[int, Any]]] = {
         ("POST", "/generate"): generate,
         ("POST", "/update_weights_from_disk"): update_from_disk,
         ("POST", "/pause_generation"): pause,
@@ -108,9 +190,9 @@ def _routes(engine: ReferenceEngine) -> dict[tuple[str, str], Callable[[dict[str
         ("GET", "/server_info"): lambda body: ok(engine.server_info()),
         ("GET", "/get_server_info"): lambda body: ok(engine.server_info()),
         ("GET", "/v1/loads"): lambda body: ok(engine.loads()),
-        ("POST", "/release_memory_occupation"): noop,
-        ("POST", "/resume_memory_occupation"): noop,
-        ("POST", "/post_process_weights"): noop,
+        ("POST", "/release_memory_occupation"): memory("release_memory_occupation"),
+        ("POST", "/resume_memory_occupation"): memory("resume_memory_occupation"),
+        ("POST", "/post_process_weights"): lambda body: ok({"success": True, "message": f"no-op on {name}"}),
     }
     for method in ("GET", "POST"):
         routes[(method, "/health")] = health
@@ -123,7 +205,7 @@ def _routes(engine: ReferenceEngine) -> dict[tuple[str, str], Callable[[dict[str
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server_version = "slime-ascend-reference"
+    server_version = "slime-ascend"
     routes: dict[tuple[str, str], Callable[[dict[str, Any]], tuple[int, Any]]] = {}
     max_body_bytes = MAX_BODY_BYTES
 
@@ -268,7 +350,7 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
 
 
 def make_server(
-    engine: ReferenceEngine,
+    engine: SGLangEngine,
     host: str = "127.0.0.1",
     port: int = 0,
     *,
@@ -289,38 +371,12 @@ def make_server(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     handler = type(
-        "ReferenceEngineHandler",
+        "SGLangSurfaceHandler",
         (_Handler,),
-        {"routes": _routes(engine), "timeout": timeout, "max_body_bytes": max_body_bytes},
+        {"routes": _routes(engine), "timeout": timeout, "max_body_bytes": max_body_bytes,
+         "server_version": f"slime-ascend ({engine.engine_name})"},
     )
     return BoundedThreadingHTTPServer((host, port), handler, backlog=backlog, max_connections=max_connections)
-
-
-def main(
-    model: str | None = None,
-    host: str = "127.0.0.1",
-    port: int = 30000,
-    seed: int = 0,
-    dtype: str = "float32",
-    *,
-    max_batch_size: int = _engine_mod.DEFAULT_MAX_BATCH_SIZE,
-    max_prompt_tokens: int = _engine_mod.DEFAULT_MAX_PROMPT_TOKENS,
-    max_new_tokens: int = _engine_mod.DEFAULT_MAX_NEW_TOKENS_LIMIT,
-    **server_kwargs: Any,
-) -> None:
-    """Load the engine and serve it until interrupted (``server_kwargs`` go to :func:`make_server`)."""
-    engine = ReferenceEngine(
-        model_path=model,
-        dtype=dtype,
-        seed=seed,
-        max_batch_size=max_batch_size,
-        max_prompt_tokens=max_prompt_tokens,
-        max_new_tokens=max_new_tokens,
-    )
-    server = make_server(engine, host=host, port=port, **server_kwargs)
-    bound_host, bound_port = server.server_address[:2]
-    print(f"reference engine serving {engine.server_info()['model_path']} at http://{bound_host}:{bound_port}", flush=True)
-    serve_until_interrupted(server)
 
 
 def serve_until_interrupted(server: ThreadingHTTPServer) -> None:
@@ -334,6 +390,8 @@ def serve_until_interrupted(server: ThreadingHTTPServer) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import reference_engine as _engine_mod
+
     parser = argparse.ArgumentParser(
         prog="slime-ascend serve-reference",
         description="Serve a CPU torch+transformers model over SGLang's HTTP API (reference rollout engine).",
@@ -382,26 +440,26 @@ def _positive_float(text: str) -> float:
 
 
 def serve_reference(argv: list[str] | None = None) -> int:
-    """CLI entry: ``slime-ascend serve-reference --model DIR --host 127.0.0.1 --port PORT``."""
+    """CLI entry: ``slime-ascend serve-reference --model DIR --host 127.0.0.1 --port PORT``: load the
+    reference engine and serve it until interrupted."""
+    from .reference_engine import ReferenceEngine
+
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:  # the engine's own events (weight updates) on stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    main(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        seed=args.seed,
-        dtype=args.dtype,
-        max_batch_size=args.max_batch_size,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_new_tokens=args.max_new_tokens,
-        timeout=args.timeout,
-        backlog=args.backlog,
-        max_connections=args.max_connections,
-        max_body_bytes=args.max_body_bytes,
-    )
+    engine = ReferenceEngine(model_path=args.model, dtype=args.dtype, seed=args.seed,
+                             max_batch_size=args.max_batch_size, max_prompt_tokens=args.max_prompt_tokens,
+                             max_new_tokens=args.max_new_tokens)
+    server = make_server(engine, host=args.host, port=args.port, timeout=args.timeout, backlog=args.backlog,
+                         max_connections=args.max_connections, max_body_bytes=args.max_body_bytes)
+    bound_host, bound_port = server.server_address[:2]
+    print(f"reference engine serving {engine.server_info()['model_path']} at http://{bound_host}:{bound_port}", flush=True)
+    serve_until_interrupted(server)
     return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(serve_reference())
+    # run the imported module's copy: the engine raises that module's RequestError, not __main__'s
+    from slime_ascend.rollout.http_api import serve_reference as _serve_reference
+
+    raise SystemExit(_serve_reference())

@@ -1,6 +1,7 @@
 """Reference rollout engine: SGLang's ``/generate`` semantics on a torch + transformers CPU model.
 
-The engine is transport-free (dicts in, dicts out); :mod:`slime_ascend.rollout.http_api` serves it
+The engine is transport-free (dicts in, dicts out; it implements
+:class:`slime_ascend.rollout.http_api.SGLangEngine`); :mod:`slime_ascend.rollout.http_api` serves it
 over HTTP with SGLang's endpoint names so slime can attach it via ``--rollout-external-engine-addrs``.
 
 Semantics mirrored from SGLang (checked against the installed ``sglang`` sources):
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import math
 import os
@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from slime_ascend.rollout import reference_model
+from slime_ascend.rollout.http_api import RequestError, check_generate_keys
 
 __all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
 
@@ -101,7 +102,7 @@ _NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
     "watermark": None,
 }
 
-# Top-level /generate keys honoured, and keys accepted only when falsy/neutral.
+# Top-level /generate keys honoured (http_api.check_generate_keys refuses the rest).
 _SUPPORTED_REQUEST_KEYS = {
     "input_ids",
     "text",
@@ -112,36 +113,6 @@ _SUPPORTED_REQUEST_KEYS = {
     "rid",
     "top_logprobs_num",
 }
-_NEUTRAL_REQUEST_KEYS = {
-    "stream",
-    "image_data",
-    "video_data",
-    "audio_data",
-    "input_embeds",
-    "return_routed_experts",
-    "lora_path",
-    "custom_logit_processor",
-    "token_ids_logprob",
-    "session_params",
-    "return_hidden_states",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "data_parallel_rank",
-    "priority",
-}
-# Keys slime's sglang router adds when it re-serialises a /generate body, with the values that leave
-# the result unchanged (compared with ``is``: JSON true/false/null only). Any other value is a 400.
-_ROUTER_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "background": (False,),
-    "model": (None,),
-    "no_logs": (False,),
-    "return_bytes": (False,),
-    "return_entropy": (False,),
-    "log_metrics": (True, False),  # only decides whether SGLang records metrics
-}
-
-
 def checkpoint_quantization(model_dir: str | os.PathLike | None) -> str | None:
     """The quantised format (``slime-ascend quantize --format`` name) of the checkpoint in ``model_dir``:
     what ``/server_info`` and ``/model_info`` report as ``quantization`` (SGLang's field); None when the
@@ -155,14 +126,6 @@ def checkpoint_quantization(model_dir: str | os.PathLike | None) -> str | None:
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"{str(model_dir)!r}: cannot read its quantization config: {exc}") from exc
     return fmt or "unknown"
-
-
-class RequestError(ValueError):
-    """A client error: the HTTP layer answers it with ``status`` and ``{"error": message}``."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _is_int(x: Any) -> bool:
@@ -358,6 +321,8 @@ class ReferenceEngine:
         max_new_tokens: highest ``sampling_params.max_new_tokens`` accepted (400 beyond).
     """
 
+    engine_name = "the reference engine"  # in the HTTP surface's messages
+
     def __init__(
         self,
         model_path: str | None = None,
@@ -477,9 +442,8 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------------ control
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
-        """SGLang ``/pause_generation``: hold new requests; ``abort`` also aborts in-flight ones."""
-        if mode not in ("abort", "in_place", "retract"):
-            raise RequestError(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
+        """SGLang ``/pause_generation``: hold new requests; ``abort`` also aborts in-flight ones
+        (``in_place`` / ``retract`` park them between decode steps)."""
         with self._state:
             self._paused = mode
             if mode == "abort":
@@ -513,6 +477,9 @@ class ReferenceEngine:
 
     def flush_cache(self) -> dict[str, Any]:
         return {"success": True, "message": "the reference engine keeps no cross-request cache"}
+
+    def health(self) -> bool:
+        return True
 
     def health_generate(self) -> bool:
         """One forward step on a single token (not blocked by pause)."""
@@ -600,23 +567,7 @@ class ReferenceEngine:
         return req.abort_message is not None
 
     def _parse_generate(self, payload: Any) -> tuple[list[_Request], bool]:
-        if not isinstance(payload, dict):
-            raise RequestError(f"request body must be a JSON object, got {type(payload).__name__}")
-        unknown = sorted(set(payload) - _SUPPORTED_REQUEST_KEYS - _NEUTRAL_REQUEST_KEYS - set(_ROUTER_NEUTRAL_VALUES))
-        if unknown:
-            raise RequestError(
-                f"unknown /generate keys {unknown}; remove them (the reference engine does not implement them)"
-            )
-        for key in _NEUTRAL_REQUEST_KEYS:
-            if payload.get(key):
-                raise RequestError(f"/generate field {key!r} is not supported by the reference engine")
-        for key, neutral in _ROUTER_NEUTRAL_VALUES.items():
-            if key in payload and not any(payload[key] is v for v in neutral):
-                allowed = " or ".join(json.dumps(v) for v in neutral)
-                raise RequestError(
-                    f"/generate field {key!r}={json.dumps(payload[key])[:80]} would change the result and is not "
-                    f"supported by the reference engine; send {allowed} or leave it out"
-                )
+        check_generate_keys(payload, _SUPPORTED_REQUEST_KEYS, "the reference engine")
         if payload.get("top_logprobs_num"):
             raise RequestError("top_logprobs_num > 0 is not supported by the reference engine")
 

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from slime_ascend.rollout.backends import vllm_ascend as va
+from slime_ascend.rollout.http_api import make_server
 
 
 class FakeVLLM:
@@ -85,7 +86,7 @@ def running(delay: float = 0.0):
     upstream.daemon_threads = True
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     adapter = va.VLLMAdapter(f"http://127.0.0.1:{upstream.server_address[1]}", "m", tp_size=2)
-    server = va.make_adapter_server(adapter)
+    server = make_server(adapter)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", fake, adapter
@@ -107,11 +108,11 @@ def test_request_mapping():
     assert body == {"model": "m", "prompt": [5, 6], "logprobs": 0, "return_tokens_as_token_ids": True, "echo": False,
                     "stream": False, "n": 1, "max_tokens": 4, "temperature": 0.7, "top_k": -1,
                     "include_stop_str_in_output": True, "seed": 3}
-    with pytest.raises(va.AdapterError, match="regex"):
+    with pytest.raises(va.RequestError, match="regex"):
         va.to_vllm_request("m", [1], {"regex": "a+"})
-    with pytest.raises(va.AdapterError, match="input_ids"):
+    with pytest.raises(va.RequestError, match="input_ids"):
         va.to_vllm_request("m", [], {})
-    with pytest.raises(va.AdapterError, match="n=2"):
+    with pytest.raises(va.RequestError, match="n=2"):
         va.to_vllm_request("m", [1], {"n": 2})
 
 
@@ -125,9 +126,9 @@ def test_response_mapping_prefers_token_ids_and_checks_lengths():
     assert out["meta_info"]["prompt_tokens"] == 3
     bad = {"choices": [{"text": "x", "token_ids": [7, 8], "logprobs": {"token_logprobs": [-1.0]},
                         "finish_reason": "stop"}]}
-    with pytest.raises(va.AdapterError, match="one log-prob per output token"):
+    with pytest.raises(va.RequestError, match="one log-prob per output token"):
         va.from_vllm_response(bad, rid="r", prompt_len=1, max_tokens=2, return_logprob=True, weight_version="v")
-    with pytest.raises(va.AdapterError, match="token_id"):
+    with pytest.raises(va.RequestError, match="token_id"):
         va.from_vllm_response({"choices": [{"logprobs": {"tokens": ["hello"]}, "finish_reason": "stop"}]},
                               rid="r", prompt_len=1, max_tokens=1, return_logprob=False, weight_version="v")
 
@@ -207,6 +208,34 @@ def test_bad_request_is_a_400():
         with pytest.raises(urllib.error.HTTPError) as err:
             post(f"{url}/generate", {"text": "hello"})
         assert err.value.code == 400 and "input_ids" in json.loads(err.value.read())["error"]
+
+
+def test_adapter_serves_the_whole_surface_with_the_same_input_checks():
+    """The endpoints and refusals of the shared SGLang surface (http_api), not a route table of its own."""
+    with running() as (url, fake, _):
+        def get(path):
+            return json.loads(urllib.request.urlopen(f"{url}{path}", timeout=10).read())
+
+        assert get("/model_info")["model_path"] == "m" and get("/get_model_info")["is_generation"] is True
+        assert get("/v1/loads")["loads"][0]["num_running_reqs"] == 0
+        assert post(f"{url}/post_process_weights", {})["success"] is True
+        ok = post(f"{url}/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1},
+                                      "background": False, "model": None, "log_metrics": True})  # slime's router
+        assert ok["output_ids"] == [2]
+        for path, body, needle in [
+            ("/generate", {"input_ids": [1], "return_bytes": True}, "would change the result"),
+            ("/generate", {"input_ids": [1], "logprob_start_len": 0}, "unknown /generate keys"),
+            ("/generate", {"input_ids": [1], "rid": 7}, "rid must be a string"),
+            ("/generate", {"input_ids": [1], "return_logprob": "yes"}, "return_logprob must be true or false"),
+            ("/abort_request", {"abort_all": "yes"}, "abort_all must be true or false"),
+            ("/pause_generation", {"mode": "sideways"}, "mode must be"),
+            ("/update_weights_from_disk", {}, "model_path"),
+            ("/resume_memory_occupation", {"tags": "weights"}, "tags must be a list"),
+        ]:
+            with pytest.raises(urllib.error.HTTPError) as err:
+                post(f"{url}{path}", body)
+            assert err.value.code == 400 and needle in json.loads(err.value.read())["error"], (path, body)
+        assert not [c for c in fake.calls if c[1] in ("/sleep?level=1", "/collective_rpc")]
 
 
 def test_backend_commands():

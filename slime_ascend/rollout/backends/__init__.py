@@ -77,6 +77,11 @@ class RolloutBackend:
     def validate(self, options: Mapping[str, Any]) -> list[str]:
         return []
 
+    def check(self, options: Mapping[str, Any]) -> None:
+        problems = self.validate(options)
+        if problems:
+            raise BackendError(f"rollout backend {self.name!r}: " + "; ".join(problems))
+
 
 def _short(key: str) -> str:
     for prefix in ("ascend_rollout_", "ascend_"):

@@ -14,8 +14,9 @@ is a small stdlib HTTP server in front of one vLLM server, attached to slime wit
 * ``POST /pause_generation`` / ``/continue_generation`` / ``/abort_request``: handled in the adapter
   (new requests wait while paused; ``abort`` closes the upstream connections of in-flight requests,
   which makes vLLM abort them, and answers them with ``finish_reason: abort``);
-* ``GET /server_info``, ``/get_model_info``, ``/get_weight_version``, ``/health``, ``/health_generate``,
-  ``/flush_cache``.
+* the rest of SGLang's surface as :mod:`slime_ascend.rollout.http_api` serves it for every engine
+  (``/server_info``, ``/model_info``, ``/v1/loads``, ``/health*``, ``/flush_cache``, the same input checks,
+  501 for the distributed weight-sync endpoints).
 
 The dev-mode endpoints need ``VLLM_SERVER_DEV_MODE=1`` in vLLM's environment (vllm-ascend's
 ``rl_config`` sets it). Log-probs: start vLLM with ``--logprobs-mode processed_logprobs`` so they are
@@ -34,10 +35,10 @@ import socket
 import threading
 import uuid
 from collections.abc import Mapping
-from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..http_api import RequestError, check_generate_keys, make_server, serve_until_interrupted
 from . import RolloutBackend
 
 logger = logging.getLogger("slime_ascend.rollout")
@@ -63,18 +64,14 @@ SAMPLING_MAP = {
 }
 # accepted and dropped: SGLang-only hints with no vLLM counterpart
 IGNORED_SAMPLING = {"custom_params"}
-
-
-class AdapterError(ValueError):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+# top-level /generate keys honoured (http_api.check_generate_keys refuses the rest)
+GENERATE_KEYS = frozenset({"input_ids", "sampling_params", "return_logprob", "rid"})
 
 
 def to_vllm_request(model: str, input_ids: list[int], sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:
-    """SGLang ``/generate`` fields -> a vLLM ``/v1/completions`` body (raises :class:`AdapterError`)."""
+    """SGLang ``/generate`` fields -> a vLLM ``/v1/completions`` body (raises :class:`RequestError`)."""
     if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
-        raise AdapterError("input_ids must be a non-empty list of token ids (the adapter does not tokenize text)")
+        raise RequestError("input_ids must be a non-empty list of token ids (the adapter does not tokenize text)")
     params = dict(sampling_params or {})
     body: dict[str, Any] = {
         "model": model,
@@ -87,19 +84,19 @@ def to_vllm_request(model: str, input_ids: list[int], sampling_params: Mapping[s
     }
     n = params.pop("n", 1)
     if n != 1:
-        raise AdapterError(f"sampling_params.n={n!r}: the adapter serves one sample per request (send n requests)")
+        raise RequestError(f"sampling_params.n={n!r}: the adapter serves one sample per request (send n requests)")
     for key, value in params.items():
         if key in IGNORED_SAMPLING or value is None:
             continue
         if key not in SAMPLING_MAP:
-            raise AdapterError(f"sampling_params.{key} has no vLLM counterpart in the adapter; drop it")
+            raise RequestError(f"sampling_params.{key} has no vLLM counterpart in the adapter; drop it")
         body[SAMPLING_MAP[key]] = value
     return body
 
 
 def _token_id(token: str) -> int:
     if not isinstance(token, str) or not token.startswith("token_id:"):
-        raise AdapterError(f"vLLM returned token {token!r}, expected 'token_id:<n>' (return_tokens_as_token_ids)", 502)
+        raise RequestError(f"vLLM returned token {token!r}, expected 'token_id:<n>' (return_tokens_as_token_ids)", 502)
     return int(token.split(":", 1)[1])
 
 
@@ -111,7 +108,7 @@ def from_vllm_response(
     try:
         choice = answer["choices"][0]
     except (KeyError, IndexError, TypeError) as exc:
-        raise AdapterError(f"vLLM answer has no choices[0]: {answer!r}"[:500], 502) from exc
+        raise RequestError(f"vLLM answer has no choices[0]: {answer!r}"[:500], 502) from exc
     logprobs = choice.get("logprobs") or {}
     tokens = logprobs.get("tokens")
     if choice.get("token_ids") is not None:  # vLLM's return_token_ids extension
@@ -119,10 +116,10 @@ def from_vllm_response(
     elif tokens is not None:
         ids = [_token_id(t) for t in tokens]
     else:
-        raise AdapterError("vLLM answer carries neither token_ids nor logprobs.tokens", 502)
+        raise RequestError("vLLM answer carries neither token_ids nor logprobs.tokens", 502)
     token_logprobs = logprobs.get("token_logprobs")
     if return_logprob and (token_logprobs is None or len(token_logprobs) != len(ids)):
-        raise AdapterError("vLLM answer lacks one log-prob per output token (logprobs.token_logprobs)", 502)
+        raise RequestError("vLLM answer lacks one log-prob per output token (logprobs.token_logprobs)", 502)
     reason = choice.get("finish_reason")
     if reason == "stop":
         finish: dict[str, Any] = {"type": "stop", "matched": choice.get("stop_reason")}
@@ -131,7 +128,7 @@ def from_vllm_response(
     elif reason == "abort":
         finish = {"type": "abort", "message": "aborted by vLLM"}
     else:
-        raise AdapterError(f"vLLM finish_reason {reason!r} is not stop/length/abort", 502)
+        raise RequestError(f"vLLM finish_reason {reason!r} is not stop/length/abort", 502)
     usage = answer.get("usage") or {}
     meta: dict[str, Any] = {
         "id": rid,
@@ -156,7 +153,10 @@ def _aborted(rid: str, message: str, weight_version: str, prompt_len: int, retur
 
 
 class VLLMAdapter:
-    """SGLang's engine surface over one vLLM OpenAI server at ``vllm_url``."""
+    """SGLang's engine surface (:class:`~slime_ascend.rollout.http_api.SGLangEngine`) over one vLLM
+    OpenAI server at ``vllm_url``."""
+
+    engine_name = "the vllm-ascend adapter"
 
     def __init__(
         self, vllm_url: str, model: str, *, tp_size: int = 1, sleep_level: int = 1,
@@ -188,7 +188,7 @@ class VLLMAdapter:
             response = conn.getresponse()
             raw = response.read()
             if response.status >= 400:
-                raise AdapterError(f"vLLM {method} {path} answered {response.status}: {raw[:500]!r}", 502)
+                raise RequestError(f"vLLM {method} {path} answered {response.status}: {raw[:500]!r}", 502)
             return json.loads(raw) if raw.strip() else {}
         finally:
             if rid is not None:
@@ -197,14 +197,18 @@ class VLLMAdapter:
             conn.close()
 
     # -- SGLang surface -------------------------------------------------------------------
-    def generate(self, payload: Mapping[str, Any]) -> Any:
-        ids = payload.get("input_ids")
-        if ids is None:
-            raise AdapterError("send input_ids (the adapter does not tokenize 'text')")
+    def generate(self, payload: Mapping[str, Any], is_disconnected: Any = None) -> Any:
+        if isinstance(payload, Mapping) and payload.get("input_ids") is None:
+            raise RequestError("send input_ids (the adapter does not tokenize 'text')")
+        check_generate_keys(payload, GENERATE_KEYS, self.engine_name)
+        ids = payload["input_ids"]
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
             return [self.generate({**payload, "input_ids": one, "rid": None}) for one in ids]
-        rid = payload.get("rid") or uuid.uuid4().hex
-        return_logprob = bool(payload.get("return_logprob", False))
+        rid, return_logprob = payload.get("rid") or uuid.uuid4().hex, payload.get("return_logprob", False)
+        if not isinstance(rid, str):
+            raise RequestError(f"rid must be a string, got {rid!r}")
+        if not isinstance(return_logprob, bool):
+            raise RequestError(f"return_logprob must be true or false, got {return_logprob!r}")
         body = to_vllm_request(self.model, ids, payload.get("sampling_params"))
         with self._state:
             self._state.wait_for(lambda: not self._paused)
@@ -216,7 +220,7 @@ class VLLMAdapter:
                 self._aborted.discard(rid)
             if was_aborted:
                 return _aborted(rid, "aborted by the adapter", self.weight_version, len(ids), return_logprob)
-            raise AdapterError(f"vLLM at {self.host}:{self.port} unreachable: {exc}", 502) from exc
+            raise RequestError(f"vLLM at {self.host}:{self.port} unreachable: {exc}", 502) from exc
         return from_vllm_response(answer, rid=rid, prompt_len=len(ids), max_tokens=body.get("max_tokens"),
                                   return_logprob=return_logprob, weight_version=self.weight_version)
 
@@ -233,8 +237,6 @@ class VLLMAdapter:
         return len(conns)
 
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
-        if mode not in ("abort", "in_place", "retract"):
-            raise AdapterError(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
         with self._state:
             self._paused = True
             rids = list(self._inflight)
@@ -254,7 +256,7 @@ class VLLMAdapter:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **_: Any) -> dict[str, Any]:
         if not isinstance(model_path, str) or not model_path:
-            raise AdapterError("update_weights_from_disk needs 'model_path'")
+            raise RequestError("update_weights_from_disk needs 'model_path'")
         self._call("POST", "/collective_rpc", {"method": "update_config",
                                                "args": [{"model_config": {"model": model_path}}]})
         self._call("POST", "/collective_rpc", {"method": "reload_weights"})
@@ -283,7 +285,7 @@ class VLLMAdapter:
         try:
             self._call("GET", "/health")
             return True
-        except (AdapterError, OSError, http.client.HTTPException):
+        except (RequestError, OSError, http.client.HTTPException):
             return False
 
     def health_generate(self) -> bool:
@@ -293,7 +295,7 @@ class VLLMAdapter:
         try:
             self._call("POST", "/v1/completions", body)
             return True
-        except (AdapterError, OSError, http.client.HTTPException):
+        except (RequestError, OSError, http.client.HTTPException):
             return False
 
     def server_info(self) -> dict[str, Any]:
@@ -316,50 +318,12 @@ class VLLMAdapter:
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model, "is_generation": True, "weight_version": self.weight_version}
 
-
-def make_adapter_server(adapter: VLLMAdapter, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
-    """A bound threaded HTTP server exposing ``adapter`` (reuses the reference engine's request handling)."""
-    from ..http_api import _Handler
-    from ..reference_engine import RequestError
-
-    def guard(fn):
-        def call(body: dict) -> tuple[int, Any]:
-            try:
-                return 200, fn(body)
-            except AdapterError as exc:
-                raise RequestError(str(exc), status=exc.status) from exc
-        return call
-
-    def health(_: dict) -> tuple[int, Any]:
-        return (200, {"status": "ok"}) if adapter.health() else (503, {"error": "vLLM not healthy"})
-
-    def health_generate(_: dict) -> tuple[int, Any]:
-        return (200, {"status": "ok"}) if adapter.health_generate() else (503, {"error": "vLLM cannot generate"})
-
-    routes: dict[tuple[str, str], Any] = {
-        ("POST", "/generate"): guard(adapter.generate),
-        ("POST", "/update_weights_from_disk"): guard(lambda b: adapter.update_weights_from_disk(**b)),
-        ("POST", "/pause_generation"): guard(lambda b: adapter.pause_generation(b.get("mode", "abort"))),
-        ("POST", "/continue_generation"): guard(lambda b: adapter.continue_generation()),
-        ("POST", "/abort_request"): guard(lambda b: adapter.abort_request(b.get("rid"), bool(b.get("abort_all", False)))),
-        ("POST", "/release_memory_occupation"): guard(lambda b: adapter.release_memory_occupation()),
-        ("POST", "/resume_memory_occupation"): guard(lambda b: adapter.resume_memory_occupation(b.get("tags"))),
-        ("GET", "/server_info"): guard(lambda b: adapter.server_info()),
-        ("GET", "/get_server_info"): guard(lambda b: adapter.server_info()),
-        ("GET", "/get_model_info"): guard(lambda b: adapter.model_info()),
-        ("GET", "/get_weight_version"): guard(lambda b: {"weight_version": adapter.weight_version}),
-    }
-    for method in ("GET", "POST"):
-        routes[(method, "/health")] = health
-        routes[(method, "/health_generate")] = health_generate
-        routes[(method, "/flush_cache")] = guard(lambda b: adapter.flush_cache())
-    unsupported = lambda b: (501, {"success": False, "error": "vllm-ascend adapter: use --update-weight-transport disk"})  # noqa: E731
-    for path in ("/update_weights_from_distributed", "/update_weights_from_tensor", "/init_weights_update_group"):
-        routes[("POST", path)] = unsupported
-    handler = type("VLLMAdapterHandler", (_Handler,), {"routes": routes, "server_version": "slime-ascend-vllm-adapter"})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    def loads(self) -> dict[str, Any]:
+        """Requests at vLLM through this adapter (vLLM's own queue is not visible here: all count as running)."""
+        with self._state:
+            running = len(self._inflight)
+        return {"loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0,
+                           "num_total_reqs": running}]}
 
 
 class VLLMAscendBackend(RolloutBackend):
@@ -398,10 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
     ns = parser.parse_args(argv)
     adapter = VLLMAdapter(ns.vllm_url, ns.model, tp_size=ns.tp_size, sleep_level=ns.sleep_level)
-    server = make_adapter_server(adapter, ns.host, ns.port)
+    server = make_server(adapter, ns.host, ns.port)
     print(f"vllm adapter at http://{ns.host}:{server.server_address[1]} -> {ns.vllm_url}", flush=True)
-    from ..http_api import serve_until_interrupted
-
     serve_until_interrupted(server)
     return 0
 
