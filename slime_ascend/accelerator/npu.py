@@ -49,17 +49,72 @@ def is_npu_available() -> bool:
         return False
 
 
+class _AscendIdentity:
+    """What makes a backend ``npu`` to slime, whatever runs its device operations: HCCL, Ray's ``NPU``
+    resource, ``ASCEND_RT_VISIBLE_DEVICES``, no ``device_id`` for process groups, the capabilities
+    Ascend lacks."""
+
+    communication_backend_name = COMMUNICATION_BACKEND
+
+    @property
+    def visible_devices_env(self) -> str:
+        return VISIBLE_DEVICES_ENV
+
+    def communication_backend(self, default: str = "nccl") -> str:
+        return self.communication_backend_name if default in ("nccl", "hccl") else default
+
+    def weight_update_backend(self, default: str = "nccl") -> str:
+        return self.communication_backend(default)
+
+    def distributed_device_id(self, index=None):
+        return None  # HCCL takes no device_id in init_process_group
+
+    def supports(self, capability: str) -> bool:
+        if capability in {"nvml_affinity", "sglang_fp8_utils", "strict_fp32_logits", "torch_compile"}:
+            return False
+        return super().supports(capability)
+
+    def ray_resource_name(self) -> str:
+        return RAY_RESOURCE
+
+
 @functools.lru_cache(maxsize=None)
 def accelerator_class(device_type: str = NAME) -> type:
-    """slime ``Accelerator`` subclass for ``device_type`` (``npu``; ``cpu``/``cuda`` in tests)."""
+    """slime ``Accelerator`` subclass for ``device_type``.
+
+    ``npu``: device operations through ``torch.npu`` (torch_npu). ``cuda``: the same class over
+    ``torch.cuda`` (tests on a GPU). ``cpu``: the ``npu`` identity over the host's device operations
+    (the ``cpu`` plugin's accelerator): what ``npu`` on the host (plugins ``cpu,npu``, see
+    :func:`slime_ascend.accelerator.plugin.on_host`) registers, so slime's loop runs every ``npu`` code
+    path that does not need the chip; its transport is gloo.
+    """
+    if device_type == "cpu":
+        from slime.utils.accelerator.base import Accelerator
+
+        from ..cpu.accelerator import COMMUNICATION_BACKEND as HOST_BACKEND
+        from ..cpu.accelerator import accelerator_class as host_accelerator_class
+
+        class AscendOnHostAccelerator(_AscendIdentity, host_accelerator_class()):
+            name = f"{NAME}-as-cpu"
+            communication_backend_name = HOST_BACKEND
+
+            def communication_backend(self, default: str = "nccl") -> str:
+                return HOST_BACKEND if default in ("nccl", "hccl", "gloo") else default
+
+            def resolve_visible_device_id(self, physical_device_id) -> int:
+                # slime's rule under ASCEND_RT_VISIBLE_DEVICES (which Ray sets for NPU workers), not the
+                # host's "always device 0"
+                return Accelerator.resolve_visible_device_id(self, physical_device_id)
+
+        AscendOnHostAccelerator.__qualname__ = "AscendAccelerator[cpu]"
+        return AscendOnHostAccelerator
+
     import torch
     from slime.utils.accelerator.torch_accelerator import TorchAccelerator
 
-    class AscendAccelerator(TorchAccelerator):
+    class AscendAccelerator(_AscendIdentity, TorchAccelerator):
         name = NAME if device_type == NAME else f"{NAME}-as-{device_type}"
-        communication_backend_name = COMMUNICATION_BACKEND if device_type == NAME else (
-            "nccl" if device_type == "cuda" else "gloo"
-        )
+        communication_backend_name = COMMUNICATION_BACKEND if device_type == NAME else "nccl"
 
         def __init__(self) -> None:
             self.device_type = device_type
@@ -77,30 +132,9 @@ def accelerator_class(device_type: str = NAME) -> type:
                 return is_npu_available()
             return bool(self._module().is_available())
 
-        @property
-        def visible_devices_env(self) -> str:
-            return VISIBLE_DEVICES_ENV
-
         def current_device(self) -> int:
             value = self._module().current_device()
             return int(value) if str(value).isdigit() else 0
-
-        def communication_backend(self, default: str = "nccl") -> str:
-            return self.communication_backend_name if default in ("nccl", "hccl") else default
-
-        def weight_update_backend(self, default: str = "nccl") -> str:
-            return self.communication_backend(default)
-
-        def distributed_device_id(self, index=None):
-            return None  # HCCL takes no device_id in init_process_group
-
-        def supports(self, capability: str) -> bool:
-            if capability in {"nvml_affinity", "sglang_fp8_utils", "strict_fp32_logits", "torch_compile"}:
-                return False
-            return super().supports(capability)
-
-        def ray_resource_name(self) -> str:
-            return RAY_RESOURCE
 
         def post_import_torch(self) -> None:
             if self.device_type == NAME:
@@ -114,9 +148,21 @@ def make_accelerator() -> Any:
     return accelerator_class(NAME)()
 
 
-def register(accelerator_module: Any) -> None:
+def make_host_accelerator() -> Any:
+    return accelerator_class("cpu")()
+
+
+def register(accelerator_module: Any, *, on_host: bool = False) -> None:
     """Register ``npu`` in slime's accelerator registry (``accelerator_module`` is
-    ``slime.utils.accelerator``). Idempotent."""
+    ``slime.utils.accelerator``). Idempotent. ``on_host``: the ``npu`` identity over the host's
+    device operations (always available, gloo), for plugins ``cpu,npu`` on a host without torch_npu."""
+    if on_host:
+        from ..cpu.accelerator import COMMUNICATION_BACKEND as HOST_BACKEND
+
+        accelerator_module.register_accelerator(NAME, make_host_accelerator, lambda: True, priority=PRIORITY,
+                                                communication_backends=(HOST_BACKEND,))
+        logger.debug("registered the npu accelerator on the host (priority %d, %s)", PRIORITY, HOST_BACKEND)
+        return
     accelerator_module.register_accelerator(
         NAME,
         make_accelerator,

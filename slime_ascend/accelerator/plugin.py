@@ -5,6 +5,13 @@ Process start (every process, from the bootstrap): register the ``npu`` accelera
 on hosts with torch_npu (or when forced with ``SLIME_ASCEND_NPU_KERNEL_PATCHES=on``), import
 MindSpeed's adaptor before Megatron, disable jit/compile fusion and fix the fc1 gather layout.
 In each train actor the megatron-init dispatcher then calls MindSpeed's ``repatch(args)``.
+
+With the ``cpu`` plugin on a host without torch_npu (``SLIME_ASCEND_PLUGINS=cpu,npu``), ``npu`` runs
+on the host: the same registration, Ray ``NPU`` resources and ``ASCEND_RT_VISIBLE_DEVICES`` handling,
+with the host's device operations (:func:`npu.accelerator_class` ``("cpu")``, gloo) and the ``cpu``
+plugin's Megatron shims in place of torch_npu's. Ray must advertise ``NPU`` (``ray start --resources
+'{"NPU": 8}'`` or ``RAY_OVERRIDE_RESOURCES``). It is how an Ascend launch is checked on a CPU host,
+and how CI runs the ``npu`` plugin inside slime's loop.
 """
 
 from __future__ import annotations
@@ -29,8 +36,17 @@ def kernel_patches_enabled() -> bool:
     return mode == "on" or (mode == "auto" and npu.torch_npu_installed())
 
 
+def on_host() -> bool:
+    """True where ``npu`` runs over the host's device operations: the ``cpu`` plugin is enabled too
+    (the ``cpu`` plugin refuses that pairing on a host with torch_npu)."""
+    from ..plugins import runtime
+
+    return "cpu" in runtime.enabled_names() and not npu.torch_npu_installed()
+
+
 def on_process_start() -> None:
-    _import_hooks.when_imported("slime.utils.accelerator", npu.register)
+    host = on_host()
+    _import_hooks.when_imported("slime.utils.accelerator", lambda module: npu.register(module, on_host=host))
     patch.install_when_imported("driver.ray_npu_resources")
     if kernel_patches_enabled():
         from ..patch.train.mindspeed_repatch import import_adaptor_before_megatron

@@ -17,6 +17,11 @@ What the ``npu`` plugin does for Ascend, for the host CPU (``slime_on_cpu.md`` l
 
 It is for development, debugging and CI of slime jobs without a GPU; a GPU or NPU host keeps its
 device (the accelerator has the lowest priority, and the torch shims refuse to replace CUDA).
+
+With ``npu`` (``SLIME_ASCEND_PLUGINS=cpu,npu``, a host without torch_npu) the ``npu`` plugin's code
+paths run on the host: ``npu`` owns the accelerator and the Ray resources (``NPU``, which Ray must
+advertise), this plugin keeps the Megatron shims, flags and YAML. On a host with torch_npu the
+pairing is refused: the chip is there, use ``npu`` alone.
 """
 
 from __future__ import annotations
@@ -43,12 +48,27 @@ def _install_torch_patches(_megatron_core) -> None:
         patch.install(patch_id)
 
 
+def _with_npu() -> bool:
+    """``npu`` is enabled too: it runs on the host and owns the Ray resources."""
+    from ..accelerator import npu
+    from ..plugins import runtime
+    from ..plugins.registry import PluginError
+
+    if "npu" not in runtime.enabled_names():
+        return False
+    if npu.torch_npu_installed():
+        raise PluginError("plugins 'cpu' and 'npu' together run npu on the host, but this host has torch_npu. "
+                          "Fix: drop 'cpu' from SLIME_ASCEND_PLUGINS / ascend_plugins to run on the NPUs.")
+    return True
+
+
 def on_process_start() -> None:
     from ..compat import typing_override
 
     typing_override.ensure()  # megatron-core >= 0.17 on Python 3.11
     _import_hooks.when_imported("slime.utils.accelerator", _register_accelerator)
-    patch.install_when_imported("driver.ray_cpu_resources")
+    if not _with_npu():
+        patch.install_when_imported("driver.ray_cpu_resources")
     _import_hooks.when_imported("megatron.core", _install_torch_patches)
 
 
@@ -60,7 +80,7 @@ PLUGIN = Plugin(
     name="cpu",
     description="slime on the host CPU (gloo, Ray without GPUs, Megatron's torch.cuda calls on the host, "
     "a THD-packed local spec): development, debugging and CI without a GPU",
-    conflicts=("npu", "sglang-npu", "vllm-ascend"),
+    conflicts=("sglang-npu", "vllm-ascend"),  # with "npu": npu on the host (module docstring)
     process_start=("slime_ascend.cpu.plugin.on_process_start",),
     patches=("driver.ray_cpu_resources",) + TORCH_PATCHES,
     # slime forces offload_train for PPO (--advantage-estimator ppo: actor and critic share devices) and then

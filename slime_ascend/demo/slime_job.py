@@ -244,7 +244,9 @@ def job_env(plugins: tuple[str, ...], extra_env: dict[str, str] | None = None, s
         "WANDB_MODE": "disabled",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
-        "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": RAY_LOGICAL_CPUS}),
+        # npu on the host (plugins cpu,npu): Ray advertises NPU, as it does by itself on an Ascend host
+        "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": RAY_LOGICAL_CPUS, **({"NPU": RAY_LOGICAL_CPUS}
+                                                                        if "npu" in plugins else {})}),
         # every Ray worker imports torch at start (the plugin bootstrap); on a loaded 2-core host that can
         # take longer than Ray's 60 s registration timeout ("worker startup repeatedly failed")
         "RAY_worker_register_timeout_seconds": "600",

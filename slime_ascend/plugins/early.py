@@ -78,12 +78,36 @@ def _args_at(role: str, position: int):
                 runtime.set_train_role(a[position + 1] if len(a) > position + 1 else kw.get("role"))
             if args is not None:
                 validate_now(args, role)
-            return fn(*a, **kw)
+            result = fn(*a, **kw)
+            if role == "train":
+                _report_device()
+            return result
 
         wrapper.__slime_ascend_early__ = True
         return wrapper
 
     return make
+
+
+def _report_device() -> None:
+    """One line per train actor: the backend slime's registry selected and the device Ray gave it, the
+    first thing to read when a job lands on the wrong device or transport."""
+    import os
+
+    try:
+        from slime.utils import accelerator
+        from slime.utils.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        env = acc.visible_devices_env
+        backend = accelerator.process_group_backend()
+    except Exception:  # noqa: BLE001 - a report, never a reason to fail the actor
+        return
+    from . import runtime
+
+    runtime.logger.info(
+        "slime accelerator in the %s train actor: %s (process groups %s, %s=%s, LOCAL_RANK=%s)",
+        runtime.train_role() or "?", acc.name, backend, env, os.environ.get(env, ""), os.environ.get("LOCAL_RANK", ""))
 
 
 def _wrap_attr(owner: Any, name: str, make) -> bool:

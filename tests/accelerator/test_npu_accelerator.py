@@ -38,11 +38,9 @@ def test_cpu_host_selection_is_unchanged():
     assert proc.stdout.strip().splitlines()[-1] == "True"
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
 @pytest.mark.device
-@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the class over torch.cuda)")
+@pytest.mark.parametrize("device_type", ["cuda"])
 def test_same_class_runs_on_present_devices(device_type):
     from slime.utils.accelerator.base import Accelerator
 
@@ -73,3 +71,63 @@ def test_weight_update_backend_is_hccl():
     assert acc.communication_backend("nccl") == "hccl"
     assert acc.weight_update_backend("nccl") == "hccl"
     assert acc.communication_backend("gloo") == "gloo"
+
+
+# --- npu on the host (plugins cpu,npu): the npu identity over the host's device operations -------------------
+
+
+def test_host_class_has_the_npu_identity_and_the_hosts_device_ops(monkeypatch):
+    from slime.utils.accelerator.base import Accelerator
+
+    acc = npu.accelerator_class("cpu")()
+    assert isinstance(acc, Accelerator) and acc.is_available()
+    assert acc.name == "npu-as-cpu"
+    # what makes it npu to slime
+    assert acc.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
+    assert acc.ray_resource_name() == "NPU"
+    assert acc.distributed_device_id(0) is None
+    assert acc.supports("torch_compile") is False and acc.supports("nvml_affinity") is False
+    # what the host runs: gloo, the one host device, host memory, torch's RNG
+    assert acc.communication_backend() == acc.communication_backend("hccl") == "gloo"
+    assert acc.weight_update_backend() == "gloo"
+    assert acc.device() == torch.device("cpu") and acc.current_device() == "cpu"
+    avail, total = acc.mem_get_info()
+    assert 0 <= avail <= total and total > 0
+    acc.manual_seed(7)
+    state = acc.get_rng_state()
+    first = torch.rand(3)
+    acc.set_rng_state(state)
+    assert torch.equal(first, torch.rand(3))
+    # slime's device-id rule under the variable Ray sets for NPU workers (the host class alone says 0)
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,6")
+    assert acc.resolve_visible_device_id("6") == 1 and acc.resolve_visible_device_id(4) == 0
+    with pytest.raises(RuntimeError, match="ASCEND_RT_VISIBLE_DEVICES"):
+        acc.resolve_visible_device_id(5)
+
+
+def test_cpu_and_npu_select_npu_on_the_host_in_a_fresh_interpreter():
+    proc = run_python(
+        "import json; from slime.utils import accelerator as a; import slime.ray.placement_group as pg;"
+        "acc = a.get_accelerator();"
+        "print(json.dumps([acc.name, a._REGISTRY['npu'].communication_backends, a.process_group_backend(),"
+        " type(pg.ray).__name__]))",
+        env={"SLIME_ASCEND_PLUGINS": "cpu,npu"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    name, backends, backend, ray_view = json.loads(proc.stdout.strip().splitlines()[-1])
+    # npu outranks cpu in slime's registry; the cpu plugin leaves Ray to npu's NPU view
+    assert (name, backends, backend, ray_view) == ("npu-as-cpu", ["gloo"], "gloo", "NPURay")
+
+
+def test_cpu_and_npu_together_are_refused_where_torch_npu_is_installed(monkeypatch):
+    from slime_ascend.cpu import plugin as cpu_plugin
+    from slime_ascend.plugins.registry import PluginError
+
+    monkeypatch.setenv("SLIME_ASCEND_PLUGINS", "cpu,npu")
+    monkeypatch.setattr(npu, "torch_npu_installed", lambda: True)
+    with pytest.raises(PluginError, match="drop 'cpu'"):
+        cpu_plugin._with_npu()
+    monkeypatch.setattr(npu, "torch_npu_installed", lambda: False)
+    assert cpu_plugin._with_npu() is True
+    monkeypatch.setenv("SLIME_ASCEND_PLUGINS", "cpu")
+    assert cpu_plugin._with_npu() is False

@@ -8,6 +8,7 @@ writes. Reward is slime's ``--rm-type random``, so the policy gradient is not id
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,8 +42,10 @@ def _assert_finished(run):
     assert run.returncode == 0, run.log[-6000:]
 
 
-def test_train_py_grpo_with_dis_staleness_and_tito(model_dir, engine, tmp_path):
-    plugins = ("cpu", "dis", "staleness", "tito")
+def test_train_py_grpo_with_npu_on_the_host_dis_staleness_and_tito(model_dir, engine, tmp_path):
+    """``npu`` runs on the host here (plugins ``cpu,npu``): slime selects the npu accelerator from its
+    registry in every process, and its placement group and actors ask Ray for ``NPU``."""
+    plugins = ("cpu", "npu", "dis", "staleness", "tito")
     prompts = make_prompts(tmp_path / "prompts.jsonl")
     batch, n_samples = 4, 4
     run = run_slime("train.py", slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=2, n_samples=n_samples,
@@ -50,12 +53,24 @@ def test_train_py_grpo_with_dis_staleness_and_tito(model_dir, engine, tmp_path):
                     tmp_path, plugins, custom_config=_config(tmp_path, *plugins))
     _assert_finished(run)
     # every role ran the plugins, from the bootstrap and the YAML slime loaded
+    lines = run.log.splitlines()
     for role in ("RolloutManager", "MegatronTrainRayActor"):
-        assert any(role in line and "slime-ascend plugins active: cpu, dis, staleness, tito" in line
-                   for line in run.log.splitlines()), role
-    for patch_id in ("driver.ray_cpu_resources", "train.cpu_current_device", "train.cpu_streams",
+        assert any(role in line and "slime-ascend plugins active: cpu, npu, dis, staleness, tito" in line
+                   for line in lines), role
+    # slime's registry picked npu (over the host's device ops) in the train actor, and its Ray code asked for
+    # NPU: the placement group was placed on a cluster whose only device is NPU, slime logged the NPU id Ray
+    # gave each bundle, and the train actor's LOCAL_RANK is that id (slime tells Ray not to set
+    # ASCEND_RT_VISIBLE_DEVICES in train actors, as on an Ascend host)
+    device = [line for line in lines if "slime accelerator in the actor train actor" in line]
+    assert len(device) == 1 and "MegatronTrainRayActor" in device[0], device
+    found = re.search(r": npu-as-cpu \(process groups gloo, ASCEND_RT_VISIBLE_DEVICES=, LOCAL_RANK=(\d+)\)$", device[0])
+    assert found, device
+    bundles = re.findall(r"bundle +0, actual_bundle_index: +0, node: \S+, gpu: (\d+)$", run.log, re.MULTILINE)
+    assert bundles == [found.group(1)], bundles
+    for patch_id in ("driver.ray_npu_resources", "train.cpu_current_device", "train.cpu_streams",
                      "train.cpu_device_map", "train.cpu_tensor_type"):
         assert f"applied runtime patch {patch_id}" in run.log
+    assert "applied runtime patch driver.ray_cpu_resources" not in run.log
     train_steps = _steps(run, "train/step")
     assert [m["train/step"] for m in train_steps] == [0, 1]
     # DIS measured the train/rollout ratio and masked outside its band on every step, inside slime's policy loss

@@ -35,6 +35,18 @@ def test_placement_group_asks_for_npu_and_removes_cleanly(ray_cluster):
     assert pg_mod.placement_group is original_pg and pg_mod.InfoActor is original_info
 
 
+def test_placement_group_without_any_npu_in_the_cluster_fails_at_once():
+    """slime waits for ever on a placement group nobody can place: a cluster with no NPU says so."""
+    from slime_ascend.patch.driver.ray_npu_resources import NoDeviceResource, require_device_resource
+
+    bundles = [{"NPU": 1, "CPU": 1}] * 2
+    with pytest.raises(NoDeviceResource, match=r"needs 2 NPU .* advertises no NPU.*Fix: start Ray"):
+        require_device_resource(bundles, "NPU", {"CPU": 8.0, "GPU": 2.0})
+    require_device_resource(bundles, "NPU", {"CPU": 8.0, "NPU": 1.0})  # some: Ray may still place it (or scale)
+    require_device_resource([{"CPU": 1}], "NPU", {"CPU": 8.0})  # nothing asked
+    require_device_resource(bundles, None, {})  # the cpu plugin asks for no device resource
+
+
 def test_actor_options_are_translated():
     from slime_ascend.patch.driver.ray_npu_resources import translate_bundles, translate_options
 

@@ -9,8 +9,8 @@ So ``python train.py`` starts on any Ray cluster, including the local one slime'
 starts in the driver, with no ``--num-gpus`` or custom resources.
 
 How: the same view as ``driver.ray_npu_resources`` (:class:`DeviceRay`) with no device resource.
-The two patches replace the same attributes, so enabling ``cpu`` and ``npu`` together is refused by
-the ledger (and the plugins conflict).
+The two patches replace the same attributes: with ``cpu`` and ``npu`` together (``npu`` on the host)
+the ``cpu`` plugin leaves Ray to ``driver.ray_npu_resources``.
 """
 
 from __future__ import annotations

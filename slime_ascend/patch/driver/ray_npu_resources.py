@@ -129,9 +129,35 @@ def _as_gpu_view(resources: dict[str, float], resource: str | None = NPU) -> dic
     return resources
 
 
+class NoDeviceResource(RuntimeError):
+    """The Ray cluster advertises none of the device resource slime's placement group needs."""
+
+
+def require_device_resource(bundles: list[dict[str, float]], resource: str | None, cluster: dict[str, float]) -> None:
+    """A placement group that needs ``resource`` on a cluster with none of it waits for ever in slime
+    (``pg.ready()``): say so at once."""
+    need = sum(b.get(resource, 0) for b in bundles) if resource is not None else 0
+    if need and not cluster.get(resource):
+        raise NoDeviceResource(
+            f"slime's placement group needs {need:g} {resource} but the Ray cluster advertises no {resource} "
+            f"resource. Fix: start Ray with `ray start --head --resources '{{\"{resource}\": {need:g}}}'` "
+            f"(on Ascend, with the Ascend driver visible to Ray), or set RAY_OVERRIDE_RESOURCES for a local cluster."
+        )
+
+
 def device_placement_group(original, resource: str | None = NPU):
     def placement_group(bundles, *args, **kwargs):
-        return original(translate_bundles(bundles, resource), *args, **kwargs)
+        bundles = translate_bundles(bundles, resource)
+        group = original(bundles, *args, **kwargs)  # starts the local cluster on slime's first Ray call
+        if resource is not None:
+            import ray
+
+            try:
+                require_device_resource(bundles, resource, ray.cluster_resources())
+            except NoDeviceResource:
+                ray.util.remove_placement_group(group)
+                raise
+        return group
 
     placement_group.__wrapped__ = original
     return placement_group
