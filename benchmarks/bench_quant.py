@@ -4,8 +4,11 @@
     tensor: ratio = copy_time / quant_time, target >= 0.5. Every kernel choice is timed side
     by side in one interleaved loop: eager (torch ops), native (the C kernels, the CPU
     default), compile (torch.compile, opt-in). The target rows time the default call
-    (`fused=None` with SLIME_ASCEND_QUANT_FUSED unset) and name the backend it ran; the other
-    rows are informational.
+    (`fused=None` with SLIME_ASCEND_QUANT_FUSED unset: `auto`, which keeps the native kernels
+    only where its first-use timing finds them not slower than eager) and name the backend it
+    ran; the per-path rows are informational, and one checked row holds every native and
+    compiled path to at least eager's speed (ratio = min over them of eager time / path time).
+    Every row names the CPU model and its vector extensions.
 (b) INT8 (compressed-tensors numerics) and INT4 group quantise+pack vs the compressed-tensors
     library's own path (calculate_qparams + compressor.compress) on the same tensor:
     ratio = library_time / ours, target >= 2, and the outputs must be identical.
@@ -32,6 +35,9 @@ from slime_ascend.quant import make_spec, quantize_param
 from slime_ascend.quant.fp8_block import quantize_fp8_block
 from slime_ascend.quant.int_quant import quantize_int
 from slime_ascend.quant.schemes import FP8BlockScheme
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _host import describe as host  # noqa: E402
 
 NAME = "model.layers.0.mlp.down_proj.weight"
 
@@ -106,7 +112,9 @@ def run(quick: bool = False) -> list[dict]:
             outs[fmt, kind] = got
             chosen = _fused.backend(fused, w)
             key = ("fp8" if fmt == "fp8" else "int", chosen, schemes[fmt], w.dtype, w.device.type)
-            ran[fmt, kind] = chosen if chosen and _fused.verdict(key) else "eager"
+            ran[fmt, kind] = (chosen if chosen and _fused.verdict(key) and (kind != "default" or
+                                                                      _fused.auto_choice(key) is not False)
+                              else "eager")
     fns: dict[str, Callable[[], object]] = {"copy": lambda: dst.copy_(w), "clone": lambda: w.clone()}
     for fmt in schemes:
         for kind, fused in kinds.items():
@@ -115,8 +123,13 @@ def run(quick: bool = False) -> list[dict]:
     t = _interleaved(fns, repeats)
     labels = {"int8_ascend": "quant_int8_w8a8_vs_copy", "int8_ct": "quant_int8_ct_vs_copy",
               "fp8": "quant_fp8_block_vs_copy"}
+    cpu = host()
+    slowest = (float("inf"), "")
     for fmt, label in labels.items():
-        head = f"{n}x{k} bf16, {torch.get_num_threads()} threads: copy_ {t['copy'] * 1e3:.1f} ms"
+        head = f"{cpu}; {n}x{k} bf16, {torch.get_num_threads()} threads: copy_ {t['copy'] * 1e3:.1f} ms"
+        for kind in ("native", "compile"):
+            if ran[fmt, kind] == kind:
+                slowest = min(slowest, (t[f"{fmt}/eager"] / t[f"{fmt}/{kind}"], f"{fmt} {kind}"))
         for kind in ("eager", "native", "compile"):
             r = t["copy"] / t[f"{fmt}/{kind}"]
             note = "" if ran[fmt, kind] == kind else f" (UNAVAILABLE: {ran[fmt, kind]} ran)"
@@ -128,6 +141,10 @@ def run(quick: bool = False) -> list[dict]:
                                f"{t[f'{fmt}/default'] * 1e3:.1f} ms; allocating its outputs {t[f'{fmt}/alloc'] * 1e3:.1f} "
                                f"ms vs an allocating clone() {t['clone'] * 1e3:.1f} ms (ratio "
                                f"{t['clone'] / t[f'{fmt}/alloc']:.2f})"})
+    if slowest[1]:
+        rows.append({"name": "quant_fast_paths_vs_eager", "ratio": slowest[0], "target": ">=1", "passed": slowest[0] >= 1.0,
+                     "detail": f"{cpu}; the slowest native or compiled path relative to eager: {slowest[1]} "
+                               f"(eager time / its time)"})
 
     # (b) vs compressed-tensors
     try:
@@ -163,7 +180,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU {host()}")
     for r in run(args.quick):
         print(f"  {r['detail']}")
         verdict = "INFO" if r["passed"] is None else ("PASS" if r["passed"] else "FAIL")
