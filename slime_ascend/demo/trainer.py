@@ -259,10 +259,15 @@ class Trainer:
             self.args) else 1
         cargs = argparse.Namespace(**vars(self.critic_args))
         cargs.loss_type = "value_loss"
-        with critic_pass():
-            hooks.advantage_function(self.critic_args, critic_rd)
-            for k in range(critic_iters):
-                m = self._step(cargs, critic_rd, self.critic, self.critic_opt, self._critic_logits, step, k)
+        role = runtime.train_role()  # one process trains both roles: the critic's hooks run as the critic's
+        runtime.set_train_role("critic")
+        try:
+            with critic_pass():
+                hooks.advantage_function(self.critic_args, critic_rd)
+                for k in range(critic_iters):
+                    m = self._step(cargs, critic_rd, self.critic, self.critic_opt, self._critic_logits, step, k)
+        finally:
+            runtime.set_train_role(role)
         metrics.update({f"critic/{k}": v for k, v in m.items()})
         # ---- actor: GAE with the critic's pre-update values, then one optimizer step
         actor_rd = dict(rd, values=[v.detach() for v in values], log_probs=[lp.detach() for lp in log_probs],
