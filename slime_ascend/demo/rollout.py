@@ -247,15 +247,11 @@ class RolloutWorker:
     # ------------------------------------------------------------------ weight sync
     def update_weights(self, model_path: str, version: int) -> dict[str, Any]:
         """slime's disk weight update: ``/update_weights_from_disk`` with the new ``weight_version``."""
-        import json
-        import urllib.request
+        from slime_ascend.json_client import request_json
 
         t0 = time.perf_counter()
-        body = json.dumps({"model_path": model_path, "weight_version": str(version)}).encode()
-        req = urllib.request.Request(self.engine_url + "/update_weights_from_disk", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            reply = json.loads(resp.read())
+        reply = request_json(self.engine_url + "/update_weights_from_disk",
+                             {"model_path": model_path, "weight_version": str(version)}, timeout_s=120)
         if not reply.get("success", False):
             raise RuntimeError(f"engine refused the weight update: {reply}")
         return {"engine_load_s": time.perf_counter() - t0, "engine_version": self.engine.weight_version}

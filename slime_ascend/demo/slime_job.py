@@ -117,7 +117,7 @@ class Engine:
 def start_engine(model_dir: Path, log: Path, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
                  timeout: float = 120) -> Engine:
     """``slime-ascend serve-reference`` on 127.0.0.1, waited for until /health answers."""
-    import urllib.request
+    from slime_ascend.json_client import JSONRequestError, request_json
 
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
@@ -132,10 +132,9 @@ def start_engine(model_dir: Path, log: Path, extra: tuple[str, ...] = (), env: d
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"reference engine exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return Engine(url, proc, log)
+        with contextlib.suppress(JSONRequestError):
+            request_json(url + "/health", timeout_s=2)
+            return Engine(url, proc, log)
         time.sleep(0.3)
     stop(proc)
     raise RuntimeError(f"reference engine did not answer /health within {timeout}s:\n{log.read_text()[-3000:]}")

@@ -31,8 +31,6 @@ import json
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +40,7 @@ from typing import Any
 
 import torch
 
+from slime_ascend.json_client import JSONRequestError, request_json
 from slime_ascend.opd.teachers import NAME_RE, TeacherSpec, check_teacher_compatible, parse_teachers
 
 __all__ = [
@@ -361,7 +360,7 @@ class SGLangEngineLoader(TeacherLoader):
         self.warm_page_cache = warm_page_cache
         self.timeout_s = timeout_s
         self.extra_payload = dict(extra_payload or {})
-        self._post = post or _http_post_json
+        self._post = post or (lambda url, payload, timeout_s: request_json(url, payload, timeout_s=timeout_s))
 
     def stage(self, spec: TeacherSpec) -> Staged:
         src = spec.checkpoint_dir
@@ -413,11 +412,13 @@ class SGLangEngineLoader(TeacherLoader):
     def activate(self, spec: TeacherSpec, staged: Staged) -> int:
         payload = {"model_path": str(staged.payload), **self.extra_payload}
         for url in self.urls:
-            resp = self._post(f"{url}/update_weights_from_disk", payload, self.timeout_s)
-            if not resp.get("success", False):
-                raise RuntimeError(
-                    f"{url}/update_weights_from_disk refused {payload['model_path']}: {resp.get('message', resp)}"
-                )
+            try:
+                resp = self._post(f"{url}/update_weights_from_disk", payload, self.timeout_s)
+            except JSONRequestError as e:
+                resp = {"message": str(e)}
+            if not isinstance(resp, Mapping) or not resp.get("success", False):
+                why = resp.get("message", resp) if isinstance(resp, Mapping) else f"unexpected reply {resp!r}"
+                raise RuntimeError(f"{url}/update_weights_from_disk refused {payload['model_path']}: {why}")
         return 0
 
 
@@ -446,19 +447,6 @@ def _same_tree(src: Path, dst: Path) -> bool:
     b = {p.relative_to(dst): p.stat().st_size for p in dst.rglob("*") if p.is_file()}
     b.pop(Path(STAGE_MARKER), None)
     return a == b
-
-
-def _http_post_json(url: str, payload: dict[str, Any], timeout_s: float) -> Mapping[str, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            body = r.read().decode() or "{}"
-    except urllib.error.HTTPError as e:
-        return {"success": False, "message": f"HTTP {e.code}: {e.read().decode(errors='replace')[:500]}"}
-    out = json.loads(body)
-    return out if isinstance(out, Mapping) else {"success": False, "message": f"unexpected reply {out!r}"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -432,21 +432,12 @@ def response_teacher_log_probs(response: Mapping[str, Any], response_length: int
 
 
 async def _post_json(url: str, payload: dict[str, Any], timeout_s: float, retries: int, ctx: OPDContext) -> Any:
-    import aiohttp
+    from ..json_client import arequest_json
 
-    last: BaseException | None = None
-    for attempt in range(retries + 1):
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-                async with session.post(url, json=payload) as resp:
-                    resp.raise_for_status()
-                    return await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            last = e
-            if attempt < retries:
-                ctx.request_retries += 1
-                await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
-    raise RuntimeError(f"teacher request to {url} failed after {retries + 1} attempt(s): {last}") from last
+    def count_retry() -> None:
+        ctx.request_retries += 1
+
+    return await arequest_json(url, payload, timeout_s=timeout_s, retries=retries, on_retry=count_retry)
 
 
 def _teacher_url(args: Any, spec: TeacherSpec) -> str | None:

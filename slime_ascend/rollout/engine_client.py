@@ -6,16 +6,17 @@ The request is the one slime's default generate sends: ``{"input_ids", "sampling
 ``meta_info.weight_version``.
 
 The transport is injectable: pass ``post=`` an async callable ``payload -> response dict`` (a fake
-engine in tests, or any other transport). The default transport uses aiohttp when importable,
-else httpx.
+engine in tests, or any other transport). The default is :func:`slime_ascend.json_client.arequest_json`
+(``max_retries`` attempts).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .. import json_client
 
 __all__ = ["EngineClient", "GenerationResult", "PostFn", "generate_url_from_args", "parse_generate_response"]
 
@@ -91,7 +92,6 @@ class EngineClient:
         self.url = url
         self.max_retries = max_retries
         self._post = post
-        self._sessions: dict[int, Any] = {}
 
     @classmethod
     def from_args(cls, args: Any, *, url: str | None = None, post: PostFn | None = None) -> EngineClient:
@@ -118,45 +118,9 @@ class EngineClient:
         return parse_generate_response(await post(payload))
 
     async def _http_post(self, payload: dict[str, Any]) -> dict[str, Any]:
-        last_error: Exception | None = None
-        for attempt in range(self.max_retries):
-            try:
-                return await self._http_post_once(payload)
-            except Exception as exc:  # transport errors are retried, then re-raised
-                last_error = exc
-                if attempt + 1 < self.max_retries:
-                    await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
-        assert last_error is not None
-        raise last_error
-
-    async def _http_post_once(self, payload: dict[str, Any]) -> dict[str, Any]:
         assert self.url is not None
-        try:
-            import aiohttp
-        except ImportError:
-            aiohttp = None
-        if aiohttp is not None:
-            session = self._session_for_loop(aiohttp)
-            async with session.post(self.url, json=payload) as response:
-                response.raise_for_status()
-                return await response.json(content_type=None)
-        import httpx
-
-        async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
-            response = await client.post(self.url, json=payload)
-            response.raise_for_status()
-            return response.json()
-
-    def _session_for_loop(self, aiohttp: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        session = self._sessions.get(id(loop))
-        if session is None or session.closed:
-            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), trust_env=False)
-            self._sessions[id(loop)] = session
-        return session
+        return await json_client.arequest_json(self.url, payload, retries=self.max_retries - 1, backoff_s=0.25)
 
     async def aclose(self) -> None:
-        """Close the aiohttp session opened on the running event loop, if any."""
-        session = self._sessions.pop(id(asyncio.get_running_loop()), None)
-        if session is not None:
-            await session.close()
+        """Close the HTTP connections of the running event loop, if any."""
+        await json_client.aclose()
