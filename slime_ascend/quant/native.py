@@ -28,6 +28,10 @@ Trust (the cache supplies code we load, so a library planted there would run in 
   a library that still fails to load is rebuilt once. The digest catches damage; keeping others
   out is the directory check's job (whoever can write the library can write its record).
 
+`auto`'s timed choice between these kernels and eager (`fused.faster_than_eager`) is stored beside
+the library it was timed with, as `<name>.so.auto.json` (data, not code; read only when it passes
+the same file check, and a damaged or foreign record is ignored and the choice timed again).
+
 Any failure (no compiler, no OpenMP, a load error) makes `available()` False with the reason
 in `unavailable_reason()`; the callers then use the eager path. The callers also self-check
 a build bit for bit against the eager path before trusting it (see `fused.verified`).
