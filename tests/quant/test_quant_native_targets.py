@@ -227,9 +227,12 @@ def test_property_fp8_matches_reference(build, n, k, bn, bk, log_scale, dtype, n
 
 
 @pytest.mark.slow
-def test_e4m3_rounding_on_every_fp32_value_in_range(build):
+def test_e4m3_rounding_on_every_fp32_value_in_range(build, request):
     """All 2,277,507,074 fp32 values with |y| <= 448, in 2^26-value runs of the build: its cast is
-    torch's, bit for bit (minutes under emulation)."""
+    torch's, bit for bit (about 2 min for NEON and 4 for SVE under emulation on 2 cores, 45 s for
+    x86-64 baseline; the AVX2 / AVX-512 levels are left to test_quant_native's run of the host build)."""
+    if request.node.callspec.id.startswith("x86-64-v"):
+        pytest.skip("x86-64-v3 / v4: the host's -march=native build is swept by test_quant_native")
     chunk = 1 << 26
     for start in range(0, TOP + 1, chunk):
         stop = min(start + chunk, TOP + 1)
