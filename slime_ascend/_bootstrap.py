@@ -49,7 +49,9 @@ def activate(value: str | None = None) -> list[str]:
                     registry_resolve(path)()
                 _started.add(plugin.name)
                 ran.append(plugin.name)
-            from .plugins import early
+            from .plugins import early, patch_plan
+
+            patch_plan.install_at_process_start([p for p in selection.plugins if p.name in ran])
 
             early.install()
         except BaseException as exc:  # noqa: BLE001 - plugin code must not end the interpreter; kept, re-raised at use

@@ -20,7 +20,7 @@ def _cmd_plugins(ns: argparse.Namespace) -> int:
                 "conflicts": list(p.conflicts),
                 "contributions": [{"slot": c.slot, "order": c.order, "target": c.target} for c in p.contributions],
                 "settings": {s.key: s.default for s in p.settings},
-                "patches": list(p.patches),
+                "patches": [{"id": u.patch, "moment": u.moment, "when": u.when} for u in p.patches],
             }
             for name, p in sorted(known.items())
         }, indent=2))
@@ -36,8 +36,8 @@ def _cmd_plugins(ns: argparse.Namespace) -> int:
         for c in plugin.contributions:
             slot = SLOTS[c.slot]
             print(f"    hook {c.slot} ({slot.slime_arg or 'runtime patch'}, order {c.order}): {c.target}")
-        for p in plugin.patches:
-            print(f"    runtime patch: {p}")
+        for u in plugin.patches:
+            print(f"    runtime patch: {u.patch} (at {u.moment}{', when ' + u.when if u.when else ''})")
         if plugin.settings:
             print(f"    settings: {', '.join(s.key for s in plugin.settings)}")
     return 0

@@ -4,7 +4,7 @@ Process start (every process, from the bootstrap): register the ``npu`` accelera
 ``slime.utils.accelerator`` is imported; make slime's Ray code ask for ``NPU`` resources; and,
 on hosts with torch_npu (or when forced with ``SLIME_ASCEND_NPU_KERNEL_PATCHES=on``), import
 MindSpeed's adaptor before Megatron, disable jit/compile fusion and fix the fc1 gather layout.
-In each train actor the megatron-init dispatcher then calls MindSpeed's ``repatch(args)``.
+In each train actor, as it starts, the runtime then calls MindSpeed's ``repatch(args)``.
 
 With the ``cpu`` plugin on a host without torch_npu (``SLIME_ASCEND_PLUGINS=cpu,npu``), ``npu`` runs
 on the host: the same registration, Ray ``NPU`` resources and ``ASCEND_RT_VISIBLE_DEVICES`` handling,
@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import _import_hooks, patch
-from ..plugins.base import Contribution, Plugin
+from .. import _import_hooks
+from ..plugins.base import PatchUse, Plugin
 from . import npu
 
 logger = logging.getLogger("slime_ascend.accelerator")
@@ -47,30 +47,27 @@ def on_host() -> bool:
 def on_process_start() -> None:
     host = on_host()
     _import_hooks.when_imported("slime.utils.accelerator", lambda module: npu.register(module, on_host=host))
-    patch.install_when_imported("driver.ray_npu_resources")
     if kernel_patches_enabled():
-        from ..patch.train.mindspeed_repatch import import_adaptor_before_megatron
+        from .mindspeed import import_adaptor_before_megatron
 
         if not import_adaptor_before_megatron():
             logger.warning("MindSpeed adaptor not scheduled (not installed, or megatron was imported first)")
-        for patch_id in KERNEL_PATCHES:
-            patch.install_when_imported(patch_id)
 
 
-def megatron_init(args) -> None:
-    from ..patch.train.mindspeed_repatch import mindspeed_installed
+def mindspeed_wanted(args) -> bool:
+    """Condition of ``train.mindspeed_repatch``: the kernel patches are on and MindSpeed is installed."""
+    from .mindspeed import mindspeed_installed
 
-    if kernel_patches_enabled() and mindspeed_installed():
-        patch.install("train.mindspeed_repatch", args)
+    return kernel_patches_enabled() and mindspeed_installed()
 
+
+_A = "slime_ascend.accelerator.plugin."
 
 PLUGIN = Plugin(
     name="npu",
     description="Ascend NPU accelerator (HCCL, Ray NPU resources, ASCEND_RT_VISIBLE_DEVICES, MindSpeed bootstrap)",
-    process_start=("slime_ascend.accelerator.plugin.on_process_start",),
-    patches=("driver.ray_npu_resources",) + KERNEL_PATCHES + ("train.mindspeed_repatch",),
-    contributions=(
-        Contribution("megatron_init", "slime_ascend.accelerator.plugin.megatron_init", order=100,
-                     note="MindSpeed repatch(args)"),
-    ),
+    process_start=(_A + "on_process_start",),
+    patches=(PatchUse("driver.ray_npu_resources"),)
+    + tuple(PatchUse(p, when=_A + "kernel_patches_enabled") for p in KERNEL_PATCHES)
+    + (PatchUse("train.mindspeed_repatch", "train", when=_A + "mindspeed_wanted"),),
 )

@@ -26,10 +26,11 @@ pairing is refused: the chip is there, use ``npu`` alone.
 
 from __future__ import annotations
 
-from .. import _import_hooks, patch
-from ..plugins.base import CommandLineFlag, Plugin
+from .. import _import_hooks
+from ..plugins.base import CommandLineFlag, PatchUse, Plugin
 
 TORCH_PATCHES = ("train.cpu_current_device", "train.cpu_streams", "train.cpu_device_map", "train.cpu_tensor_type")
+_P = "slime_ascend.cpu.plugin."
 SPEC = "slime_ascend.cpu.spec get_layer_spec"
 
 
@@ -39,13 +40,12 @@ def _register_accelerator(module) -> None:
     accelerator.register(module)
 
 
-def _install_torch_patches(_megatron_core) -> None:
+def host_without_cuda() -> bool:
+    """Condition of the ``train.cpu_*`` patches: a CUDA host keeps CUDA (the plugin then only adds the
+    accelerator). Evaluated when Megatron-core is imported."""
     import torch
 
-    if torch.cuda.is_available():
-        return  # a CUDA host keeps CUDA: the cpu plugin only adds the accelerator there
-    for patch_id in TORCH_PATCHES:
-        patch.install(patch_id)
+    return not torch.cuda.is_available()
 
 
 def _with_npu() -> bool:
@@ -62,14 +62,17 @@ def _with_npu() -> bool:
     return True
 
 
+def owns_ray() -> bool:
+    """Condition of ``driver.ray_cpu_resources``: not with ``npu``, whose ``NPU`` view replaces the same attributes."""
+    return not _with_npu()
+
+
 def on_process_start() -> None:
     from ..compat import typing_override
 
     typing_override.ensure()  # megatron-core >= 0.17 on Python 3.11
+    _with_npu()  # refuse cpu+npu on a host with torch_npu, in every process
     _import_hooks.when_imported("slime.utils.accelerator", _register_accelerator)
-    if not _with_npu():
-        patch.install_when_imported("driver.ray_cpu_resources")
-    _import_hooks.when_imported("megatron.core", _install_torch_patches)
 
 
 def _flag(flag: str, why: str, attr: str, value) -> CommandLineFlag:
@@ -82,7 +85,8 @@ PLUGIN = Plugin(
     "a THD-packed local spec): development, debugging and CI without a GPU",
     conflicts=("sglang-npu", "vllm-ascend"),  # with "npu": npu on the host (module docstring)
     process_start=("slime_ascend.cpu.plugin.on_process_start",),
-    patches=("driver.ray_cpu_resources",) + TORCH_PATCHES,
+    patches=(PatchUse("driver.ray_cpu_resources", when=_P + "owns_ray"),)
+    + tuple(PatchUse(p, "import:megatron.core", when=_P + "host_without_cuda") for p in TORCH_PATCHES),
     # slime forces offload_train for PPO (--advantage-estimator ppo: actor and critic share devices) and then
     # LD_PRELOADs torch_memory_saver's CUDA hook into every train actor, which cannot even start without
     # libcuda; on the host there is no device memory to offload (the YAML is applied after that rule)

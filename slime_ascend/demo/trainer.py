@@ -160,18 +160,29 @@ class Trainer:
         return [n for n, _ in self.critic.named_parameters() if any(p.search(n) for p in patterns)]
 
     def _megatron_init(self) -> None:
-        """slime calls ``custom_megatron_init_path`` in every train process. The sao contribution installs
-        its patches into slime's actor; without slime there is nothing to patch, and the trainer applies
-        ``train.critic_advantage_function``'s effect on the critic's args itself and marks critic passes."""
-        if "megatron_init" not in runtime.active(self.args).selection.slots:
+        """What slime's train actors do at start: the runtime installs the enabled plugins' train patches
+        into slime's actor (``TrainRayActor.init``), then slime calls ``custom_megatron_init_path``. Without
+        slime there is nothing to patch, and the trainer applies ``train.critic_advantage_function``'s effect
+        on the critic's args itself (this miniature stands in for slime's actor) and marks critic passes."""
+        from slime_ascend.plugins import patch_plan
+
+        state = runtime.active(self.args)
+        if "megatron_init" not in state.selection.slots:
             return
         if self.slime_api == "slime":
+            from slime_ascend.plugins import roles
+
+            previous = roles.train_role()
             try:
-                hooks.megatron_init(self.args)
-                hooks.megatron_init(self.critic_args)
+                for role, args in (("actor", self.args), ("critic", self.critic_args)):
+                    roles.set_train_role(role)  # one process plays both of slime's train actors
+                    patch_plan.install_for_role(args, "train", state.selection.plugins)
+                    hooks.megatron_init(args)
                 return
             except Exception as exc:  # noqa: BLE001 - slime's actor module may not import on this machine
                 self.megatron_init_note = f"megatron_init on slime failed ({type(exc).__name__}: {exc}); emulated"
+            finally:
+                roles.set_train_role(previous)
         from slime_ascend.patch.train.critic_advantage_function import PATCH
 
         if not PATCH.applied:
@@ -244,7 +255,8 @@ class Trainer:
     # ---------------------------------------------------------------- one rollout
     def train(self, step: int, train_data: dict[str, Any]) -> dict[str, Any]:
         """Critic then actor on one rollout, then export the synced weights. Returns metrics and the export."""
-        from slime_ascend.patch.train.critic_advantage_function import critic_pass
+        from slime_ascend.plugins import roles
+        from slime_ascend.plugins.roles import critic_pass
 
         t0 = time.perf_counter()
         rd = build_rollout_data(train_data)
@@ -259,15 +271,15 @@ class Trainer:
             self.args) else 1
         cargs = argparse.Namespace(**vars(self.critic_args))
         cargs.loss_type = "value_loss"
-        role = runtime.train_role()  # one process trains both roles: the critic's hooks run as the critic's
-        runtime.set_train_role("critic")
+        role = roles.train_role()  # one process trains both roles: the critic's hooks run as the critic's
+        roles.set_train_role("critic")
         try:
             with critic_pass():
                 hooks.advantage_function(self.critic_args, critic_rd)
                 for k in range(critic_iters):
                     m = self._step(cargs, critic_rd, self.critic, self.critic_opt, self._critic_logits, step, k)
         finally:
-            runtime.set_train_role(role)
+            roles.set_train_role(role)
         metrics.update({f"critic/{k}": v for k, v in m.items()})
         # ---- actor: GAE with the critic's pre-update values, then one optimizer step
         actor_rd = dict(rd, values=[v.detach() for v in values], log_probs=[lp.detach() for lp in log_probs],

@@ -19,16 +19,16 @@ teacher of the ``ascend_opd_teachers`` section; only that teacher scores it. The
   which slime's train-side rollout logger reports as ``rollout/opd_coef`` and
   ``rollout/opd_share/<teacher>``; the rollout manager logs routing and teacher-pool counters.
 
-Per-teacher coefficients reach the trainer through ``train_metadata`` when the
-``rollout.forward_metadata`` runtime patch is in the ledger; without it every teacher must have
-the same coefficient (checked at start). Nothing heavy is imported here.
+Per-teacher coefficients reach the trainer through ``train_metadata``: where teachers' coefficients
+differ, the runtime installs ``rollout.forward_metadata`` in the RolloutManager and
+``train.rollout_log_metadata`` in each train actor. Nothing heavy is imported here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..plugins.base import Contribution, Plugin
+from ..plugins.base import Contribution, PatchUse, Plugin
 from ..plugins.settings import Setting
 
 _H = "slime_ascend.opd.slime_hooks."
@@ -95,6 +95,10 @@ PLUGIN = Plugin(
         Contribution("reward_post_process", _H + "fill_teacher_log_probs", order=300,
                      note="teacher_log_probs, routed coef, same-origin check"),
         Contribution("advantage", _H + "opd_advantage", order=500, note="A += coef_t * (logp_T - logp_S)"),
+    ),
+    patches=(
+        PatchUse("rollout.forward_metadata", "rollout", when=_H + "coefs_differ"),
+        PatchUse("train.rollout_log_metadata", "train", when=_H + "coefs_differ"),
     ),
     slime_args=(("use_opd", True), ("opd_type", "sglang"), ("opd_kl_coef", 0.0)),
     validate=_H + "validate",

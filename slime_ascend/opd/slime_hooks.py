@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..plugins import runtime
+from ..plugins import roles, runtime
 from ..plugins.settings import SettingsError
 from .router import DomainRouter, RoutingError
 from .teachers import TeacherSpec, check_teacher_compatible, parse_teachers
@@ -115,7 +115,7 @@ def validate(args: Any, settings: Mapping[str, Any]) -> None:
     problems = []
     # slime gives the critic its own args with use_opd switched off (_apply_megatron_role_overrides): the
     # critic fits values and never sees teachers, so the pass-through rule is the actor's and the driver's
-    critic = runtime.train_role() == "critic"
+    critic = roles.train_role() == "critic"
     if not critic and not getattr(args, "use_opd", False):
         problems.append("use_opd must be true (slime then forwards and CP-slices teacher_log_probs and "
                         "recomputes the student log-probs before advantages)")
@@ -339,6 +339,14 @@ def _student_info(args: Any) -> dict[str, Any]:
     return info
 
 
+def coefs_differ(args: Any) -> bool:
+    """Condition of opd's runtime patches (``rollout.forward_metadata``, ``train.rollout_log_metadata``):
+    teachers with different coefficients need each sample's coefficient in the trainer."""
+    settings = runtime.settings(args, PLUGIN_NAME)
+    default = settings["ascend_opd_coef"]
+    return len({t.effective_coef(default) for t in _teachers(settings)}) > 1
+
+
 def get_context(args: Any, *, rollout_side: bool = False) -> OPDContext:
     """The plugin's state in this process, built at first use from ``args``.
 
@@ -544,19 +552,11 @@ async def teacher_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
 # ------------------------------------------------------------------------------------------------
 # reward post-process
 # ------------------------------------------------------------------------------------------------
-def _ensure_forward_metadata(args: Any) -> None:
-    from ..patch.rollout.forward_metadata import install_rollout_side
-
-    install_rollout_side(args)
-
-
 def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any], rewards: list[Any]):
     """``reward_post_process`` contribution (order 300); rewards pass through unchanged."""
     import torch
 
     ctx = get_context(args, rollout_side=True)
-    if len(set(ctx.coefs.values())) > 1:
-        _ensure_forward_metadata(args)
     counts: Counter[str] = Counter()
     kl_sum: Counter[str] = Counter()
     kl_tokens: Counter[str] = Counter()
@@ -660,13 +660,6 @@ def per_sample_coefs(ctx: OPDContext, rollout_data: Mapping[str, Any], n: int) -
     the single coefficient all teachers share (else an error naming the fix)."""
     metadata = rollout_data.get("metadata")
     if metadata is not None:
-        # slime's train-side rollout logger cannot sum a list of dicts: hide the key from it
-        from ..patch.rollout.forward_metadata import install_train_side
-
-        try:
-            install_train_side()
-        except ImportError:  # no slime in this process: no slime logger to protect
-            pass
         if len(metadata) != n:
             raise ValueError(f"rollout_data['metadata'] has {len(metadata)} entries for {n} samples")
         out = []
@@ -681,7 +674,8 @@ def per_sample_coefs(ctx: OPDContext, rollout_data: Mapping[str, Any], n: int) -
         raise RuntimeError(
             f"teachers have different coefficients {ctx.coefs}, but rollout_data carries no per-sample "
             f"'metadata' with {TRAIN_META_COEF!r}: the runtime patch {FORWARD_METADATA_PATCH!r} is not active in "
-            "the rollout manager. Fix: give every teacher the same coef, or enable that patch"
+            "the rollout manager. Fix: export SLIME_ASCEND_PLUGINS with opd to the driver and to `ray start`, so "
+            "slime-ascend installs it as the RolloutManager starts (or give every teacher the same coef)"
         )
     return [coef] * n
 

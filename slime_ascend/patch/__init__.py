@@ -18,7 +18,8 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.quantize_params | megatron_to_hf.quantize_params funnel -> our formats | 0005-quantizer-hook |
 | train.quant_post_process | updaters' engine restore/post-process gate also for Ascend W8A8_DYNAMIC | 0005-quantizer-hook |
 | train.weight_sync_metrics | updaters' update_weights timed, pop_metrics gets perf/weight_sync_* | 0005-quantizer-hook |
-| rollout.forward_metadata | RolloutManager._split_train_data_by_dp forwards segment metadata | 0004-forward-metadata-extra-batch-keys |
+| rollout.forward_metadata | RolloutManager._split_train_data_by_dp forwards each sample's train_metadata | 0004-forward-metadata-extra-batch-keys |
+| train.rollout_log_metadata | train_metric_utils.log_rollout_data skips the forwarded metadata | 0004-forward-metadata-extra-batch-keys |
 | driver.ray_cpu_resources | `ray` in slime.ray.{placement_group,actor_group,rollout,train_actor}; InfoActor (no device resource) | 0002-accelerator-ray-resource-name |
 | train.cpu_current_device | torch.cuda.{current_device,set_device,synchronize,empty_cache}, Tensor/Module.cuda | megatron/megatron-device-neutral-placement.md |
 | train.cpu_streams | torch.cuda.{Stream,Event,current_stream,default_stream,stream,set_stream} | megatron/megatron-device-neutral-placement.md |
@@ -26,9 +27,10 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.cpu_tensor_type | Tensor.type() of a CPU tensor reads torch.cuda.*Tensor | megatron/megatron-device-neutral-placement.md |
 | engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
 
-Patches are applied (1) when their target module is imported, for process-start patches that a
-plugin registers from the bootstrap (:func:`install_when_imported`), or (2) from a dispatcher
-with the real ``args`` (:func:`install`). Each patch checks its target first and fails loudly.
+Plugins declare the patches they need and when (:class:`slime_ascend.plugins.base.PatchUse`); the
+runtime installs them (:mod:`slime_ascend.plugins.patch_plan`): as their targets are imported, or
+as a train actor or the RolloutManager starts, with its ``args``. No feature module imports this
+package. Each patch checks its target first and fails loudly.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .. import _import_hooks
 from .base import PatchError, PatchTargetError, RuntimePatch, slime_version
 
 # id -> module that defines PATCH
@@ -46,6 +47,7 @@ LEDGER: dict[str, str] = {
     "train.fc1_gather_layout": "slime_ascend.patch.train.fc1_gather_layout",
     "train.mindspeed_repatch": "slime_ascend.patch.train.mindspeed_repatch",
     "rollout.forward_metadata": "slime_ascend.patch.rollout.forward_metadata",
+    "train.rollout_log_metadata": "slime_ascend.patch.train.rollout_log_metadata",
     "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",
     "driver.ray_cpu_resources": "slime_ascend.patch.driver.ray_cpu_resources",
     "train.cpu_current_device": "slime_ascend.patch.train.cpu_current_device",
@@ -83,16 +85,6 @@ def install(patch_id: str, args: Any = None) -> RuntimePatch:
     return patch
 
 
-def install_when_imported(patch_id: str) -> RuntimePatch:
-    """Apply to each target module as soon as it is imported (now for those already imported)."""
-    patch = get(patch_id)
-    for module_name in patch.target_modules:
-        _import_hooks.when_imported(
-            module_name, lambda module, name=module_name: patch.install(modules={name: module})
-        )
-    return patch
-
-
 __all__ = [
     "LEDGER",
     "PatchError",
@@ -101,6 +93,5 @@ __all__ = [
     "all_patches",
     "get",
     "install",
-    "install_when_imported",
     "slime_version",
 ]

@@ -54,6 +54,48 @@ class Contribution:
         return resolve(self.target)
 
 
+#: When the runtime installs a declared patch (see :mod:`slime_ascend.plugins.patch_plan`).
+PATCH_MOMENTS = ("import", "train", "rollout")
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchUse:
+    """A runtime patch (an id in :data:`slime_ascend.patch.LEDGER`) a plugin needs, and when.
+
+    ``moment``:
+
+    - ``"import"``: in every process, as each target module is imported (from the bootstrap);
+      ``"import:<module>"``: in every process, all targets at once, when ``<module>`` is imported;
+    - ``"train"``: in each train actor, with its ``args``, as slime's ``TrainRayActor.init`` starts;
+    - ``"rollout"``: in the RolloutManager, with its ``args``, as it starts.
+
+    ``when``: dotted path of a predicate (``fn()`` for import moments, ``fn(args)`` otherwise); the patch
+    is installed only where it returns true. ``after``: ledger ids that must be installed before this
+    one when both are (their wrappers stack in that order); install order is the ledger's.
+    """
+
+    patch: str
+    moment: str = "import"
+    when: str | None = None
+    after: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        base, sep, module = self.moment.partition(":")
+        if base not in PATCH_MOMENTS or (sep and (base != "import" or not module)):
+            raise ValueError(f"patch {self.patch!r}: moment {self.moment!r} is not one of "
+                             "import, import:<module>, train, rollout")
+
+    @property
+    def trigger(self) -> str | None:
+        """The module whose import installs it (``import:<module>``), None for the targets' own imports."""
+        return self.moment.partition(":")[2] or None
+
+    @property
+    def role(self) -> str | None:
+        """``train`` / ``rollout`` for role moments, None for import moments."""
+        return None if self.moment.startswith("import") else self.moment
+
+
 # A word of a CommandLineFlag the user must replace: HOST:PORT, DIR, N ... ("..." = repeat the value).
 _PLACEHOLDER = re.compile(r"^(\.\.\.|[A-Z][A-Z0-9_]*(:[A-Z][A-Z0-9_]*)*)$")
 
@@ -103,8 +145,8 @@ class Plugin:
     contributions: tuple[Contribution, ...] = ()
     # Dotted paths of callables run once per process at interpreter start (bootstrap).
     process_start: tuple[str, ...] = ()
-    # Ids of runtime patches in the ledger (slime_ascend.patch) this plugin needs.
-    patches: tuple[str, ...] = ()
+    # Runtime patches (ledger ids) this plugin needs and when; the runtime installs them (a bare id: at import).
+    patches: tuple[PatchUse | str, ...] = ()
     # Extra slime args the generated YAML sets (plain slime keys, e.g. loss_type: custom_loss).
     slime_args: tuple[tuple[str, Any], ...] = ()
     command_line: tuple[CommandLineFlag, ...] = ()
@@ -119,3 +161,12 @@ class Plugin:
             raise ValueError(f"plugin {self.name!r} declares a setting twice: {keys}")
         if self.name in self.requires or self.name in self.conflicts:
             raise ValueError(f"plugin {self.name!r} cannot require or conflict with itself")
+        uses = tuple(u if isinstance(u, PatchUse) else PatchUse(u) for u in self.patches)
+        ids = [u.patch for u in uses]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"plugin {self.name!r} declares a patch twice: {ids}")
+        object.__setattr__(self, "patches", uses)
+
+    @property
+    def patch_ids(self) -> tuple[str, ...]:
+        return tuple(u.patch for u in self.patches)

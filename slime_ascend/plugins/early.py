@@ -13,7 +13,8 @@ train          ``slime.ray.train_actor.TrainRayActor.init(args, ..)``  before th
 =============  =====================================================  ==================================
 
 The check is :func:`slime_ascend.plugins.runtime.active` (cached, so the dispatchers do not repeat
-it). In the driver a failure is one line on stderr and exit status 2, as argparse does for a bad
+it); in the train and rollout roles the enabled plugins' patches for that role are installed next
+(:mod:`slime_ascend.plugins.patch_plan`). In the driver a failure is one line on stderr and exit status 2, as argparse does for a bad
 flag; in a Ray actor it is raised, and Ray reports it as the actor's creation error. A slime
 without one of these functions just keeps the first-use check of the hook dispatchers.
 """
@@ -34,10 +35,11 @@ _installed = False
 
 
 def validate_now(args: Any, role: str) -> None:
-    """Validate ``args`` for this process (``role``: driver, rollout, train); raises PluginError or
-    SettingsError (see module doc)."""
+    """Validate ``args`` for this process (``role``: driver, rollout, train) and install the enabled
+    plugins' patches declared for that role (:mod:`.patch_plan`); raises PluginError or SettingsError
+    (see module doc)."""
     from .. import _bootstrap
-    from . import runtime
+    from . import patch_plan, runtime
     from .registry import PluginError
 
     error = _bootstrap.activation_error()
@@ -46,7 +48,9 @@ def validate_now(args: Any, role: str) -> None:
             f"slime-ascend failed to activate at process start in the {role} process "
             f"({type(error).__name__}: {error})"
         ) from error
-    runtime.active(args)
+    state = runtime.active(args)
+    if role in ("train", "rollout"):
+        patch_plan.install_for_role(args, role, state.selection.plugins)
 
 
 def _driver_parse_args(parse_args):
@@ -73,9 +77,9 @@ def _args_at(role: str, position: int):
         def wrapper(*a, **kw):
             args = a[position] if len(a) > position else kw.get("args")
             if role == "train":  # TrainRayActor.init(self, args, role, ...): "actor" or "critic"
-                from . import runtime
+                from . import roles
 
-                runtime.set_train_role(a[position + 1] if len(a) > position + 1 else kw.get("role"))
+                roles.set_train_role(a[position + 1] if len(a) > position + 1 else kw.get("role"))
             if args is not None:
                 validate_now(args, role)
             result = fn(*a, **kw)
@@ -103,11 +107,11 @@ def _report_device() -> None:
         backend = accelerator.process_group_backend()
     except Exception:  # noqa: BLE001 - a report, never a reason to fail the actor
         return
-    from . import runtime
+    from . import roles, runtime
 
     runtime.logger.info(
         "slime accelerator in the %s train actor: %s (process groups %s, %s=%s, LOCAL_RANK=%s)",
-        runtime.train_role() or "?", acc.name, backend, env, os.environ.get(env, ""), os.environ.get("LOCAL_RANK", ""))
+        roles.train_role() or "?", acc.name, backend, env, os.environ.get(env, ""), os.environ.get("LOCAL_RANK", ""))
 
 
 def _wrap_attr(owner: Any, name: str, make) -> bool:

@@ -41,22 +41,6 @@ _lock = threading.Lock()
 # while cached; bounded, since a caller may copy args per step (the oldest entries are validated again).
 _validated: OrderedDict[tuple[int, tuple[str, ...]], tuple[Any, Active]] = OrderedDict()
 _MAX_VALIDATED = 64
-_train_role: str | None = None
-
-
-def set_train_role(role: str | None) -> None:
-    """Record this process's Megatron role (slime's ``TrainRayActor.init(args, role)``)."""
-    global _train_role
-    _train_role = role if isinstance(role, str) else None
-
-
-def train_role() -> str | None:
-    """``"actor"`` or ``"critic"`` in a slime train actor (once its ``init`` started), else ``None``.
-
-    slime gives the critic its own args (``_apply_megatron_role_overrides``: ``use_opd``, ``kl_coef``
-    and ``custom_advantage_function_path`` switched off), so a plugin checking actor-only settings
-    skips them in the critic."""
-    return _train_role
 
 
 # Set while `slime-ascend config` checks the YAML it is about to write: the shell's environment
@@ -188,7 +172,8 @@ def settings(args: Any, plugin_name: str) -> SettingsView:
 
 def reset() -> None:
     """Forget validations and the train role (tests)."""
-    global _train_role
+    from . import roles
+
     with _lock:
         _validated.clear()
-        _train_role = None
+    roles.reset()

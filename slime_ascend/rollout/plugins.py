@@ -54,8 +54,7 @@ SGLANG_NPU = Plugin(
         Setting("ascend_rollout_hccl_npu_port_range", str, "61000-61050",
                 "HCCL_NPU_SOCKET_PORT_RANGE for the engine (HCCL weight-update group)", check=_port_range),
     ),
-    process_start=("slime_ascend.rollout.backends.sglang_npu.on_process_start",),
-    patches=("engine.sglang_npu_launch",),
+    patches=("engine.sglang_npu_launch",),  # in whatever process imports slime's engine actor
     validate="slime_ascend.rollout.backends.sglang_npu.validate_plugin",
 )
 

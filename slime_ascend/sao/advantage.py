@@ -12,7 +12,7 @@ terminal reward on the last trainable token, not on a trailing observation).
 Lambda: in the actor, ``1 - 1 / (alpha * l)`` per rollout, ``l`` = the rollout's trainable tokens
 (``rollout_data["rollout_trainable_tokens"]`` when the compaction plugin provides rollout totals,
 else the sample's own loss-mask sum); in the critic, ``ascend_sao_critic_lambda`` (1). The critic is
-recognised by the ``train.critic_advantage_function`` patch (:func:`in_critic_pass`). The lambdas
+recognised by the ``train.critic_advantage_function`` patch (:func:`~slime_ascend.plugins.roles.in_critic_pass`). The lambdas
 used are stored in ``rollout_data["gae_lambdas"]`` for later chain steps (compaction decay).
 """
 
@@ -96,8 +96,8 @@ def sao_gae(
 
 def skip_observation_advantages(args: Any, rollout_data: dict) -> None:
     """Advantage chain, order 100: sets ``advantages``, ``returns`` and ``gae_lambdas``."""
-    from slime_ascend.patch.train.critic_advantage_function import PATCH, in_critic_pass
-    from slime_ascend.plugins import runtime
+    from slime_ascend.plugins import patch_plan, runtime
+    from slime_ascend.plugins.roles import in_critic_pass
 
     settings = runtime.settings(args, PLUGIN_NAME)
     values = rollout_data.get("values")
@@ -107,11 +107,11 @@ def skip_observation_advantages(args: Any, rollout_data: dict) -> None:
             "the critic (and do not train the actor before the critic's first pass)"
         )
     critic = in_critic_pass()
-    if not critic and not PATCH.applied:
+    if not critic and not patch_plan.applied("train.critic_advantage_function"):
         raise RuntimeError(
             "sao: the runtime patch train.critic_advantage_function is not installed in this process, so the critic "
-            "cannot be told apart from the actor. Fix: keep custom_megatron_init_path: "
-            "slime_ascend.hooks.megatron_init from the generated YAML"
+            "cannot be told apart from the actor. Fix: enable sao in SLIME_ASCEND_PLUGINS (exported to the driver "
+            "and to `ray start`), so slime-ascend installs it as each train actor starts"
         )
     masks = rollout_data["loss_masks"]
     if critic:

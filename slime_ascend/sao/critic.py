@@ -2,9 +2,10 @@
 
 ``megatron_init`` runs in every train process (actor and critic) with that process's args, before
 slime builds and loads the model. It copies the K setting onto the args keys of the upstream
-``--critic-train-iters`` proposal and installs ``train.critic_train_iters`` and
-``train.critic_advantage_function`` (both only act inside ``train_critic``, so installing them in the
-actor is harmless) and ``train.critic_hf_value_head`` (acts only on a model with a value head).
+``--critic-train-iters`` proposal. The runtime has installed sao's patches by then (declared in
+:mod:`slime_ascend.sao.plugin`): ``train.critic_train_iters`` and ``train.critic_advantage_function``
+only act inside ``train_critic``, so they are harmless in the actor, and ``train.critic_hf_value_head``
+acts only on a model with a value head.
 
 The critic's freeze list cannot go into the shared YAML (that would freeze the actor too). It goes
 into the critic role of slime's ``--megatron-config-path``; :func:`write_megatron_role_config` writes
@@ -62,17 +63,13 @@ def validate(args: Any, settings: Any) -> None:
 
 
 def megatron_init(args: Any) -> None:
-    """Install the critic patches with this process's args (order 200)."""
-    from slime_ascend import patch
-    from slime_ascend.patch.train import critic_train_iters
-    from slime_ascend.plugins import runtime
+    """K critic passes and their LR schedule onto this process's args (order 200), where the
+    ``train.critic_train_iters`` patch (installed by the runtime as the train actor starts) reads them."""
+    from slime_ascend.plugins import roles, runtime
 
     settings = runtime.settings(args, PLUGIN_NAME)
-    setattr(args, critic_train_iters.ITERS_KEY, int(settings.critic_iters))
-    setattr(args, critic_train_iters.SCHEDULE_KEY, settings.critic_lr_schedule)
-    patch.install("train.critic_train_iters", args)
-    patch.install("train.critic_advantage_function", args)
-    patch.install("train.critic_hf_value_head", args)
+    setattr(args, roles.CRITIC_ITERS_ARG, int(settings.critic_iters))
+    setattr(args, roles.CRITIC_SCHEDULE_ARG, settings.critic_lr_schedule)
 
 
 def critic_role_overrides(freeze_patterns: Sequence[str] = ("self_attention",), **extra: Any) -> dict:

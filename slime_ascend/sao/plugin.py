@@ -2,11 +2,12 @@
 
 What each train process runs (slime's actor and critic Ray actors):
 
-* megatron_init (order 200, :func:`slime_ascend.sao.critic.megatron_init`): installs the runtime
-  patches ``train.critic_train_iters`` (K value-loss passes per rollout),
-  ``train.critic_advantage_function`` (the critic keeps our advantage function and routes its value
-  loss through our loss dispatcher, although ``--megatron-config-path`` nulls the former) and
-  ``train.critic_hf_value_head`` (the critic can start from an HF ``--load``).
+* runtime patches, installed as each train actor starts: ``train.critic_train_iters`` (K value-loss
+  passes per rollout), ``train.critic_advantage_function`` (the critic keeps our advantage function
+  and routes its value loss through our loss dispatcher, although ``--megatron-config-path`` nulls
+  the former) and ``train.critic_hf_value_head`` (the critic can start from an HF ``--load``).
+* megatron_init (order 200, :func:`slime_ascend.sao.critic.megatron_init`): K and its LR schedule
+  onto slime's args.
 * advantage (order 100, :func:`slime_ascend.sao.advantage.skip_observation_advantages`):
   skip-observation GAE, gathered over context parallelism, computed, re-sliced. Actor: lambda
   ``1 - 1/(alpha * l)`` per rollout, ``l`` = trainable tokens; critic: ``ascend_sao_critic_lambda``.
@@ -23,7 +24,7 @@ with ``python -m slime_ascend.sao.critic -o sao_megatron.yaml``.
 
 from __future__ import annotations
 
-from slime_ascend.plugins.base import CommandLineFlag, Contribution, Plugin
+from slime_ascend.plugins.base import CommandLineFlag, Contribution, PatchUse, Plugin
 from slime_ascend.plugins.settings import Setting
 
 _P = "ascend_sao_"
@@ -93,12 +94,15 @@ PLUGIN = Plugin(
         Contribution("loss", _S + "loss.sao_loss",
                      note="actor: DIS policy loss; critic: clipped value loss; per-token normalisation"),
         Contribution("megatron_init", _S + "critic.megatron_init", order=200,
-                     note="install train.critic_train_iters, train.critic_advantage_function, "
-                          "train.critic_hf_value_head"),
+                     note="K critic passes and their LR schedule onto slime's args"),
         Contribution("before_train_step", _S + "freeze.before_train_step", order=200,
                      note="critic: frozen parameters have no optimizer state and stay bit-identical"),
     ),
-    patches=("train.critic_train_iters", "train.critic_advantage_function", "train.critic_hf_value_head"),
+    patches=(
+        PatchUse("train.critic_train_iters", "train"),
+        PatchUse("train.critic_advantage_function", "train", after=("train.critic_train_iters",)),
+        PatchUse("train.critic_hf_value_head", "train"),
+    ),
     slime_args=(
         ("calculate_per_token_loss", True),  # token-level normalisation over all trainable tokens
         ("use_rollout_logprobs", True),  # DIS needs no recomputed old log-probs; KL (if any) uses the engine's

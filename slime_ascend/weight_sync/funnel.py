@@ -191,20 +191,19 @@ def check_engine_format(args: Any, plugin: str) -> CheckpointFormat:
 
 
 def megatron_init(args: Any) -> None:
-    """megatron_init contribution (order 300): check the engine's format, install the patches."""
-    from .. import patch
-
+    """megatron_init contribution (order 300): check the engine's format."""
     plugin = sync_plugin(args)
     if plugin is None:
         return
-    settings = runtime.settings(args, plugin)
-    if settings.check_engine_format:
+    if runtime.settings(args, plugin).check_engine_format:
         ckpt = check_engine_format(args, plugin)
         logger.info("%s: rollout checkpoint %s is %s", plugin, ckpt.path, ckpt.fmt)
-    patch.install("train.quantize_params", args)
-    patch.install("train.quant_post_process", args)
-    if settings.metrics:
-        patch.install("train.weight_sync_metrics", args)
+
+
+def metrics_enabled(args: Any) -> bool:
+    """Condition of the ``train.weight_sync_metrics`` patch: the sync plugin's ``metrics`` setting."""
+    plugin = sync_plugin(args)
+    return plugin is not None and bool(runtime.settings(args, plugin).metrics)
 
 
 def needs_engine_post_process(args: Any, quantization_config: Any) -> bool:

@@ -4,13 +4,14 @@ Each plugin makes stock slime send the rollout engine's checkpoint format at eve
 bit-identical to ``slime-ascend quantize`` (the offline converter), over every transport
 (distributed broadcast, colocated tensors, disk and delta):
 
+* runtime patches, installed in each train actor as it starts: ``train.quantize_params`` (slime's
+  quantizer funnel runs our dispatcher first), ``train.quant_post_process`` (engine-side repack
+  around the sync for formats whose engine layout differs from the checkpoint's) and, with the
+  ``metrics`` setting, ``train.weight_sync_metrics`` (bytes, quantisation time and GB/s on slime's
+  perf log).
 * megatron_init (order 300, :func:`slime_ascend.weight_sync.funnel.megatron_init`): reads the
   format of ``--hf-checkpoint`` (config.json ``quantization_config``, or msModelSlim's
-  ``quant_model_description.json``), fails clearly when it is not the plugin's format, and
-  installs the runtime patches ``train.quantize_params`` (slime's quantizer funnel runs our
-  dispatcher first), ``train.quant_post_process`` (engine-side repack around the sync for
-  formats whose engine layout differs from the checkpoint's) and ``train.weight_sync_metrics``
-  (bytes, quantisation time and GB/s on slime's perf log).
+  ``quant_model_description.json``) and fails clearly when it is not the plugin's format.
 * quantize_params (exclusive, :func:`slime_ascend.weight_sync.funnel.quantize_params`): quantises
   what the checkpoint quantises (its ignore list / FLOAT entries; embeddings, norms, router and
   lm_head stay in the model dtype unless it says otherwise); returns None for configs that are
@@ -21,11 +22,15 @@ The three plugins conflict with one another: one job syncs one format.
 
 from __future__ import annotations
 
-from slime_ascend.plugins.base import Contribution, Plugin
+from slime_ascend.plugins.base import Contribution, PatchUse, Plugin
 from slime_ascend.plugins.settings import Setting
 
 _W = "slime_ascend.weight_sync."
-PATCHES = ("train.quantize_params", "train.quant_post_process", "train.weight_sync_metrics")
+PATCHES = (
+    PatchUse("train.quantize_params", "train"),
+    PatchUse("train.quant_post_process", "train"),
+    PatchUse("train.weight_sync_metrics", "train", when=_W + "funnel.metrics_enabled"),
+)
 NAMES = ("fp8-sync", "int8-sync", "int4-sync")
 
 
@@ -47,7 +52,7 @@ def _contributions(label: str) -> tuple[Contribution, ...]:
         Contribution("quantize_params", _W + "funnel.quantize_params",
                      note=f"{label} tensors for the names the rollout checkpoint quantises; None = not ours"),
         Contribution("megatron_init", _W + "funnel.megatron_init", order=300,
-                     note="check the rollout checkpoint's format; install " + ", ".join(PATCHES)),
+                     note="check the rollout checkpoint's format"),
     )
 
 

@@ -62,8 +62,6 @@ DATA = {
 
 
 def test_metadata_reaches_each_rank_from_rays_copy_of_the_rollout_manager(monkeypatch):
-    from slime_ascend.patch.rollout import forward_metadata as fm
-
     instance, copy_cls, stored = _ray_copy_instance(monkeypatch)
     original = vars(copy_cls)["_split_train_data_by_dp"]
     try:
@@ -72,7 +70,7 @@ def test_metadata_reaches_each_rank_from_rays_copy_of_the_rollout_manager(monkey
         pytest.skip(f"slime's DP schedule needs more stub args here: {exc}")
     assert len(stored) == 2 and all("metadata" not in d for d in stored)  # stock slime drops it
     stored.clear()
-    fm.install_rollout_side()
+    patch.install("rollout.forward_metadata")
     try:
         instance._split_train_data_by_dp(dict(DATA))
         assert len(stored) == 2

@@ -28,14 +28,9 @@ TEACHERS = [
 ]
 
 
-INSTALLS: list = []
-
-
 @pytest.fixture(autouse=True)
 def _clean(fresh_runtime, monkeypatch):
     monkeypatch.delenv("SLIME_ASCEND_PLUGINS", raising=False)
-    # the forward-metadata runtime patch is another module's: record installs
-    monkeypatch.setattr(hooks, "_ensure_forward_metadata", lambda args: INSTALLS.append(args))
     hooks.reset_state()
     yield
     hooks.reset_state()
@@ -100,13 +95,13 @@ def test_validate_refuses_bad_configs(overrides, needle):
 def test_critic_role_args_pass_without_use_opd():
     """slime's critic gets its own args with use_opd off (_apply_megatron_role_overrides): found when
     sao (PPO critic) and opd ran together in slime's train_async.py."""
-    from slime_ascend.plugins import runtime
+    from slime_ascend.plugins import roles, runtime
 
     critic_args = make_args(use_opd=False, kl_coef=0, custom_advantage_function_path=None)
-    runtime.set_train_role("critic")
+    roles.set_train_role("critic")
     assert runtime.settings(critic_args, "opd") is not None
     runtime.reset()
-    runtime.set_train_role("actor")
+    roles.set_train_role("actor")
     with pytest.raises(SettingsError, match="use_opd must be true"):
         runtime.settings(critic_args, "opd")
 
@@ -205,7 +200,7 @@ def test_reward_hooks_fill_teacher_log_probs_from_the_routed_teacher(two_teacher
     assert stats["routing"]["counts"] == {"math": 2, "code": 3}
     assert stats["requests"] == {"math": 2, "code": 3}
     assert stats["last_step"]["counts"] == {"math": 2, "code": 3}
-    assert INSTALLS and INSTALLS[-1] is args  # different coefs: the forward patch is installed
+    assert hooks.coefs_differ(args)  # different coefs: the runtime installs the forward patches
 
 
 def test_task_reward_path_is_used(two_teacher_engines, monkeypatch):
@@ -478,6 +473,16 @@ def test_advantage_uses_rollout_log_probs_when_slime_does():
     assert data["opd_coef"] == [2.0] * 5 and not any(k.startswith("opd_share/") for k in data)
 
 
+def test_forward_patches_are_declared_where_coefficients_differ():
+    uses = {u.patch: u for u in PLUGIN.patches}
+    assert (uses["rollout.forward_metadata"].moment, uses["train.rollout_log_metadata"].moment) == ("rollout", "train")
+    assert {u.when for u in uses.values()} == {"slime_ascend.opd.slime_hooks.coefs_differ"}
+    assert hooks.coefs_differ(make_args())  # TEACHERS: 1.0 and 0.5
+    assert not hooks.coefs_differ(make_args(ascend_opd_teachers=[dict(t, coef=2.0) for t in TEACHERS]))
+    assert not hooks.coefs_differ(make_args(ascend_opd_coef=0.5, ascend_opd_teachers=[
+        {k: v for k, v in t.items() if k != "coef"} | ({"coef": 0.5} if t["name"] == "code" else {}) for t in TEACHERS]))
+
+
 def test_advantage_without_metadata_and_different_coefs_fails_clearly():
     data = _rollout_data()
     with pytest.raises(RuntimeError, match="rollout.forward_metadata"):
@@ -491,3 +496,4 @@ def test_advantage_clip():
     hooks.opd_advantage(args, data)
     for i in range(5):
         assert float((data["advantages"][i] - base[i]).abs().max()) <= 0.1 + 1e-6
+

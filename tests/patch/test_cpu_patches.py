@@ -238,12 +238,13 @@ def test_check_reports_a_missing_target():
 
 
 def test_plugin_skips_the_shims_where_cuda_works(monkeypatch):
+    """The shims are declared for Megatron-core's import with the condition host_without_cuda."""
     from slime_ascend.cpu import plugin
 
+    uses = {u.patch: u for u in plugin.PLUGIN.patches}
+    for pid in TORCH_PATCHES:
+        assert (uses[pid].moment, uses[pid].when) == ("import:megatron.core", "slime_ascend.cpu.plugin.host_without_cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    try:
-        plugin._install_torch_patches(None)
-        assert not any(patch.get(pid).applied for pid in TORCH_PATCHES)
-    finally:
-        for pid in TORCH_PATCHES:
-            patch.get(pid).remove()
+    assert plugin.host_without_cuda() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plugin.host_without_cuda() is True

@@ -172,11 +172,11 @@ def test_train_actor_records_its_role_before_validating(fake_slime):
         "import pickle\n"
         f"good = pickle.loads({__import__('pickle').dumps(good)!r})\n"
         "from slime.ray.train_actor import TrainRayActor\n"
-        "from slime_ascend.plugins import runtime\n"
-        "print(runtime.train_role())\n"
-        "TrainRayActor().init(good, 'critic'); print(runtime.train_role())\n"
-        "runtime.reset(); print(runtime.train_role())\n"
-        "TrainRayActor().init(args=good, role='actor'); print(runtime.train_role())\n"
+        "from slime_ascend.plugins import roles, runtime\n"
+        "print(roles.train_role())\n"
+        "TrainRayActor().init(good, 'critic'); print(roles.train_role())\n"
+        "runtime.reset(); print(roles.train_role())\n"
+        "TrainRayActor().init(args=good, role='actor'); print(roles.train_role())\n"
     )
     proc = run_python(code, env=_env(fake_slime, "dis"))
     assert proc.returncode == 0, proc.stderr

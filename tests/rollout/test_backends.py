@@ -41,7 +41,7 @@ def test_plugins_selectable_and_exclusive(fresh_runtime):
     assert registry.resolve_selection(["vllm-ascend"]).names == ("npu", "vllm-ascend")
     with pytest.raises(registry.PluginError, match="cannot be enabled together"):
         registry.resolve_selection(["sglang-npu", "vllm-ascend"])
-    assert "engine.sglang_npu_launch" in sel.get("sglang-npu").patches
+    assert "engine.sglang_npu_launch" in sel.get("sglang-npu").patch_ids
 
 
 def test_config_yaml_for_sglang_npu_has_settings():

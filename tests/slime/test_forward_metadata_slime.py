@@ -11,6 +11,7 @@ pytestmark = pytest.mark.slime
 
 def test_targets_match_this_slime():
     assert patch.get("rollout.forward_metadata").verify() == []
+    assert patch.get("train.rollout_log_metadata").verify() == []
 
 
 def test_split_forwards_metadata_per_partition(monkeypatch):
@@ -40,7 +41,7 @@ def test_split_forwards_metadata_per_partition(monkeypatch):
         pytest.skip(f"slime's DP schedule needs more stub args here: {exc}")
     assert all("metadata" not in d for d in stored)
     stored.clear()
-    fm.install_rollout_side()
+    patch.install("rollout.forward_metadata")
     try:
         cls._split_train_data_by_dp(stub, dict(data))
     finally:
@@ -52,18 +53,18 @@ def test_split_forwards_metadata_per_partition(monkeypatch):
 
 def test_train_logger_does_not_see_metadata():
     import slime.observability.train_metric_utils as tm
-    from slime_ascend.patch.rollout import forward_metadata as fm
+    from slime_ascend.patch.train import rollout_log_metadata as rlm
 
     seen = []
     original = tm.log_rollout_data
-    fm.install_train_side()
+    patch.install("train.rollout_log_metadata")
     try:
         # call the wrapper around a recording stand-in for slime's function
-        wrapped = fm._wrap_log(lambda rid, args, data: seen.append(sorted(data)))
+        wrapped = rlm._wrap_log(lambda rid, args, data: seen.append(sorted(data)))
         data = {"metadata": [{}], "rewards": [1.0]}
         wrapped(0, None, data)
         assert seen == [["rewards"]] and "metadata" in data
         assert tm.log_rollout_data is not original
     finally:
-        patch.get("rollout.forward_metadata").remove()
+        patch.get("train.rollout_log_metadata").remove()
     assert tm.log_rollout_data is original

@@ -126,6 +126,7 @@ class Scheduler:
 
 @pytest.mark.parametrize("k,schedule,advance", [(2, "per_rollout", 1), (3, "per_pass", 3), (1, "per_rollout", 1)])
 def test_patched_train_critic_runs_train_k_times(mpu, actor_module, args, monkeypatch, k, schedule, advance):
+    from slime_ascend.plugins import early
     from slime_ascend.sao import critic as sao_critic
 
     counting = CountingTrain()
@@ -136,7 +137,8 @@ def test_patched_train_critic_runs_train_k_times(mpu, actor_module, args, monkey
     original = actor_module.MegatronTrainRayActor.train_critic
     args.ascend_sao_critic_iters, args.ascend_sao_critic_lr_schedule = k, schedule
     args.custom_advantage_function_path = None  # as slime's critic role override leaves it
-    sao_critic.megatron_init(args)  # what the critic process runs: both patches with these args
+    early.validate_now(args, "train")  # what the critic process runs as it starts: sao's train patches
+    sao_critic.megatron_init(args)  # then K onto its args
     assert args.custom_advantage_function_path == DISPATCH + "advantage_function"
 
     data = rollout_data(3)
@@ -344,4 +346,4 @@ print("RESULT", json.dumps([list(actor), args.use_critic, args.calculate_per_tok
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
     assert json.loads(line.split(" ", 1)[1]) == [
         ["sao"], True, True, "custom_loss", DISPATCH + "advantage_function", ["self_attention"], 5e-6, None,
-    ]  # the critic's path is None until the critic's megatron_init installs train.critic_advantage_function
+    ]  # the critic's path is None until the runtime installs train.critic_advantage_function in the critic

@@ -99,9 +99,11 @@ def installed(fresh_runtime):
 
 def _init(fmt, dirs, **extra):
     from slime_ascend import hooks
+    from slime_ascend.plugins import early
 
     args = slime_args(ascend_plugins=plugin_for(fmt), hf_checkpoint=str(dirs[fmt]), **extra)
-    hooks.megatron_init(args)  # the plugin's megatron_init: format check + patches
+    early.validate_now(args, "train")  # as TrainRayActor.init starts: validation, then the declared train patches
+    hooks.megatron_init(args)  # the plugin's megatron_init: the format check
     return args
 
 

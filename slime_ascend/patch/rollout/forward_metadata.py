@@ -3,15 +3,13 @@
 slime builds ``train_data["metadata"]`` from ``Sample.train_metadata`` but
 ``RolloutManager._split_train_data_by_dp`` ships only a fixed list of keys to each data-parallel
 rank, so per-sample facts a plugin needs in the trainer (e.g. which OPD teacher scored a sample,
-and its coefficient) are dropped. On the train side, ``log_rollout_data`` sums every list it
-does not know, which a list of dicts would break.
+and its coefficient) are dropped. Its train-side counterpart, ``train.rollout_log_metadata``, keeps
+the forwarded list out of the train-side rollout logger.
 
-How (rollout side): while ``_split_train_data_by_dp`` runs, the full ``data`` is remembered, and
+How: while ``_split_train_data_by_dp`` runs, the full ``data`` is remembered, and
 ``tensorize_rollout_data_for_training`` (called by it once per rank with that rank's dict, which
-holds ``partition``) adds ``metadata = [data["metadata"][j] for j in partition]``. How (train
-side): ``log_rollout_data`` is called without the ``metadata`` key. Install the rollout side in
-the RolloutManager (:func:`install_rollout_side`) and the train side in each train actor
-(:func:`install_train_side`); each checks only its own targets.
+holds ``partition``) adds ``metadata = [data["metadata"][j] for j in partition]``. Installed by the
+runtime in the RolloutManager as it starts.
 
 Ray runs an actor from a by-value (cloudpickle) copy of its class: the live RolloutManager's
 ``_split_train_data_by_dp`` is not the module's, and it reads its globals (among them
@@ -24,15 +22,13 @@ code with the module's globals.
 from __future__ import annotations
 
 import functools
-import importlib
 import threading
 from types import ModuleType
 from typing import Any
 
-from ..base import AttributeStack, RuntimePatch, missing_attrs, missing_source, param_mismatch
+from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
 
 ROLLOUT = "slime.ray.rollout"
-TRAIN_METRICS = "slime.observability.train_metric_utils"
 KEY = "metadata"
 
 _current = threading.local()
@@ -59,20 +55,6 @@ def _wrap_tensorize(original):
         return original(rollout_data)
 
     return tensorize_rollout_data_for_training
-
-
-def _wrap_log(original):
-    @functools.wraps(original)
-    def log_rollout_data(rollout_id, args, rollout_data, *rest, **kwargs):
-        if KEY not in rollout_data:
-            return original(rollout_id, args, rollout_data, *rest, **kwargs)
-        metadata = rollout_data.pop(KEY)
-        try:
-            return original(rollout_id, args, rollout_data, *rest, **kwargs)
-        finally:
-            rollout_data[KEY] = metadata
-
-    return log_rollout_data
 
 
 def _delegate_to(module_cls):
@@ -119,11 +101,6 @@ class ForwardMetadata(RuntimePatch):
             convert = getattr(cls, "_convert_samples_to_train_data", None)
             if convert is not None:
                 problems += missing_source(convert, ['train_data["metadata"]'], "RolloutManager._convert_samples_to_train_data")
-        metrics = modules.get(TRAIN_METRICS)
-        if metrics is not None:
-            problems += missing_attrs(metrics, ["log_rollout_data"])
-            if not problems:
-                problems += param_mismatch(metrics.log_rollout_data, ["rollout_id", "args", "rollout_data"])
         return problems
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
@@ -136,37 +113,15 @@ class ForwardMetadata(RuntimePatch):
             live = live_actor_class(module_cls)
             if live is not None:  # inside the RolloutManager actor: Ray's copy of the class is what runs
                 self.replace(live, "_split_train_data_by_dp", _delegate_to(module_cls))
-        metrics = modules.get(TRAIN_METRICS)
-        if metrics is not None:
-            self.wrap(metrics, "log_rollout_data", _wrap_log)
 
 
 PATCH = ForwardMetadata(
     id="rollout.forward_metadata",
-    targets=(f"{ROLLOUT}:RolloutManager._split_train_data_by_dp", f"{ROLLOUT}:tensorize_rollout_data_for_training",
-             f"{TRAIN_METRICS}:log_rollout_data"),
+    targets=(f"{ROLLOUT}:RolloutManager._split_train_data_by_dp", f"{ROLLOUT}:tensorize_rollout_data_for_training"),
     why="slime drops train_data['metadata'] (Sample.train_metadata) before training; plugins need per-sample "
     "facts in the trainer (OPD teacher and coefficient).",
     how="Slice metadata by each DP rank's partition inside the per-rank tensorize call (in the RolloutManager "
-    "actor, Ray's by-value copy of the class delegates to the module's method); hide it from the train-side "
-    "rollout logger, which cannot sum dicts.",
+    "actor, Ray's by-value copy of the class delegates to the module's method).",
     upstream="patches/0004-forward-metadata-extra-batch-keys.patch",
     checked_on=("0.3.1",),
 )
-
-
-def _install(module_name: str, args: Any = None) -> None:
-    """Apply to one target module, once (wrapping twice would be harmless but is skipped)."""
-    module = importlib.import_module(module_name)
-    owners = {id(stack.owner) for stack in AttributeStack.owned_by(PATCH.id)}
-    if id(module) in owners:
-        return
-    PATCH.install(args, modules={module_name: module})
-
-
-def install_rollout_side(args: Any = None) -> None:
-    _install(ROLLOUT, args)
-
-
-def install_train_side(args: Any = None) -> None:
-    _install(TRAIN_METRICS, args)

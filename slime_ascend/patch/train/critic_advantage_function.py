@@ -27,37 +27,17 @@ Upstream (patches/0003-critic-train-iters.patch): stop nulling the critic's cust
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+from ...plugins.roles import critic_pass, in_critic_pass
 from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
 
 ACTOR = "slime.backends.megatron_utils.actor"
 LOSS = "slime.backends.megatron_utils.loss"
 DISPATCHER = "slime_ascend.hooks.advantage_function"
 ARGS_KEY = "custom_advantage_function_path"
-
-_CRITIC_PASS: contextvars.ContextVar[bool] = contextvars.ContextVar("slime_ascend_critic_pass", default=False)
-
-
-def in_critic_pass() -> bool:
-    """True while ``MegatronTrainRayActor.train_critic`` runs in this process (patch applied)."""
-    return _CRITIC_PASS.get()
-
-
-@contextlib.contextmanager
-def critic_pass() -> Iterator[None]:
-    """Mark the enclosed code as the critic's pass (what the ``train_critic`` wrapper does)."""
-    token = _CRITIC_PASS.set(True)
-    try:
-        yield
-    finally:
-        _CRITIC_PASS.reset(token)
-
 
 def _wrap_train_critic(original):
     @functools.wraps(original)

@@ -33,11 +33,12 @@ import inspect
 from types import ModuleType
 from typing import Any
 
+from ...plugins.roles import CRITIC_ITERS_ARG, CRITIC_SCHEDULE_ARG
 from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
 
 ACTOR = "slime.backends.megatron_utils.actor"
-ITERS_KEY = "critic_train_iters"
-SCHEDULE_KEY = "critic_train_iters_lr_schedule"
+ITERS_KEY = CRITIC_ITERS_ARG
+SCHEDULE_KEY = CRITIC_SCHEDULE_ARG
 SCHEDULES = ("per_rollout", "per_pass")
 
 

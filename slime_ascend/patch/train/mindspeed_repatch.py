@@ -5,31 +5,19 @@ must be imported before anything imports ``megatron``) and re-patching once the 
 are known (``repatch``). The fork edits slime's ``train.py`` and ``actor.py`` for both.
 
 How: the ``npu`` plugin's process-start action registers the adaptor import to run right
-before the first ``import megatron`` (see :func:`import_adaptor_before_megatron`); this patch,
-applied from the megatron-init dispatcher with the real args, calls ``repatch(vars(args))``.
+before the first ``import megatron`` (:func:`slime_ascend.accelerator.mindspeed.import_adaptor_before_megatron`);
+this patch, installed by the runtime in each train actor as it starts (with slime's final args, before
+Megatron initialises), calls ``repatch(vars(args))``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from types import ModuleType
 from typing import Any
 
-from ... import _import_hooks
 from ..base import RuntimePatch, missing_attrs
 
 ADAPTOR = "mindspeed.megatron_adaptor"
-
-
-def mindspeed_installed() -> bool:
-    return importlib.util.find_spec("mindspeed") is not None
-
-
-def import_adaptor_before_megatron() -> bool:
-    """Arrange for the adaptor to be imported before Megatron. False when too late or absent."""
-    if not mindspeed_installed():
-        return False
-    return _import_hooks.before_import("megatron", lambda: importlib.import_module(ADAPTOR))
 
 
 class MindSpeedRepatch(RuntimePatch):
@@ -46,7 +34,7 @@ PATCH = MindSpeedRepatch(
     id="train.mindspeed_repatch",
     targets=(f"{ADAPTOR}:repatch",),
     why="MindSpeed must see slime's final args to enable its Ascend kernels and features.",
-    how="Call mindspeed.megatron_adaptor.repatch(vars(args)) from the megatron-init dispatcher.",
+    how="Call mindspeed.megatron_adaptor.repatch(vars(args)) in each train actor as it starts.",
     upstream="patches/0001-plugin-import-from-environment.patch",
     checked_on=("0.3.1",),
 )

@@ -306,13 +306,6 @@ def check_sglang_fixes() -> list[str]:
 
 
 # -- plugin hooks -----------------------------------------------------------------------------
-def on_process_start() -> None:
-    """Bootstrap action: install the launch bridge in whatever process imports slime's engine actor."""
-    from ... import patch
-
-    patch.install_when_imported("engine.sglang_npu_launch")
-
-
 def validate_plugin(args: Any, settings: Any) -> None:
     """Plugin-level check at first use (RolloutManager, train actors)."""
     from ...plugins.settings import SettingsError

@@ -1,0 +1,103 @@
+"""The runtime installs every enabled plugin's declared runtime patches; plugins only declare them.
+
+A plugin lists what it needs as :class:`~slime_ascend.plugins.base.PatchUse` (ledger id, moment,
+condition, stack order). At each moment this module installs, in ledger order, the patches of the
+enabled plugins declared for it whose condition holds:
+
+=================  ===========================================================  ==========================
+moment             where                                                        called from
+=================  ===========================================================  ==========================
+``import``         every process, as each target module is imported             the bootstrap
+``import:<mod>``   every process, when ``<mod>`` is imported                    the bootstrap
+``train``          each train actor, with its args, as ``TrainRayActor.init``    :mod:`.early`
+                   starts (before the process group and the model)
+``rollout``        the RolloutManager, with its args, as it starts              :mod:`.early`
+=================  ===========================================================  ==========================
+
+So no feature module imports ``slime_ascend.patch``: deleting a patch when upstream merges its fix
+touches the ledger and one declaration, nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from .base import PatchUse, resolve
+
+logger = logging.getLogger("slime_ascend.plugins")
+
+
+def _ledger_order() -> dict[str, int]:
+    from .. import patch
+
+    return {patch_id: i for i, patch_id in enumerate(patch.LEDGER)}
+
+
+def planned(plugins) -> list[PatchUse]:
+    """The declared patch uses of ``plugins`` in install order (ledger order), once per patch id.
+
+    Raises ValueError for an unknown id, one patch declared at two moments, or an ``after`` that the
+    ledger order contradicts."""
+    order = _ledger_order()
+    uses: dict[str, PatchUse] = {}
+    for plugin in plugins:
+        for use in plugin.patches:
+            if use.patch not in order:
+                raise ValueError(f"plugin {plugin.name!r} declares patch {use.patch!r}, which is not in the ledger")
+            seen = uses.get(use.patch)
+            if seen is not None and seen.moment != use.moment:
+                raise ValueError(f"patch {use.patch!r} is declared at two moments ({seen.moment}, {use.moment})")
+            uses.setdefault(use.patch, use)
+    for use in uses.values():
+        for before in use.after:
+            if before in uses and order[before] > order[use.patch]:
+                raise ValueError(f"patch {use.patch!r} must stack after {before!r}, which comes later in the ledger: "
+                                 "reorder slime_ascend.patch.LEDGER")
+    return sorted(uses.values(), key=lambda u: order[u.patch])
+
+
+def _wanted(use: PatchUse, *args: Any) -> bool:
+    return use.when is None or bool(resolve(use.when)(*args))
+
+
+def install_at_process_start(plugins) -> list[str]:
+    """Register the import-moment patches of ``plugins`` (the bootstrap, once per process); returns their
+    ids. A condition is evaluated once, when the first module that triggers the patch is imported."""
+    from .. import _import_hooks, patch
+
+    registered = []
+    for use in planned(plugins):
+        if use.role is not None:
+            continue
+        wanted = functools.lru_cache(maxsize=None)(lambda use=use: _wanted(use))
+        if use.trigger is None:
+            target = patch.get(use.patch)
+            for name in target.target_modules:
+                _import_hooks.when_imported(name, lambda module, name=name, target=target, wanted=wanted: (
+                    target.install(modules={name: module}) if wanted() else None))
+        else:
+            _import_hooks.when_imported(use.trigger, lambda _module, patch_id=use.patch, wanted=wanted: (
+                patch.install(patch_id) if wanted() else None))
+        registered.append(use.patch)
+    return registered
+
+
+def install_for_role(args: Any, role: str, plugins) -> list[str]:
+    """Install the ``role`` (train / rollout) patches of ``plugins`` with this process's ``args``."""
+    from .. import patch
+
+    installed = []
+    for use in planned(plugins):
+        if use.role == role and _wanted(use, args):
+            patch.install(use.patch, args)
+            installed.append(use.patch)
+    return installed
+
+
+def applied(patch_id: str) -> bool:
+    """Whether the runtime patch ``patch_id`` is applied in this process (for a feature's own guard)."""
+    from .. import patch
+
+    return patch.get(patch_id).applied
