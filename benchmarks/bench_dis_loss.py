@@ -52,7 +52,7 @@ def _import_slime():
 
 
 def _args(plugin: str | None) -> argparse.Namespace:
-    from slime_ascend.contracts.plugins import DIS, ICEPOP
+    from slime_ascend.offpolicy.plugin import DIS, ICEPOP
 
     values = dict(
         use_rollout_logprobs=False, advantage_estimator="grpo", log_probs_chunk_size=-1, allgather_cp=False,

@@ -121,7 +121,7 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
                  "offline converter: HF_DIR OUT_DIR --format fp8-block|int8-w8a8|int8-ct|int4-group"),
     "verify-quant": ("slime_ascend.quant.cli:main_verify",
                      "check online-synced tensors against the offline converter's file, bit for bit"),
-    "tito-fingerprint": ("slime_ascend.contracts.tito:main",
+    "tito-fingerprint": ("slime_ascend.tito.hooks:main",
                          "print a checkpoint's tokenizer/chat-template revision (for ascend_tito_tokenizer_revision)"),
     "demo": ("slime_ascend.demo.cli:main",
              "the embedded closed loop on this machine (Ray, reference engine, tiny policy, every plugin)"),

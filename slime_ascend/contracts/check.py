@@ -41,7 +41,7 @@ import torch
 from slime_ascend.algorithms.masks import DIS_PRESETS, dis_mask, icepop_weights
 from slime_ascend.algorithms.mismatch import mismatch_stats
 from slime_ascend.algorithms.topk import deterministic_topk_indices, replay_topk_indices
-from slime_ascend.rollout.reference_model import TINY_QWEN3_KWARGS
+from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
 
 __all__ = [
     "DEFAULT_THRESHOLDS",

@@ -85,7 +85,7 @@ def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str],
     import yaml
 
     from slime_ascend import config as ascend_config
-    from slime_ascend.rollout.reference_model import TINY_QWEN3_KWARGS
+    from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
 
     host, port = urls["engine"].removeprefix("http://").rsplit(":", 1)
     args = argparse.Namespace(

@@ -107,7 +107,7 @@ class RolloutWorker:
     def __init__(self, policy_dir: str, teacher_dir: str, seed: int) -> None:
         import torch
 
-        from slime_ascend.rollout.reference_engine import ReferenceEngine
+        from slime_ascend.rollout.reference.engine import ReferenceEngine
 
         torch.set_num_threads(1)
         self.seed = seed
@@ -238,7 +238,7 @@ class RolloutWorker:
             pool = st.get("pool") or {}
             out["teacher_prefetch_hits"] = pool.get("prefetch_hits", pool.get("switch_prefetched"))
         if "staleness" in runtime.enabled_names(self.args):
-            from slime_ascend.contracts.staleness_hook import last_staleness_report
+            from slime_ascend.offpolicy.hooks import last_staleness_report
 
             rep = last_staleness_report() or {}
             out["staleness_report"] = {k: v for k, v in rep.items() if isinstance(v, (int, float, str))}

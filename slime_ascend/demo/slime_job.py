@@ -83,7 +83,7 @@ def make_model(out_dir: Path, seed: int = 0) -> Path:
     """The tiny random Qwen3 with its tokenizer, as an HF safetensors directory (bf16 weights)."""
     import torch
 
-    from slime_ascend.rollout.reference_model import build_byte_tokenizer, load_model, save_model
+    from slime_ascend.rollout.reference.model import build_byte_tokenizer, load_model, save_model
 
     if (out_dir / "config.json").is_file():
         return out_dir
@@ -202,7 +202,7 @@ class Run:
 
 
 # slime's labels (rollout, step, perf, eval) and the plugins' own rollout reports (staleness, tito, ...:
-# slime_ascend.contracts.rollout_metrics), each "<label> <rollout id>: {'<group>/<name>': ...}"
+# slime_ascend.plugins.rollout_metrics), each "<label> <rollout id>: {'<group>/<name>': ...}"
 _LABELLED_METRICS = re.compile(r"\b([a-z][a-z0-9_]*) (\d+): (\{'[a-z_]+/[^\n]*\})\s*$", re.MULTILINE)
 
 

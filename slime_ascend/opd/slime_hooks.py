@@ -604,7 +604,7 @@ def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any]
         first = ctx.post_process_calls == 1
     logger.info("opd routing this step: %s; per-teacher KL(student||teacher) k3: %s", dict(counts),
                 {n: round(v, 5) for n, v in per_teacher_kl.items()})
-    from ..contracts.rollout_metrics import report
+    from ..plugins.rollout_metrics import report
 
     report(args, logger, "opd", rollout_step_metrics(ctx, counts, per_teacher_kl))
     if first and ctx.settings["ascend_opd_same_origin_check"]:

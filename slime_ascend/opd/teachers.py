@@ -200,8 +200,8 @@ def read_vocab_size(model_dir: str | Path) -> int | None:
 def tokenizer_fingerprint(model_dir: str | Path) -> str | None:
     """The tokenizer/chat-template revision of ``model_dir`` (the one ``slime-ascend tito-fingerprint``
     prints); None when it is not a directory holding tokenizer files."""
-    from ..contracts.tito import TitoError
-    from ..contracts.tito import tokenizer_fingerprint as fingerprint
+    from ..tito.hooks import TitoError
+    from ..tito.hooks import tokenizer_fingerprint as fingerprint
 
     if not Path(model_dir).is_dir():
         return None

@@ -1,6 +1,6 @@
 """SGLang's HTTP surface, served for any engine that implements :class:`SGLangEngine` (stdlib only).
 
-One route table for the CPU reference engine (:mod:`slime_ascend.rollout.reference_engine`) and the
+One route table for the CPU reference engine (:mod:`slime_ascend.rollout.reference.engine`) and the
 vLLM adapter (:mod:`slime_ascend.rollout.backends.vllm_ascend`); ``slime-ascend serve-reference`` is
 :func:`serve_reference`. Endpoints (the ones slime's rollout, external-engine discovery and weight
 sync call):
@@ -390,7 +390,7 @@ def serve_until_interrupted(server: ThreadingHTTPServer) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import reference_engine as _engine_mod
+    from .reference import engine as _engine_mod
 
     parser = argparse.ArgumentParser(
         prog="slime-ascend serve-reference",
@@ -442,7 +442,7 @@ def _positive_float(text: str) -> float:
 def serve_reference(argv: list[str] | None = None) -> int:
     """CLI entry: ``slime-ascend serve-reference --model DIR --host 127.0.0.1 --port PORT``: load the
     reference engine and serve it until interrupted."""
-    from .reference_engine import ReferenceEngine
+    from .reference.engine import ReferenceEngine
 
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:  # the engine's own events (weight updates) on stderr

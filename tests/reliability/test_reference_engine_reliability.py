@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slime_ascend.rollout import reference_model
+from slime_ascend.rollout.reference import model as reference_model
 from slime_ascend.rollout.http_api import make_server
-from slime_ascend.rollout.reference_engine import ReferenceEngine
-from slime_ascend.rollout.reference_model import save_model
+from slime_ascend.rollout.reference.engine import ReferenceEngine
+from slime_ascend.rollout.reference.model import save_model
 
 HTTP = httpx.Client(timeout=30, trust_env=False)
 PROMPT = [1, 17, 250, 3, 999, 42]

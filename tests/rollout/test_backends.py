@@ -61,7 +61,7 @@ def test_config_yaml_for_sglang_npu_has_settings():
 def test_vllm_plugin_command_line_checks():
     import argparse
 
-    from slime_ascend.rollout.plugins import VLLM_ASCEND
+    from slime_ascend.rollout.plugin import VLLM_ASCEND
 
     ext, disk = VLLM_ASCEND.command_line
     assert not ext.check(argparse.Namespace(rollout_external_engine_addrs=None))

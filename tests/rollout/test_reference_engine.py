@@ -13,10 +13,10 @@ import httpx
 import pytest
 import torch
 
-from slime_ascend.rollout import reference_model
+from slime_ascend.rollout.reference import model as reference_model
 from slime_ascend.rollout.http_api import build_parser, make_server
-from slime_ascend.rollout.reference_engine import ReferenceEngine
-from slime_ascend.rollout.reference_model import load_model, save_model, score_tokens
+from slime_ascend.rollout.reference.engine import ReferenceEngine
+from slime_ascend.rollout.reference.model import load_model, save_model, score_tokens
 
 PROMPT = [1, 17, 250, 3, 999, 42]
 HTTP = httpx.Client(timeout=300, trust_env=False)  # thread-safe; no proxies for loopback

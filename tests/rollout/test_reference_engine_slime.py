@@ -25,9 +25,9 @@ try:
 except ImportError as exc:  # CI has no slime
     pytest.skip(f"slime is not importable (run with SLIME_SRC on PYTHONPATH): {exc}", allow_module_level=True)
 
-from slime_ascend.rollout import reference_model
-from slime_ascend.rollout.reference_engine import ReferenceEngine
-from slime_ascend.rollout.reference_model import load_model, save_model, score_tokens
+from slime_ascend.rollout.reference import model as reference_model
+from slime_ascend.rollout.reference.engine import ReferenceEngine
+from slime_ascend.rollout.reference.model import load_model, save_model, score_tokens
 
 
 @pytest.fixture(scope="module")

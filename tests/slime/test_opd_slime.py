@@ -66,7 +66,7 @@ def make_samples(n: int, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def teacher_url():
-    from slime_ascend.rollout.reference_engine import ReferenceEngine
+    from slime_ascend.rollout.reference.engine import ReferenceEngine
 
     with ReferenceEngine(seed=7).start_in_thread() as url:
         yield url

@@ -6,7 +6,7 @@ import pytest
 
 from slime_ascend.plugins import registry
 from slime_ascend.plugins.base import resolve
-from slime_ascend.weight_sync import plugins
+from slime_ascend.weight_sync import plugin as plugins
 
 
 def test_plugins_are_registered_and_resolve():
@@ -40,5 +40,5 @@ def test_settings_defaults():
 
 
 def test_entry_point_targets():
-    assert resolve("slime_ascend.weight_sync.plugins:FP8_SYNC") is plugins.FP8_SYNC
-    assert resolve("slime_ascend.weight_sync.plugins:INT4_SYNC") is plugins.INT4_SYNC
+    assert resolve("slime_ascend.weight_sync.plugin:FP8_SYNC") is plugins.FP8_SYNC
+    assert resolve("slime_ascend.weight_sync.plugin:INT4_SYNC") is plugins.INT4_SYNC

@@ -36,7 +36,7 @@ class RolloutBackend:
     plugin: str | None = None  # the slime-ascend plugin whose settings feed this backend
 
     def settings(self) -> tuple:
-        from ..plugins import SGLANG_NPU, VLLM_ASCEND
+        from ..plugin import SGLANG_NPU, VLLM_ASCEND
 
         return {p.name: p.settings for p in (SGLANG_NPU, VLLM_ASCEND)}.get(self.plugin, ())
 

@@ -1,6 +1,6 @@
 """``reference``: the CPU reference engine attached to slime as an external engine.
 
-:class:`~slime_ascend.rollout.reference_engine.ReferenceEngine` speaks SGLang's HTTP surface
+:class:`~slime_ascend.rollout.reference.engine.ReferenceEngine` speaks SGLang's HTTP surface
 (``/generate``, ``/server_info``, disk weight sync, pause/abort), so slime reaches it with
 ``--rollout-external-engine-addrs`` and ``--update-weight-transport disk``. Start one with
 ``slime-ascend serve-reference --model DIR --port PORT`` or, in-process, with :func:`serve`.
@@ -31,7 +31,7 @@ BACKEND = ReferenceBackend()
 def serve(model_path: str | None = None, host: str = "127.0.0.1", port: int = 0, **engine_kwargs: Any) -> Iterator[str]:
     """Serve a fresh :class:`ReferenceEngine` from a thread; yields its address ``host:port`` as
     slime's ``--rollout-external-engine-addrs`` takes it."""
-    from ..reference_engine import ReferenceEngine
+    from ..reference.engine import ReferenceEngine
 
     engine = ReferenceEngine(model_path=model_path, **engine_kwargs)
     with engine.start_in_thread(host=host, port=port) as url:

@@ -1,8 +1,6 @@
-"""Plugin declarations for trustworthy off-policy tokens: ``dis``, ``icepop``, ``staleness``, ``tito``.
+"""Plugin declarations for off-policy control: ``dis``, ``icepop``, ``staleness``.
 
-Declarations only (cheap to import; no torch). The code lives in
-:mod:`slime_ascend.contracts.tis_hooks`, :mod:`slime_ascend.contracts.staleness_hook` and
-:mod:`slime_ascend.contracts.tito`.
+Declarations only (cheap to import; no torch). The hook code is :mod:`slime_ascend.offpolicy.hooks`.
 
 * ``dis`` (tis chain, order 100): Decoupled Importance Sampling on slime's PPO loss. Per token,
   w = exp(logp_old - logp_rollout) (trainer recompute vs engine); tokens with w outside the strict
@@ -14,9 +12,6 @@ Declarations only (cheap to import; no torch). The code lives in
   default; equals slime's ``icepop_function`` with ``--tis-clip beta --tis-clip-low 1/beta``.
 * ``staleness`` (reward_post_process chain, order 100): drops samples whose oldest producing policy
   version lags the newest version seen by more than tau; GLM-5 environment-failure group rule.
-* ``tito`` (rollout_sample_hook 900, reward_post_process 900, megatron_init 900,
-  rollout_data_postprocess 900): token-in/token-out: the token IDs trained on are the ones sampled,
-  and the tokenizer / chat template are the same revision on the rollout and train sides.
 """
 
 from __future__ import annotations
@@ -24,9 +19,7 @@ from __future__ import annotations
 from ..plugins.base import Contribution, Plugin
 from ..plugins.settings import Setting
 
-_T = "slime_ascend.contracts.tis_hooks."
-_S = "slime_ascend.contracts.staleness_hook."
-_O = "slime_ascend.contracts.tito."
+_H = "slime_ascend.offpolicy.hooks."
 
 # slime's TIS hook runs only when --use-tis or --get-mismatch-metrics is on. use_tis is read only at
 # loss time (slime/backends/megatron_utils/loss.py) and, before the YAML is applied, by one check
@@ -51,10 +44,10 @@ DIS = Plugin(
                 choices=("ratio", "mask")),
     ),
     contributions=(
-        Contribution("tis", _T + "dis_tis", order=100, note="band mask (+ ratio weight), modified loss masks"),
+        Contribution("tis", _H + "dis_tis", order=100, note="band mask (+ ratio weight), modified loss masks"),
     ),
     slime_args=_TIS_ARGS,
-    validate=_T + "validate_dis",
+    validate=_H + "validate_dis",
 )
 
 ICEPOP = Plugin(
@@ -69,10 +62,10 @@ ICEPOP = Plugin(
                 "multiply the kept tokens' PPO loss by rho (IcePop, slime) or by 1 (pure 0/1 mask)"),
     ),
     contributions=(
-        Contribution("tis", _T + "icepop_tis", order=200, note="inclusive band, reweight by rho"),
+        Contribution("tis", _H + "icepop_tis", order=200, note="inclusive band, reweight by rho"),
     ),
     slime_args=_TIS_ARGS,
-    validate=_T + "validate_icepop",
+    validate=_H + "validate_icepop",
 )
 
 STALENESS = Plugin(
@@ -88,31 +81,8 @@ STALENESS = Plugin(
                 "a sample without weight_versions: keep it (counted) or fail", choices=("keep", "error")),
     ),
     contributions=(
-        Contribution("reward_post_process", _S + "staleness_post_process", order=100,
+        Contribution("reward_post_process", _H + "staleness_post_process", order=100,
                      note="marks remove_sample on stale / failed samples and dropped groups"),
     ),
-    validate=_S + "validate",
-)
-
-TITO = Plugin(
-    name="tito",
-    description="token-in/token-out: train on the exact rollout token IDs with the same tokenizer revision",
-    settings=(
-        Setting("ascend_tito_tokenizer_revision", str, None,
-                "expected tokenizer fingerprint (`slime-ascend tito-fingerprint <hf_checkpoint>`); unset: the "
-                "rollout and train sides are compared with each other through Ray's KV store",
-                optional=True),
-        Setting("ascend_tito_require_record", bool, True,
-                "fail when a sample reaches training without the record the rollout_sample_hook writes"),
-    ),
-    contributions=(
-        Contribution("rollout_sample_hook", _O + "record_sample", order=900,
-                     note="records token hash + tokenizer/chat-template fingerprint on sample.metadata"),
-        Contribution("reward_post_process", _O + "check_samples", order=900,
-                     note="fails when tokens changed since generation"),
-        Contribution("megatron_init", _O + "check_train_tokenizer", order=900,
-                     note="train-side tokenizer fingerprint vs pinned / rollout-side"),
-        Contribution("rollout_data_postprocess", _O + "check_train_rollout", order=900,
-                     note="train-side fingerprint vs the rollout side's, every rollout"),
-    ),
+    validate=_H + "validate_staleness",
 )

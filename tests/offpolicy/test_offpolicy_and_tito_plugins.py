@@ -19,9 +19,11 @@ from slime_ascend.algorithms.cp import cp_slice
 from slime_ascend.algorithms.masks import DIS_PRESETS, dis_policy_loss, token_mean
 from slime_ascend.algorithms.staleness import group_advantages
 from slime_ascend.compat.sample import get_sample_class
-from slime_ascend.contracts import staleness_hook, tito
-from slime_ascend.contracts.plugins import DIS, ICEPOP, STALENESS, TITO
-from slime_ascend.contracts.tis_hooks import CPContext, dis_apply, icepop_apply, validate_dis, validate_icepop
+from slime_ascend.offpolicy import hooks as staleness_hook
+from slime_ascend.tito import hooks as tito
+from slime_ascend.offpolicy.plugin import DIS, ICEPOP, STALENESS
+from slime_ascend.tito.plugin import TITO
+from slime_ascend.offpolicy.hooks import CPContext, dis_apply, icepop_apply, validate_dis, validate_icepop
 from slime_ascend.plugins import registry, runtime
 from slime_ascend.plugins.settings import SettingsError
 

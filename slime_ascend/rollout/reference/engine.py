@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from slime_ascend.rollout import reference_model
+from slime_ascend.rollout.reference import model as reference_model
 from slime_ascend.rollout.http_api import RequestError, check_generate_keys
 
 __all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]

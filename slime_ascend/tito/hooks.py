@@ -276,7 +276,7 @@ def check_samples(args: Any, samples: list, raw_rewards: list, rewards: list) ->
             "rollout_sample_hook). Fix: use a rollout function that applies them, or set "
             "ascend_tito_require_record: false"
         )
-    from .rollout_metrics import report
+    from ..plugins.rollout_metrics import report
 
     report(args, logger, "tito", {"rollout/tito_checked_samples": float(checked),
                                   "rollout/tito_unrecorded_samples": float(len(missing))})

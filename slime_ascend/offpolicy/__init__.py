@@ -1,0 +1,1 @@
+"""Off-policy control: dis, icepop, staleness."""

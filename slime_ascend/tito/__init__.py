@@ -1,0 +1,1 @@
+"""Token-in/token-out: the tokens trained on are the tokens sampled, with the same tokenizer."""
