@@ -13,16 +13,20 @@ from typing import Any
 from . import _bootstrap
 from .plugins import runtime
 from .plugins.registry import PluginError
+from .plugins.slots import get_slot
 
 
-def _contributions(args: Any, slot: str) -> list[tuple[str, Any]]:
+def _entries(args: Any, slot: str) -> tuple[tuple[str, Any], ...]:
     error = _bootstrap.activation_error()
     if error is not None:
         raise PluginError(
             f"slime-ascend failed to activate at process start ({type(error).__name__}: {error})"
         ) from error
-    state = runtime.active(args)
-    return [(plugin, contribution.load()) for plugin, contribution in state.selection.slots.get(slot, ())]
+    return runtime.active(args).selection.slots.get(slot, ())
+
+
+def _contributions(args: Any, slot: str) -> list[tuple[str, Any]]:
+    return [(plugin, contribution.load()) for plugin, contribution in _entries(args, slot)]
 
 
 def _exclusive(args: Any, slot: str) -> Any:
@@ -49,17 +53,27 @@ def loss_function(args, batch, logits, sum_of_sample_mean):
 
 
 def advantage_function(args, rollout_data) -> None:
-    entries = _contributions(args, "advantage")
+    """The advantage chain around one base. Contributions below the slot's ``base_order`` (200) prepare
+    (compaction's segment layout) or compute a plugin's own base (sao's skip-observation GAE, compaction's
+    per-segment GAE for ppo); at 200, when none of them set ``advantages``, slime's own estimator runs once
+    (:func:`~slime_ascend.advantage_base.slime_estimator`); contributions from 200 on transform the
+    advantages (compaction's decay, opd's teacher term)."""
+    entries = _entries(args, "advantage")
     if not entries:
         _exclusive(args, "advantage")  # raises the explanatory error
-    for _, fn in entries:
+    base_order = get_slot("advantage").base_order
+    steps = [(contribution.order, contribution.load()) for _, contribution in entries]
+    for fn in [fn for order, fn in steps if order < base_order]:
+        fn(args, rollout_data)
+    if rollout_data.get("advantages") is None:
+        from .advantage_base import slime_estimator
+
+        slime_estimator(args, rollout_data)
+    for fn in [fn for order, fn in steps if order >= base_order]:
         fn(args, rollout_data)
     missing = [k for k in ("advantages", "returns") if rollout_data.get(k) is None]
     if missing:
-        raise PluginError(
-            f"advantage plugins {[p for p, _ in entries]} left rollout_data without {missing}; the first "
-            "contribution in the chain must compute them"
-        )
+        raise PluginError(f"advantage plugins {[p for p, _ in entries]} left rollout_data without {missing}")
 
 
 def tis_function(

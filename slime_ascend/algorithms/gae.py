@@ -19,22 +19,25 @@ Conventions (response-aligned, one 1-D tensor per sample, as in slime's ``rollou
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
 import torch
 
+from .cp import cp_full_vectors, cp_slice
+
 __all__ = [
     "apply_segment_decay",
+    "cp_skip_observation_gae",
     "cross_segment_gae",
     "discounted_reverse_cumsum",
     "length_adaptive_lambda",
     "length_adaptive_lambdas",
-    "rollout_adaptive_lambdas",
     "segment_decay_factors",
     "skip_observation_gae",
     "terminal_rewards_on_last_action",
     "token_gae",
+    "trainable_token_counts",
 ]
 
 ObservationRewards = Literal["ignore", "credit_previous_action"]
@@ -143,25 +146,28 @@ def length_adaptive_lambda(num_trainable_tokens: int, alpha: float = 1.5) -> flo
     return min(1.0, max(0.0, 1.0 - 1.0 / (alpha * n)))
 
 
-def length_adaptive_lambdas(loss_masks: Sequence[torch.Tensor], alpha: float = 1.5) -> list[float]:
-    """Per-sample :func:`length_adaptive_lambda` with ``l = loss_mask.sum()``."""
+def trainable_token_counts(loss_masks: Sequence[torch.Tensor]) -> list[int]:
+    """Trainable (action) tokens per sample: the nonzero entries of each full-length loss mask."""
     if len(loss_masks) == 0:
         return []
-    counts = torch.stack([(m != 0).sum() for m in loss_masks]).tolist()
-    return [length_adaptive_lambda(c, alpha) for c in counts]
+    return [int(c) for c in torch.stack([(torch.as_tensor(m) != 0).sum() for m in loss_masks]).tolist()]
 
 
-def rollout_adaptive_lambdas(
-    rollout_ids: Sequence[Hashable], trainable_counts: Sequence[int], alpha: float = 1.5
+def length_adaptive_lambdas(
+    loss_masks: Sequence[torch.Tensor], alpha: float = 1.5, rollout_trainable_tokens: Sequence[int] | None = None
 ) -> list[float]:
-    """One length-adaptive lambda per rollout, from the rollout's total trainable tokens over all its
-    segments (CompactionRL), returned once per entry so it lines up with the segment metadata."""
-    if len(rollout_ids) != len(trainable_counts):
-        raise ValueError("rollout_ids and trainable_counts must have the same length")
-    totals: dict[Hashable, int] = {}
-    for rid, n in zip(rollout_ids, trainable_counts, strict=True):
-        totals[rid] = totals.get(rid, 0) + int(n)
-    return [length_adaptive_lambda(totals[rid], alpha) for rid in rollout_ids]
+    """Per-sample :func:`length_adaptive_lambda`: ``l`` is the rollout's trainable tokens when
+    ``rollout_trainable_tokens`` is given (one total per sample, e.g. CompactionRL's over all segments of
+    the rollout, so every segment gets its rollout's lambda), else the sample's own ``loss_mask`` count."""
+    if rollout_trainable_tokens is not None:
+        if len(rollout_trainable_tokens) != len(loss_masks):
+            raise ValueError(
+                f"rollout_trainable_tokens has {len(rollout_trainable_tokens)} entries for {len(loss_masks)} samples"
+            )
+        counts = [int(c) for c in rollout_trainable_tokens]
+    else:
+        counts = trainable_token_counts(loss_masks)
+    return [length_adaptive_lambda(c, alpha) for c in counts]
 
 
 def terminal_rewards_on_last_action(
@@ -314,6 +320,58 @@ def skip_observation_gae(
     return advantages, returns
 
 
+@torch.no_grad()
+def cp_skip_observation_gae(
+    values: Sequence[torch.Tensor],
+    kl: Sequence[torch.Tensor],
+    rewards: Sequence[float],
+    loss_masks: Sequence[torch.Tensor],
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    *,
+    gamma: float,
+    lambdas: float | Sequence[float],
+    kl_coef: float = 0.0,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Skip-observation GAE on context-parallel-local ``values`` / ``kl``; returns CP-local float32
+    ``(advantages, returns)``.
+
+    The layout is slime's train-side one (:mod:`slime_ascend.algorithms.cp`): ``values`` and ``kl`` are this
+    rank's zig-zag pieces, ``loss_masks`` full response length, ``rewards`` one scalar per sample. The pieces
+    are gathered into full vectors (one ``all_gather`` per tensor kind; it must return the equally shaped
+    tensors of every CP rank in rank order, needed when ``cp_size > 1``), token rewards are
+    ``-kl_coef * kl`` plus the scalar reward on the last action token, :func:`skip_observation_gae` runs on
+    the full sequences and the results are sliced back to this rank's layout.
+    """
+    n = len(values)
+    for name, seq in (("kl", kl), ("rewards", rewards), ("loss_masks", loss_masks),
+                      ("total_lengths", total_lengths), ("response_lengths", response_lengths)):
+        if len(seq) != n:
+            raise ValueError(f"cp_skip_observation_gae: {name} has {len(seq)} entries, values has {n}")
+    full_v = cp_full_vectors(values, total_lengths, response_lengths, cp_rank, cp_size, all_gather)
+    full_kl = cp_full_vectors(kl, total_lengths, response_lengths, cp_rank, cp_size, all_gather)
+    masks = []
+    for i, (m, v) in enumerate(zip(loss_masks, full_v, strict=True)):
+        m = torch.as_tensor(m).to(v.device)
+        if m.shape != v.shape:
+            raise ValueError(
+                f"sample {i}: loss_mask has {tuple(m.shape)} entries, the gathered values {tuple(v.shape)}; "
+                "loss_masks must be full response length"
+            )
+        masks.append(m)
+    token_rewards = [k.to(torch.float32) * -float(kl_coef) for k in full_kl]
+    per_token = terminal_rewards_on_last_action([float(r) for r in rewards], masks, token_rewards)
+    adv, ret = skip_observation_gae([v.to(torch.float32) for v in full_v], per_token, masks, gamma, lambdas)
+    if cp_size > 1:
+        shapes = list(zip(total_lengths, response_lengths, strict=True))
+        adv = [cp_slice(a, cp_rank, cp_size, t, r) for a, (t, r) in zip(adv, shapes, strict=True)]
+        ret = [cp_slice(x, cp_rank, cp_size, t, r) for x, (t, r) in zip(ret, shapes, strict=True)]
+    return adv, ret
+
+
 def token_gae(
     values: Sequence[torch.Tensor],
     rewards: Sequence[torch.Tensor],
@@ -344,7 +402,7 @@ def segment_decay_factors(
     ``N_after(s)`` is the number of trainable tokens in the segments of the same rollout that come later
     (larger ``segment_indices``; only the order matters). Inputs are per-segment metadata, e.g. gathered
     from every data-parallel rank, in any order. ``lambd`` is a float or one value per entry, which must
-    be identical within a rollout (one lambda per rollout; see :func:`rollout_adaptive_lambdas`).
+    be identical within a rollout (one lambda per rollout; see :func:`length_adaptive_lambdas`).
     """
     n = len(rollout_ids)
     if len(segment_indices) != n or len(trainable_counts) != n:

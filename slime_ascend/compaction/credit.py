@@ -13,13 +13,12 @@ with ``rollout_data`` holding this data-parallel rank's samples):
   ``rollout_data["rollout_trainable_tokens"]`` (trainable tokens of the whole rollout; a base estimator
   that wants one length-adaptive lambda per rollout uses it) and ``["trainable_tokens_after"]``
   (N_after(s)). ``round_number`` is the segment index (set by the compaction generate; slime forwards it).
-* order 150, :func:`base_advantages`: only when ``rollout_data["advantages"]`` is still unset (no base
-  estimator such as sao's skip-observation GAE ran at order 100). slime calls a custom advantage
-  function *instead of* its estimator, so this computes the base: for ``ppo`` a local skip-observation
-  GAE per segment (bootstrap 0 after the segment's last action; rewards ``-kl_coef * kl`` plus the
-  scalar reward on the last action token; one lambda per rollout); for every other estimator slime's
-  own ``compute_advantages_and_returns`` run with the custom path, OPD and advantage whitening off
-  (slime applies those after the custom function returns). Sets ``rollout_data["gae_lambdas"]`` for ppo.
+* order 150, :func:`base_advantages`: for ``ppo``, when no earlier contribution (sao's at 100) set
+  ``rollout_data["advantages"]``: a local skip-observation GAE per segment (the shared
+  :func:`~slime_ascend.advantage_base.skip_observation_advantages`: bootstrap 0 after the segment's last
+  action; rewards ``-kl_coef * kl`` plus the scalar reward on the last action token; one lambda per
+  rollout; sets ``rollout_data["gae_lambdas"]``). For every other estimator the advantage dispatcher runs
+  slime's own at the chain's base order (200), before the decay.
 * order 300, :func:`decay_advantages`: ``A(s, i) = (gamma * lambda) ** N_after(s) * A_local(s, i)``.
   lambda is ``rollout_data["gae_lambdas"]`` and gamma ``rollout_data["gae_gammas"]`` (one float per local
   sample each, set by whichever base estimator ran GAE) when present, else ``ascend_compaction_lambda_mode``
@@ -34,23 +33,20 @@ per-rollout token mean over all segments, and a step counts rollouts.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from slime_ascend.algorithms.cp import cp_full_vectors, cp_slice
-from slime_ascend.megatron_state import cp_state as _cp_state
-from slime_ascend.megatron_state import dp_group as _dp_group
+from slime_ascend.advantage_base import skip_observation_advantages
 from slime_ascend.algorithms.gae import (
     apply_segment_decay,
-    length_adaptive_lambda,
+    length_adaptive_lambdas,
     segment_decay_factors,
-    skip_observation_gae,
-    terminal_rewards_on_last_action,
+    trainable_token_counts,
 )
+from slime_ascend.megatron_state import dp_group as _dp_group
 
 __all__ = [
     "SUPPORTED_ESTIMATORS",
@@ -66,7 +62,6 @@ __all__ = [
 
 PLUGIN_NAME = "compaction"
 SUPPORTED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-GRPO_LIKE = ("grpo", "gspo", "cispo")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,13 +174,6 @@ def _rollout_ints(rollout_ids: Sequence[Any]) -> list[int]:
     return out
 
 
-def _trainable_counts(loss_masks: Sequence[torch.Tensor]) -> list[int]:
-    """Trainable tokens per sample from the full-length loss masks (CP-independent)."""
-    if not loss_masks:
-        return []
-    return [int(c) for c in torch.stack([(torch.as_tensor(m) != 0).sum() for m in loss_masks]).tolist()]
-
-
 @dataclass(frozen=True)
 class SegmentLayout:
     """Per local sample: its segment index, trainable tokens, its rollout's trainable tokens, N_after."""
@@ -268,7 +256,7 @@ def _layout(rollout_data: dict, group: Any) -> SegmentLayout:
     return segment_layout(
         ids,
         _segment_indices(_rollout_ints(ids), rollout_data.get("round_number")),
-        _trainable_counts(rollout_data["loss_masks"]),
+        trainable_token_counts(rollout_data["loss_masks"]),
         group=group,
     )
 
@@ -292,63 +280,16 @@ def _rollout_lambdas(args: Any, settings: Any, rollout_data: dict) -> list[float
     totals = rollout_data.get("rollout_trainable_tokens")
     if totals is None:
         totals = _layout(rollout_data, _dp_group()).rollout_trainable
-    return [length_adaptive_lambda(int(t), settings.lambda_alpha) for t in totals]
+    return length_adaptive_lambdas(rollout_data["loss_masks"], settings.lambda_alpha, totals)
 
 
 def base_advantages(args: Any, rollout_data: dict) -> None:
-    """Order 150: the base estimator when no earlier contribution set ``advantages`` (see module doc)."""
-    if rollout_data.get("advantages") is not None:
+    """Order 150, ``ppo`` only: per-segment skip-observation GAE unless an earlier contribution (sao's at
+    100) set ``advantages``. Other estimators get slime's own from the dispatcher's base step."""
+    if rollout_data.get("advantages") is not None or getattr(args, "advantage_estimator", "grpo") != "ppo":
         return
-    estimator = getattr(args, "advantage_estimator", "grpo")
-    if estimator == "ppo":
-        _local_skip_observation_gae(args, rollout_data)
-    else:
-        _slime_estimator(args, rollout_data, estimator)
-
-
-def _local_skip_observation_gae(args: Any, rollout_data: dict) -> None:
-    values = rollout_data.get("values")
-    if values is None:
-        raise ValueError("compaction: advantage_estimator 'ppo' needs critic values in rollout_data['values']")
-    kl = rollout_data["kl"]
-    masks = rollout_data["loss_masks"]
-    total_lengths, response_lengths = rollout_data["total_lengths"], rollout_data["response_lengths"]
-    cp_rank, cp_size, gather = _cp_state()
-    full_v = cp_full_vectors(values, total_lengths, response_lengths, cp_rank, cp_size, gather)
-    full_kl = cp_full_vectors(kl, total_lengths, response_lengths, cp_rank, cp_size, gather)
-    kl_coef = float(getattr(args, "kl_coef", 0.0) or 0.0)
-    token_rewards = [k.to(torch.float32) * -kl_coef for k in full_kl]
-    rewards = terminal_rewards_on_last_action([float(r) for r in rollout_data["rewards"]], masks, token_rewards)
-    lambdas = _rollout_lambdas(args, _settings(args), rollout_data)
-    adv, ret = skip_observation_gae(full_v, rewards, masks, float(getattr(args, "gamma", 1.0)), lambdas)
-    if cp_size > 1:
-        shapes = list(zip(total_lengths, response_lengths, strict=True))
-        adv = [cp_slice(a, cp_rank, cp_size, t, n) for a, (t, n) in zip(adv, shapes, strict=True)]
-        ret = [cp_slice(r, cp_rank, cp_size, t, n) for r, (t, n) in zip(ret, shapes, strict=True)]
-    rollout_data["advantages"], rollout_data["returns"] = adv, ret
-    rollout_data["gae_lambdas"] = lambdas
-
-
-def _slime_estimator(args: Any, rollout_data: dict, estimator: str) -> None:
-    try:
-        from slime.backends.megatron_utils.loss import compute_advantages_and_returns
-    except ImportError:
-        compute_advantages_and_returns = None
-    if compute_advantages_and_returns is not None:
-        base_args = copy.copy(args)
-        base_args.custom_advantage_function_path = None
-        base_args.use_opd = False  # slime applies OPD and whitening after the custom function returns
-        base_args.normalize_advantages = False
-        compute_advantages_and_returns(base_args, rollout_data)
-        return
-    if estimator not in GRPO_LIKE:
-        raise ValueError(f"compaction: the {estimator!r} base estimator needs slime importable")
-    # slime's get_grpo_returns: the scalar reward on every token
-    adv = [
-        torch.ones_like(k, dtype=torch.float32) * float(r)
-        for r, k in zip(rollout_data["rewards"], rollout_data["kl"], strict=True)
-    ]
-    rollout_data["advantages"], rollout_data["returns"] = adv, list(adv)
+    skip_observation_advantages(args, rollout_data, gamma=float(getattr(args, "gamma", 1.0)),
+                                lambdas=_rollout_lambdas(args, _settings(args), rollout_data), plugin=PLUGIN_NAME)
 
 
 def decay_advantages(args: Any, rollout_data: dict) -> None:
@@ -361,7 +302,7 @@ def decay_advantages(args: Any, rollout_data: dict) -> None:
     ids = _rollout_ints(rollout_data["rollout_ids"])
     n = len(ids)
     segs = _segment_indices(ids, rollout_data.get("round_number"))
-    counts = _trainable_counts(rollout_data["loss_masks"])
+    counts = trainable_token_counts(rollout_data["loss_masks"])
     lambdas = _rollout_lambdas(args, settings, rollout_data)
     gammas = rollout_data.get("gae_gammas")
     if gammas is None:

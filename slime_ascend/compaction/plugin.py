@@ -12,8 +12,9 @@ What each process runs:
 * Train actors (actor and critic), advantage chain (:mod:`slime_ascend.compaction.credit`):
   - order 50, ``prepare_segments``: all-gathers ``(rollout_id, round_number, trainable tokens)`` over the
     data-parallel group and stores ``rollout_trainable_tokens`` / ``trainable_tokens_after`` per sample;
-  - order 150, ``base_advantages``: only when no earlier contribution (e.g. sao at 100) set advantages:
-    local skip-observation GAE per segment for ``ppo``, slime's own estimator for the others;
+  - order 150, ``base_advantages``: for ``ppo``, when no earlier contribution (e.g. sao at 100) set
+    advantages, local skip-observation GAE per segment; for the other estimators the dispatcher runs
+    slime's own at the chain's base order (200);
   - order 300, ``decay_advantages``: ``A(s, i) *= (gamma * lambda) ** N_after(s)``.
 
 Token-level normalisation across segments needs nothing extra: slime's ``rollout_mask_sums`` make the
@@ -80,7 +81,7 @@ PLUGIN = Plugin(
         Contribution("advantage", _CREDIT + "prepare_segments", order=50,
                      note="gather segment layout over DP; rollout_trainable_tokens, trainable_tokens_after"),
         Contribution("advantage", _CREDIT + "base_advantages", order=150,
-                     note="only if no earlier contribution set advantages: local per-segment estimator"),
+                     note="ppo, unless an earlier contribution set advantages: per-segment skip-observation GAE"),
         Contribution("advantage", _CREDIT + "decay_advantages", order=300,
                      note="A *= (gamma*lambda)**N_after(s)"),
     ),

@@ -27,7 +27,6 @@ queued request of that teacher.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import copy
@@ -61,7 +60,6 @@ __all__ = [
     "slime_rule_reward",
     "fill_teacher_log_probs",
     "per_sample_coefs",
-    "slime_base_advantages",
     "opd_advantage",
     "opd_rollout_metrics",
     "rollout_step_metrics",
@@ -680,25 +678,14 @@ def per_sample_coefs(ctx: OPDContext, rollout_data: Mapping[str, Any], n: int) -
     return [coef] * n
 
 
-def slime_base_advantages(args: Any, rollout_data: dict[str, Any]) -> None:
-    """Run slime's own estimator (``args.advantage_estimator``) to set advantages and returns,
-    without its OPD term, custom hook or whitening (those follow in slime's caller)."""
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
-
-    base = argparse.Namespace(**vars(args))
-    base.custom_advantage_function_path = None
-    base.use_opd = False
-    base.normalize_advantages = False
-    compute_advantages_and_returns(base, rollout_data)
-
-
 def opd_advantage(args: Any, rollout_data: dict[str, Any]) -> None:
     """``advantage`` contribution (order 500): ``A = task_weight * A + coef_t * (logp_T - logp_S)``."""
     from ..algorithms.opd import opd_advantages_per_sample
 
     ctx = get_context(args)
     if rollout_data.get("advantages") is None:
-        slime_base_advantages(args, rollout_data)
+        raise RuntimeError("opd advantage: no base advantages; it runs in the advantage chain after its base "
+                           "(slime_ascend.hooks.advantage_function runs slime's estimator when no plugin does)")
     student = rollout_data.get("rollout_log_probs") if getattr(args, "use_rollout_logprobs", False) else (
         rollout_data.get("log_probs")
     )

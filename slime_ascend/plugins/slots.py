@@ -7,7 +7,10 @@ Composition modes:
   both). Used where slime expects one answer (the loss, the generate function).
 - ``chain``: contributions run in ascending ``order``; each sees what the previous one produced.
   Two contributions with the same ``order`` in one chain slot are a start-up error: the order of
-  non-commuting steps must be declared, never left to plugin load order.
+  non-commuting steps must be declared, never left to plugin load order. A chain may declare a
+  ``base_order`` (the advantage chain: 200): contributions below it prepare or compute a plugin's own
+  base; at it the dispatcher runs slime's own estimator once when none of them did; contributions
+  from it on transform the result.
 - ``all``: independent actions (e.g. process init); run in ``(order, plugin name)`` order.
 """
 
@@ -25,6 +28,7 @@ class HookSlot:
     process: str  # where slime calls it: driver, rollout (RolloutManager), train (Megatron actor)
     signature: str  # how slime calls the dispatcher (and how a contribution is called)
     repeatable: bool = False  # the slime argument takes a list of paths
+    base_order: int | None = None  # chain only: where the dispatcher runs slime's base when no plugin did
 
 
 _H = "slime_ascend.hooks."
@@ -35,7 +39,9 @@ SLOTS: dict[str, HookSlot] = {
         HookSlot("loss", "custom_loss_function_path", _H + "loss_function", "exclusive", "train",
                  "fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)"),
         HookSlot("advantage", "custom_advantage_function_path", _H + "advantage_function", "chain", "train",
-                 "fn(args, rollout_data) -> None; sets rollout_data['advantages'] and ['returns']"),
+                 "fn(args, rollout_data) -> None; below order 200 may set rollout_data['advantages'] and "
+                 "['returns'] (a base); from 200 on they are set (slime's estimator when no base did)",
+                 base_order=200),
         HookSlot("tis", "custom_tis_function_path", _H + "tis_function", "chain", "train",
                  "fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, "
                  "response_lengths, **kw) -> (pg_loss, loss_masks, metrics)"),

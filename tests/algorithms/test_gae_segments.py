@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from slime_ascend.algorithms.gae import (
     apply_segment_decay,
     cross_segment_gae,
-    rollout_adaptive_lambdas,
+    length_adaptive_lambdas,
     segment_decay_factors,
     skip_observation_gae,
 )
@@ -78,8 +78,9 @@ def test_factors_simple_and_errors():
         segment_decay_factors([1], [0], [-1], 1.0, 0.9)
 
 
-def test_rollout_adaptive_lambdas_one_per_rollout():
-    lams = rollout_adaptive_lambdas(["a", "b", "a"], [10, 4, 20], alpha=1.5)
+def test_length_adaptive_lambdas_one_per_rollout_from_rollout_totals():
+    masks = [torch.ones(10), torch.ones(4), torch.ones(20)]
+    lams = length_adaptive_lambdas(masks, 1.5, rollout_trainable_tokens=[30, 4, 30])
     assert lams == pytest.approx([1 - 1 / 45, 1 - 1 / 6, 1 - 1 / 45])
     # usable directly as per-entry lambda
     segment_decay_factors(["a", "b", "a"], [0, 0, 1], [10, 4, 20], 1.0, lams)

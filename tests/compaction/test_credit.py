@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_ascend import hooks
+from slime_ascend import advantage_base, hooks
 from slime_ascend.algorithms.cp import cp_full_vectors, cp_local_length, cp_slice
 from slime_ascend.compaction import credit
 from slime_ascend.compat.sample import get_sample_class
@@ -195,7 +195,7 @@ def test_base_is_skipped_when_an_earlier_contribution_set_advantages():
     assert data["advantages"] is sentinel
 
 
-def test_grpo_base_without_slime_broadcasts_reward(monkeypatch):
+def test_grpo_base_without_slime_broadcasts_reward(fresh_runtime, monkeypatch):
     import builtins
 
     real_import = builtins.__import__
@@ -208,11 +208,14 @@ def test_grpo_base_without_slime_broadcasts_reward(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_slime)
     segments = [(7, 0, 2, [1, 1]), (7, 1, 2, [0, 1, 1])]
     data, _ = make_rollout_data(segments, rewards={7: 0.75})
-    credit.base_advantages(make_args(advantage_estimator="grpo"), data)
+    credit.base_advantages(make_args(advantage_estimator="grpo"), data)  # ppo only: the dispatcher runs slime's
+    assert "advantages" not in data
+    hooks.advantage_function(make_args(advantage_estimator="grpo"), data)
+    # slime's broadcast reward, decayed by (gamma * lambda) ** N_after with gamma = lambda = 1
     assert [a.tolist() for a in data["advantages"]] == [[0.75] * 2, [0.75] * 3]
     with pytest.raises(ValueError, match="needs slime"):
         data.pop("advantages")
-        credit.base_advantages(make_args(advantage_estimator="reinforce_plus_plus"), data)
+        hooks.advantage_function(make_args(advantage_estimator="reinforce_plus_plus"), data)
 
 
 def test_several_samples_per_rollout_without_round_number_is_an_error():
@@ -332,7 +335,7 @@ def test_cp_local_base_and_decay_equal_full_computation_sliced(monkeypatch, cp_s
                     return [_padded(fulls, r, cp_size, totals, resps) for r in range(cp_size)]
             raise AssertionError("gathered an unexpected tensor")
 
-        monkeypatch.setattr(credit, "_cp_state", lambda rank=rank, gather=gather: (rank, cp_size, gather))
+        monkeypatch.setattr(advantage_base, "cp_state", lambda rank=rank, gather=gather: (rank, cp_size, gather))
         hooks.advantage_function(args, local)
         for i, (t, n) in enumerate(zip(totals, resps)):
             torch.testing.assert_close(local["advantages"][i], cp_slice(full["advantages"][i], rank, cp_size, t, n))

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slime_ascend.algorithms.cp import cp_local_length, cp_slice
+from slime_ascend.algorithms.gae import cp_skip_observation_gae, length_adaptive_lambdas
 from slime_ascend.patch.train import critic_advantage_function as caf
 from slime_ascend.sao import advantage
 from slime_ascend.sao.plugin import PLUGIN
@@ -48,10 +49,11 @@ def make_batch(seed, n=4, max_len=40):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), gamma=st.sampled_from([1.0, 0.99, 0.5]), kl_coef=st.sampled_from([0.0, 0.3]),
        alpha=st.sampled_from([1.5, 0.2, 10.0]))
-def test_sao_gae_matches_reference(seed, gamma, kl_coef, alpha):
+def test_cp_skip_observation_gae_matches_reference(seed, gamma, kl_coef, alpha):
     values, kl, masks, rewards, totals, resp = make_batch(seed)
-    lams = advantage.policy_lambdas(masks, alpha)
-    adv, ret = advantage.sao_gae(values, kl, rewards, masks, totals, resp, gamma=gamma, lambdas=lams, kl_coef=kl_coef)
+    lams = length_adaptive_lambdas(masks, alpha)
+    adv, ret = cp_skip_observation_gae(values, kl, rewards, masks, totals, resp, gamma=gamma, lambdas=lams,
+                                       kl_coef=kl_coef)
     for i in range(len(values)):
         ea, er = reference(values[i], rewards[i], kl[i], masks[i].tolist(), gamma, lams[i], kl_coef)
         torch.testing.assert_close(adv[i], ea, rtol=1e-4, atol=1e-4)
@@ -60,14 +62,14 @@ def test_sao_gae_matches_reference(seed, gamma, kl_coef, alpha):
 
 def test_policy_lambda_is_length_adaptive_over_trainable_tokens():
     masks = [torch.tensor([1, 0, 0, 1, 1]), torch.tensor([0, 0]), torch.ones(100, dtype=torch.int32)]
-    lams = advantage.policy_lambdas(masks, 1.5)
+    lams = length_adaptive_lambdas(masks, 1.5)
     assert lams[0] == pytest.approx(1 - 1 / (1.5 * 3))  # observations do not count
     assert lams[1] == 0.0
     assert lams[2] == pytest.approx(1 - 1 / 150)
     # rollout totals (compaction) win over the sample's own count
-    assert advantage.policy_lambdas(masks, 1.5, [300, 300, 300]) == [pytest.approx(1 - 1 / 450)] * 3
+    assert length_adaptive_lambdas(masks, 1.5, [300, 300, 300]) == [pytest.approx(1 - 1 / 450)] * 3
     with pytest.raises(ValueError, match="rollout_trainable_tokens"):
-        advantage.policy_lambdas(masks, 1.5, [1])
+        length_adaptive_lambdas(masks, 1.5, [1])
 
 
 def _emulated_gather(local_by_rank, totals, resp, cp_size):
@@ -90,28 +92,29 @@ def _emulated_gather(local_by_rank, totals, resp, cp_size):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cp_emulation_gives_identical_results(cp_size, seed):
     values, kl, masks, rewards, totals, resp = make_batch(seed, n=5, max_len=60)
-    lams = advantage.policy_lambdas(masks, 1.5)
-    full_adv, full_ret = advantage.sao_gae(values, kl, rewards, masks, totals, resp, gamma=1.0, lambdas=lams,
-                                           kl_coef=0.1)
+    lams = length_adaptive_lambdas(masks, 1.5)
+    full_adv, full_ret = cp_skip_observation_gae(values, kl, rewards, masks, totals, resp, gamma=1.0, lambdas=lams,
+                                                 kl_coef=0.1)
     local = {kind: [[cp_slice(x, r, cp_size, t, n) for x, t, n in zip(src, totals, resp)] for r in range(cp_size)]
              for kind, src in (("values", values), ("kl", kl))}
     gather = _emulated_gather(local, totals, resp, cp_size)
     for r in range(cp_size):
-        adv, ret = advantage.sao_gae(local["values"][r], local["kl"][r], rewards, masks, totals, resp, gamma=1.0,
-                                     lambdas=lams, kl_coef=0.1, cp_rank=r, cp_size=cp_size, all_gather=gather)
+        adv, ret = cp_skip_observation_gae(local["values"][r], local["kl"][r], rewards, masks, totals, resp,
+                                           gamma=1.0, lambdas=lams, kl_coef=0.1, cp_rank=r, cp_size=cp_size,
+                                           all_gather=gather)
         for i in range(len(values)):
             assert torch.equal(adv[i], cp_slice(full_adv[i], r, cp_size, totals[i], resp[i]))
             assert torch.equal(ret[i], cp_slice(full_ret[i], r, cp_size, totals[i], resp[i]))
 
 
-def test_sao_gae_rejects_bad_input():
+def test_cp_skip_observation_gae_rejects_bad_input():
     values, kl, masks, rewards, totals, resp = make_batch(0)
     with pytest.raises(ValueError, match="kl has"):
-        advantage.sao_gae(values, kl[:-1], rewards, masks, totals, resp, gamma=1.0, lambdas=1.0)
+        cp_skip_observation_gae(values, kl[:-1], rewards, masks, totals, resp, gamma=1.0, lambdas=1.0)
     bad = list(masks)
     bad[0] = torch.ones(len(masks[0]) + 1)
     with pytest.raises(ValueError, match="full response length"):
-        advantage.sao_gae(values, kl, rewards, bad, totals, resp, gamma=1.0, lambdas=1.0)
+        cp_skip_observation_gae(values, kl, rewards, bad, totals, resp, gamma=1.0, lambdas=1.0)
 
 
 # ---- the hook itself -------------------------------------------------------------------------
@@ -139,7 +142,7 @@ def patch_marked_applied(monkeypatch):
 def test_hook_actor_uses_length_adaptive_lambda(sao_args, patch_marked_applied):
     data = rollout_data(3)
     advantage.skip_observation_advantages(sao_args, data)
-    lams = advantage.policy_lambdas(data["loss_masks"], 1.5)
+    lams = length_adaptive_lambdas(data["loss_masks"], 1.5)
     assert data["gae_lambdas"] == lams
     for i in range(len(lams)):
         ea, _ = reference(data["values"][i], data["rewards"][i], data["kl"][i], data["loss_masks"][i].tolist(), 1.0,

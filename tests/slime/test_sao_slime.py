@@ -19,10 +19,11 @@ import pytest
 from conftest import single_process_megatron
 import torch
 
+from slime_ascend.algorithms.gae import cp_skip_observation_gae, length_adaptive_lambdas
 from slime_ascend.algorithms.masks import DIS_PRESETS
 from slime_ascend.patch.train import critic_advantage_function as caf
 from slime_ascend.patch.train import critic_train_iters as cti
-from slime_ascend.sao import advantage, critic, freeze
+from slime_ascend.sao import critic, freeze
 from slime_ascend.sao import loss as sao_loss
 from slime_ascend.sao.plugin import PLUGIN
 
@@ -85,8 +86,8 @@ def rollout_data(seed=0, n=5):
 
 def direct(data, lambdas):
     zeros = [torch.zeros_like(v) for v in data["values"]]
-    return advantage.sao_gae(data["values"], zeros, data["rewards"], data["loss_masks"], data["total_lengths"],
-                             data["response_lengths"], gamma=1.0, lambdas=lambdas)
+    return cp_skip_observation_gae(data["values"], zeros, data["rewards"], data["loss_masks"],
+                                   data["total_lengths"], data["response_lengths"], gamma=1.0, lambdas=lambdas)
 
 
 def test_advantage_through_slimes_compute_advantages_and_returns(mpu, actor_module, args):
@@ -95,7 +96,7 @@ def test_advantage_through_slimes_compute_advantages_and_returns(mpu, actor_modu
     caf.PATCH.install(args)
     data = rollout_data(1)
     compute_advantages_and_returns(args, data)  # the actor: length-adaptive lambda
-    adv, ret = direct(data, advantage.policy_lambdas(data["loss_masks"], 1.5))
+    adv, ret = direct(data, length_adaptive_lambdas(data["loss_masks"], 1.5))
     for a, b in zip(adv, data["advantages"]):
         torch.testing.assert_close(b, a)
     data = rollout_data(2)
