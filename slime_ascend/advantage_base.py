@@ -8,8 +8,9 @@ stage of the actor and of the critic with this data-parallel rank's ``rollout_da
   parallelism (:func:`~slime_ascend.algorithms.gae.cp_skip_observation_gae`: one all-gather per tensor
   kind, GAE on full sequences, re-sliced to this rank's layout). Rewards per token ``-kl_coef * kl`` plus
   the scalar reward on the last *action* token. The caller chooses gamma and the per-sample lambdas
-  (sao: length-adaptive or the critic's; compaction: one per rollout); the lambdas are stored in
-  ``rollout_data["gae_lambdas"]`` for later chain steps (compaction's decay).
+  (sao: length-adaptive or the critic's, sao's gamma; compaction: one per rollout, slime's ``--gamma``); both
+  are stored, one per sample, in ``rollout_data["gae_lambdas"]`` and ``["gae_gammas"]`` for later chain
+  steps (compaction's decay continues this GAE across segments with ``gamma * lambda``).
 * :func:`slime_estimator`: slime's own ``compute_advantages_and_returns`` for ``args.advantage_estimator``,
   without the custom hook (that is us), OPD and advantage whitening (slime applies those after the custom
   function returns). The dispatcher runs it once, at the advantage slot's ``base_order``, when no
@@ -33,7 +34,7 @@ __all__ = ["skip_observation_advantages", "slime_estimator"]
 def skip_observation_advantages(
     args: Any, rollout_data: dict, *, gamma: float, lambdas: Sequence[float], plugin: str
 ) -> None:
-    """Set ``advantages``, ``returns`` (float32, like slime's GAE) and ``gae_lambdas``."""
+    """Set ``advantages``, ``returns`` (float32, like slime's GAE), ``gae_lambdas``, ``gae_gammas``."""
     values = rollout_data.get("values")
     if values is None:
         raise ValueError(
@@ -50,6 +51,7 @@ def skip_observation_advantages(
     )
     rollout_data["advantages"], rollout_data["returns"] = adv, ret
     rollout_data["gae_lambdas"] = lambdas
+    rollout_data["gae_gammas"] = [float(gamma)] * len(lambdas)
 
 
 GRPO_LIKE = ("grpo", "gspo", "cispo")

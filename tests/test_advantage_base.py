@@ -61,7 +61,8 @@ def make_args(names, **kw):
             values.update(dict(plugin.slime_args))
     values.update(
         ascend_plugins=list(names), advantage_estimator="grpo", gamma=1.0, lambd=1.0, kl_coef=0.0,
-        n_samples_per_prompt=1, use_tis=bool({"dis", "icepop"} & set(names)), rollout_temperature=1.0, use_rollout_logprobs=False,
+        n_samples_per_prompt=1, use_tis=bool({"dis", "icepop"} & set(names)), rollout_temperature=1.0,
+        use_rollout_logprobs=False,
         custom_advantage_function_path="slime_ascend.hooks.advantage_function",
     )
     if "sao" in names:
@@ -265,3 +266,20 @@ def test_cp_local_pieces_of_the_wrong_length_are_rejected_for_both_plugins(count
     data = rollout_data(3)  # full-length values where rank 0 of 2 owns a piece
     with pytest.raises(ValueError, match="CP rank 0 owns"):
         RUNNERS[plugin](data)
+
+
+def test_compaction_decay_continues_the_gae_sao_ran_with_saos_gamma(counted_base):
+    """sao's base runs with ascend_sao_gamma, not slime's --gamma: the cross-segment decay uses the same
+    gamma * lambda, so a rollout split into segments is credited as if it were one GAE."""
+    data = {"rollout_ids": [3, 3], "round_number": [1, 0],
+            "loss_masks": [torch.tensor([1, 0, 1]), torch.tensor([1, 1])],
+            "response_lengths": [3, 2], "total_lengths": [5, 4], "rewards": [1.0, 1.0],
+            "values": [torch.zeros(3), torch.zeros(2)], "kl": [torch.zeros(3), torch.zeros(2)]}
+    args = make_args(["sao", "compaction"], advantage_estimator="ppo", gamma=1.0, ascend_sao_gamma=0.5)
+    with caf.critic_pass():  # lambda = ascend_sao_critic_lambda = 1
+        hooks.advantage_function(args, data)
+    assert data["gae_gammas"] == [0.5, 0.5] and data["gae_lambdas"] == [1.0, 1.0]
+    # segment 0 (second entry) has 2 trainable tokens after it: (0.5 * 1) ** 2
+    assert data["compaction_decay"] == pytest.approx([1.0, 0.25])
+    # V = 0, reward 1 at the rollout's last action: 0.5 ** (actions after the token in the whole rollout)
+    assert data["advantages"][1].tolist() == pytest.approx([0.5**3, 0.5**2])
