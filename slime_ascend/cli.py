@@ -65,7 +65,7 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
     path = Path(ns.output)
     if path.exists() and not ns.force:
-        print(f"error: {path} exists; pass --force to overwrite it", file=sys.stderr)
+        print(f"error: {path} exists. Fix: pass --force to overwrite it, or choose another -o path", file=sys.stderr)
         return 2
     path.write_text(generated.yaml_text)
     print(generated.hint(str(path)))
@@ -80,8 +80,19 @@ def _cmd_doctor(ns: argparse.Namespace) -> int:
     return 1 if any(line.status == "fail" for line in lines) else 0
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (``error: ... Fix: ...``, exit status 2) instead of the usage
+    block; every ``slime-ascend`` subcommand builds its parser with it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message.rstrip('.')}. Fix: see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slime-ascend", description=__doc__)
+    from . import __version__
+
+    parser = ArgumentParser(prog="slime-ascend", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"slime-ascend {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list the plugins and what each contributes")
@@ -128,27 +139,72 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
 }
 
 
+TRACEBACK_ENV = "SLIME_ASCEND_TRACEBACK"  # =1: let unexpected errors raise (for a bug report)
+
+
+def _fix_for(exc: BaseException) -> str:
+    """The ``Fix:`` for a user mistake that did not name its own."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return "choose another --port, or stop the process that holds this one"
+    if isinstance(exc, OSError) and exc.errno in (errno.EADDRNOTAVAIL, errno.EACCES) and "bind" in str(exc).lower():
+        return "choose a --host this machine owns and a port above 1023"
+    if isinstance(exc, FileNotFoundError):
+        return "check the path (a directory or file named on the command line does not exist)"
+    if isinstance(exc, (IsADirectoryError, NotADirectoryError)):
+        return "pass a file where a file is expected and a directory where a directory is expected"
+    if isinstance(exc, PermissionError):
+        return "choose a path this user may read and write"
+    if isinstance(exc, FileExistsError):
+        return "choose another output path, or pass --force where the command offers it"
+    return "correct the value named above (`slime-ascend <command> --help` lists each option)"
+
+
+def _user_error(exc: BaseException) -> bool:
+    from .plugins.registry import PluginError
+    from .plugins.settings import SettingsError
+
+    return isinstance(exc, (PluginError, SettingsError, ValueError, OSError, LookupError, ImportError))
+
+
+def run_command(fn, *args) -> int:
+    """The one handler of every subcommand: a user mistake is one line with a ``Fix:`` on stderr and exit
+    status 2; Ctrl-C is 130; anything else (a bug) is one line that says how to get the traceback."""
+    import os
+
+    try:
+        return int(fn(*args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a CLI prints the reason, not a traceback
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if _user_error(exc):
+            if isinstance(exc, ImportError):
+                fix = "install the missing package (the README's install command installs what each command needs)"
+            else:
+                fix = _fix_for(exc)
+            print(f"error: {text}" if "Fix:" in text else f"error: {text.rstrip('.')}. Fix: {fix}", file=sys.stderr)
+            return 2
+        print(f"error: internal error ({type(exc).__name__}: {text}). Fix: none needed from you; rerun with "
+              f"{TRACEBACK_ENV}=1 and report the traceback", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in PASSTHROUGH:
         from .plugins.base import resolve
 
-        return int(resolve(PASSTHROUGH[argv[0]][0])(argv[1:]) or 0)
+        return run_command(lambda: resolve(PASSTHROUGH[argv[0]][0])(argv[1:]))
     parser = build_parser()
     ns = parser.parse_args(argv)
-    try:
-        return int(ns.func(ns) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - a CLI prints the reason, not a traceback, for user errors
-        from .plugins.registry import PluginError
-        from .plugins.settings import SettingsError
-
-        if isinstance(exc, (PluginError, SettingsError, ValueError, FileNotFoundError)):
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    return run_command(ns.func, ns)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from ..cli import ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="slime-ascend check",
         description="Compare log-probs of the same token IDs along two numeric paths, report mismatch and "
         "DIS/IcePop masked fractions, and check top-k determinism. Exit status 1 when a contract is broken.",
@@ -25,8 +28,17 @@ def main(argv: list[str] | None = None) -> int:
         from ..accelerator.npu import load_torch_npu
 
         if load_torch_npu() is None:
-            print("error: --device npu needs torch_npu (pip install 'slime-ascend[npu]' on an Ascend host)")
+            print("error: --device npu needs torch_npu. Fix: pip install 'slime-ascend[npu]' on an Ascend host",
+                  file=sys.stderr)
             return 2
+    import torch
+
+    try:
+        torch.device(ns.device)
+    except RuntimeError:
+        print(f"error: --device {ns.device!r} is not a torch device. Fix: use cpu, cuda, cuda:N or npu",
+              file=sys.stderr)
+        return 2
     from .check import format_table, run_check
 
     report = run_check(model_dir=ns.model, device=ns.device, seed=ns.seed, out_json=ns.out_json or None, plot=ns.plot)

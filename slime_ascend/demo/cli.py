@@ -9,7 +9,9 @@ from .loop import DEFAULT_PLUGINS, DemoConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from ..cli import ArgumentParser
+
+    p = ArgumentParser(
         prog="slime-ascend demo",
         description="Run slime's RL loop on this machine: in slime's own train_async.py when slime is available "
                     "(--slime-src), else in miniature on a local Ray cluster: rollout on the reference engine, "
@@ -38,20 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if ns.steps < 1:
-        print("error: --steps must be >= 1", file=sys.stderr)
+        print(f"error: --steps {ns.steps} is not a positive number of rollouts. Fix: pass --steps 1 or more",
+              file=sys.stderr)
         return 2
     plugins = tuple(p.strip() for p in ns.plugins.split(",") if p.strip())
     cfg = DemoConfig(steps=ns.steps, plugins=plugins, seed=ns.seed, out=ns.out, batch=ns.batch, lr=ns.lr,
                      contract_check=not ns.no_check, progress=not ns.no_progress)
     if ns.slime_src is not None and ns.loop == "mini":
-        print("error: --slime-src runs slime's own loop; drop --loop mini (or --slime-src)", file=sys.stderr)
+        print("error: --slime-src runs slime's own loop but --loop mini asks for the miniature. Fix: drop --loop mini "
+              "(or --slime-src)", file=sys.stderr)
         return 2
     if ns.loop != "mini":
         from .slime_loop import resolve_slime, run_slime_demo
 
         src, why = resolve_slime(ns.slime_src)
         if src is None and (ns.loop == "slime" or ns.slime_src is not None):
-            print(f"error: {why}", file=sys.stderr)
+            print(f"error: {why}" if "Fix:" in why else f"error: {why.rstrip('.')}. Fix: pass --slime-src DIR (a clone "
+                  "of github.com/THUDM/slime), or --loop mini", file=sys.stderr)
             return 2
         if src is not None:
             try:

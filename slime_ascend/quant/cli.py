@@ -17,12 +17,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..cli import ArgumentParser
 from ._outdir import check_out_dir
-from .schemes import FORMATS, INT4_NUMERICS
+from .names import FORMATS, INT4_NUMERICS
 
 
 def _quantize_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slime-ascend quantize",
+    p = ArgumentParser(prog="slime-ascend quantize",
                                 description="Quantise an HF BF16 safetensors checkpoint for a rollout engine.")
     p.add_argument("hf_dir", metavar="HF_DIR", help="HF checkpoint directory (config.json + *.safetensors)")
     p.add_argument("out_dir", metavar="OUT_DIR",
@@ -43,27 +44,28 @@ def _quantize_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
+def _fail(msg: str, fix: str = "correct it (`slime-ascend quantize --help` / `verify-quant --help`)") -> int:
+    print(f"error: {msg}" if "Fix:" in msg else f"error: {msg.rstrip('.')}. Fix: {fix}", file=sys.stderr)
     return 2
 
 
 def main_quantize(argv: Sequence[str] | None = None) -> int:
     ns = _quantize_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if ns.fmt not in FORMATS:
-        return _fail(f"--format {ns.fmt!r} is not supported; use one of {', '.join(FORMATS)}")
+        return _fail(f"--format {ns.fmt!r} is not supported", f"use one of {', '.join(FORMATS)}")
     if not os.path.isdir(ns.hf_dir):
-        return _fail(f"HF_DIR {ns.hf_dir!r} is not a directory")
+        return _fail(f"HF_DIR {ns.hf_dir!r} is not a directory", "pass the HF checkpoint directory")
     if not os.path.isfile(os.path.join(ns.hf_dir, "config.json")):
-        return _fail(f"HF_DIR {ns.hf_dir!r} has no config.json; pass an HF checkpoint directory")
+        return _fail(f"HF_DIR {ns.hf_dir!r} has no config.json", "pass an HF checkpoint directory")
     if not any(f.endswith(".safetensors") for f in os.listdir(ns.hf_dir)):
-        return _fail(f"HF_DIR {ns.hf_dir!r} has no *.safetensors files (only safetensors checkpoints are read)")
+        return _fail(f"HF_DIR {ns.hf_dir!r} has no *.safetensors files", "convert the checkpoint to safetensors "
+                     "(only safetensors checkpoints are read)")
     try:  # nothing is deleted here: OUT_DIR is replaced only after the new checkpoint is complete
         check_out_dir(ns.hf_dir, ns.out_dir, ns.force)
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
     if ns.max_shard_gb <= 0:
-        return _fail("--max-shard-gb must be positive")
+        return _fail(f"--max-shard-gb {ns.max_shard_gb} is not positive", "pass a size in GB above 0")
 
     import torch  # noqa: F401  (heavy imports only after the arguments are checked)
 
@@ -87,7 +89,7 @@ def main_quantize(argv: Sequence[str] | None = None) -> int:
 
 
 def _verify_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slime-ascend verify-quant",
+    p = ArgumentParser(prog="slime-ascend verify-quant",
                                 description="Check online-synced tensors against the offline converter's files, "
                                             "bit for bit.")
     p.add_argument("offline", metavar="OFFLINE_DIR", help="checkpoint written by `slime-ascend quantize`")
@@ -127,9 +129,9 @@ def _online_tensors(path: str):
 def main_verify(argv: Sequence[str] | None = None) -> int:
     ns = _verify_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if not os.path.isdir(ns.offline):
-        return _fail(f"OFFLINE_DIR {ns.offline!r} is not a directory")
+        return _fail(f"OFFLINE_DIR {ns.offline!r} is not a directory", "pass the directory `slime-ascend quantize` wrote")
     if not os.path.exists(ns.online):
-        return _fail(f"ONLINE {ns.online!r} does not exist")
+        return _fail(f"ONLINE {ns.online!r} does not exist", "pass the directory or file the weight sync wrote")
 
     from .checkpoint import CheckpointReader, verify_tensor
 

@@ -14,13 +14,7 @@ from typing import Literal
 
 import torch
 
-FP8_BLOCK = "fp8-block"
-INT8_W8A8 = "int8-w8a8"
-INT8_CT = "int8-ct"
-INT4_GROUP = "int4-group"
-FORMATS: tuple[str, ...] = (FP8_BLOCK, INT8_W8A8, INT8_CT, INT4_GROUP)
-
-INT4_NUMERICS: tuple[str, ...] = ("compressed-tensors", "torchao", "slime")
+from .names import FORMATS, FP8_BLOCK, INT4_GROUP, INT4_NUMERICS, INT8_CT, INT8_W8A8  # noqa: E402,F401
 
 ZeroRule = Literal["eps", "zero", "clamp"]
 

@@ -390,9 +390,11 @@ def serve_until_interrupted(server: ThreadingHTTPServer) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .reference import engine as _engine_mod
+    from . import reference as _engine_mod  # the limits only: no torch before --help
 
-    parser = argparse.ArgumentParser(
+    from ..cli import ArgumentParser
+
+    parser = ArgumentParser(
         prog="slime-ascend serve-reference",
         description="Serve a CPU torch+transformers model over SGLang's HTTP API (reference rollout engine).",
     )
@@ -442,9 +444,9 @@ def _positive_float(text: str) -> float:
 def serve_reference(argv: list[str] | None = None) -> int:
     """CLI entry: ``slime-ascend serve-reference --model DIR --host 127.0.0.1 --port PORT``: load the
     reference engine and serve it until interrupted."""
+    args = build_parser().parse_args(argv)  # before torch is imported: --help answers at once
     from .reference.engine import ReferenceEngine
 
-    args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:  # the engine's own events (weight updates) on stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = ReferenceEngine(model_path=args.model, dtype=args.dtype, seed=args.seed,

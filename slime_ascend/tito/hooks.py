@@ -311,15 +311,22 @@ def check_train_rollout(args: Any, rollout_id: int, rollout_data: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``slime-ascend tito-fingerprint HF_CHECKPOINT``: print the revision to pin as ascend_tito_tokenizer_revision."""
-    import argparse
+    from ..cli import ArgumentParser
 
-    parser = argparse.ArgumentParser(prog="slime-ascend tito-fingerprint",
+    parser = ArgumentParser(prog="slime-ascend tito-fingerprint",
                                      description="print the tokenizer/chat-template revision of a checkpoint "
                                      "(the value for ascend_tito_tokenizer_revision)")
     parser.add_argument("hf_checkpoint", help="checkpoint directory or hub id (what --hf-checkpoint gets)")
+    target = parser.parse_args(argv).hf_checkpoint
+    if target.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(target)):
+        print(f"error: {target} is not a directory. Fix: pass the checkpoint directory --hf-checkpoint gets "
+              "(or a hub id)", file=sys.stderr)
+        return 2
     try:
-        print(tokenizer_fingerprint(parser.parse_args(argv).hf_checkpoint)["revision"])
-    except (TitoError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(tokenizer_fingerprint(target)["revision"])
+    except (TitoError, OSError, ValueError) as exc:
+        text = " ".join(str(exc).split()).rstrip(".")
+        print(f"error: {text}" + ("" if "Fix:" in text else ". Fix: pass a checkpoint directory with its tokenizer "
+                                  "files (or a hub id in the local cache)"), file=sys.stderr)
         return 2
     return 0

@@ -20,4 +20,4 @@ def test_check_cli_npu_without_torch_npu_is_a_clean_error(tmp_path):
         return
     proc = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "check", "--device", "npu"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2 and "torch_npu" in proc.stdout
+    assert proc.returncode == 2 and "torch_npu" in proc.stderr and "Fix:" in proc.stderr

@@ -62,10 +62,7 @@ logger = logging.getLogger("slime_ascend.rollout.engine")
 _GREEDY_EPS = 1e-6
 _DEFAULT_MAX_NEW_TOKENS = 128
 
-# Per-request limits (constructor args; ``slime-ascend serve-reference --max-batch-size`` etc.).
-DEFAULT_MAX_BATCH_SIZE = 64
-DEFAULT_MAX_PROMPT_TOKENS = 131072
-DEFAULT_MAX_NEW_TOKENS_LIMIT = 16384
+from . import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS  # noqa: E402
 _DISCONNECT_POLL_S = 0.25  # how often a request held by pause/update checks its client
 
 # sampling_params keys SGLang accepts that this engine honours.
