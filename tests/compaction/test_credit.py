@@ -195,27 +195,14 @@ def test_base_is_skipped_when_an_earlier_contribution_set_advantages():
     assert data["advantages"] is sentinel
 
 
-def test_grpo_base_without_slime_broadcasts_reward(fresh_runtime, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_slime(name, *a, **k):
-        if name.startswith("slime.") or name == "slime":
-            raise ImportError(name)
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_slime)
+def test_base_is_ppo_only_the_dispatcher_runs_slimes_for_other_estimators():
     segments = [(7, 0, 2, [1, 1]), (7, 1, 2, [0, 1, 1])]
     data, _ = make_rollout_data(segments, rewards={7: 0.75})
-    credit.base_advantages(make_args(advantage_estimator="grpo"), data)  # ppo only: the dispatcher runs slime's
-    assert "advantages" not in data
-    hooks.advantage_function(make_args(advantage_estimator="grpo"), data)
-    # slime's broadcast reward, decayed by (gamma * lambda) ** N_after with gamma = lambda = 1
-    assert [a.tolist() for a in data["advantages"]] == [[0.75] * 2, [0.75] * 3]
-    with pytest.raises(ValueError, match="needs slime"):
-        data.pop("advantages")
-        hooks.advantage_function(make_args(advantage_estimator="reinforce_plus_plus"), data)
+    for estimator in ("grpo", "reinforce_plus_plus"):
+        credit.base_advantages(make_args(advantage_estimator=estimator), data)
+        assert "advantages" not in data  # slime's own, at the chain's base order (tests/slime)
+    credit.base_advantages(make_args(advantage_estimator="ppo"), data)
+    assert len(data["advantages"]) == 2
 
 
 def test_several_samples_per_rollout_without_round_number_is_an_error():
