@@ -21,9 +21,11 @@ RECIPES = [
     ("qwen3-8b-compaction-npu", "Qwen3-8B, CompactionRL (context compaction segments, segment credit) on Ascend.", ["sglang-npu", "compaction"], QWEN, "grpo", None),
     ("glm4.5-air-opd-npu", "GLM-4.5-Air, multi-teacher on-policy distillation (OPD) on Ascend.", ["sglang-npu", "opd"], GLM, "grpo",
      {"ascend_opd_teachers": [
-         {"name": "math", "checkpoint_dir": "/root/models/GLM-4.5-Air-math-teacher", "domains": ["math"], "coef": 1.0},
+         {"name": "math", "checkpoint_dir": "/root/models/GLM-4.5-Air-math-teacher", "domains": ["math"], "coef": 1.0,
+          "url": "http://127.0.0.1:30010"},
          {"name": "code", "checkpoint_dir": "/root/models/GLM-4.5-Air-code-teacher", "domains": ["code"], "coef": 0.5}],
-      "ascend_opd_default_teacher": "math"}),
+      "ascend_opd_default_teacher": "math",
+      "ascend_opd_switch_engine_urls": ["http://127.0.0.1:30011"]}),
     ("qwen3-8b-int8-sync-npu", "Qwen3-8B, GRPO with INT8 (W8A8) rollout weights synced online on Ascend.", ["sglang-npu", "int8-sync"], QWEN, "grpo", None),
 ]
 
@@ -82,16 +84,28 @@ def render(name, title, plugins, m, est, edits):
             continue
         added_cli.append(f"   {flag}  # [ascend:{who}] {why}")
     pre = ""
+    hf_ckpt = "${BASE}/" + m["hf"]
     if "sao" in plugins:
-        pre = ('# [ascend:sao] the critic freeze list slime reads through --megatron-config-path\n'
-               'python -m slime_ascend.sao.critic -o "${HERE}/sao_megatron.yaml"\n\n')
+        pre = ('# [ascend:sao] the critic freeze list slime reads through --megatron-config-path (this script\'s own file)\n'
+               'python -m slime_ascend.sao.critic -o "${HERE}/sao_megatron.yaml" --force\n\n')
+    if "int8-sync" in plugins:
+        hf_ckpt = "${BASE}/" + m["hf"] + "-w8a8"
+        pre = ('# [ascend:int8-sync] the engines serve the INT8 (W8A8) checkpoint and every weight update is quantised\n'
+               '# to it; made once from the BF16 model by the offline converter (the same bytes as each online sync)\n'
+               f'[ -f "{hf_ckpt}/config.json" ] || slime-ascend quantize "${{BASE}}/{m["hf"]}" "{hf_ckpt}" --format int8-w8a8\n\n')
+    if "opd" in plugins:
+        pre = ('# [ascend:opd] the teachers\' engines: "math" is served at the URL in ascend.yaml; "code" is loaded on\n'
+               '# the switch engine (ascend_opd_switch_engine_urls) with /update_weights_from_disk when its domain comes up.\n'
+               '# Start them first (one NPU engine each), e.g.:\n'
+               '#   python -m sglang.launch_server --model-path /root/models/GLM-4.5-Air-math-teacher --device npu --port 30010 &\n'
+               '#   python -m sglang.launch_server --model-path /root/models/GLM-4.5-Air-math-teacher --device npu --port 30011 &\n\n')
     colocate = "--colocate"
     env_json = ",\n".join(f'    \\"{k}\\": \\"{v}\\"' for k, v in
                           [("PYTHONPATH", "/root/Megatron-LM/"), ("SLIME_ASCEND_PLUGINS", "${SLIME_ASCEND_PLUGINS}")] + list(ENV.items()))
     notes = {
         "sao": "SAO runs PPO with one rollout per prompt; --advantage-estimator ppo and --n-samples-per-prompt 1 are what the plugin requires.",
         "opd": "The teachers section (ascend_opd_teachers) in ascend.yaml is edited for this example: two teachers routed by sample.metadata['domain'].",
-        "int8-sync": "ascend.yaml must be regenerated once the int8-sync plugin is installed (see the first line of ascend.yaml if it is a placeholder).",
+        "int8-sync": "The engines load the W8A8 checkpoint that `slime-ascend quantize` makes from the BF16 model (first step below); each weight update is quantised to the same bytes.",
         "compaction": "Compaction replaces the rollout's generate function and credits segments; the YAML carries every hook path.",
     }
     note = "".join(f"# Note: {notes[p]}\n" for p in plugins if p in notes)
@@ -132,7 +146,7 @@ export SLIME_ASCEND_PLUGINS={env_value}
 {pre}source "${{SLIME_DIR}}/scripts/models/{m['model_sh']}"
 
 CKPT_ARGS=(
-   --hf-checkpoint ${{BASE}}/{m['hf']}
+   --hf-checkpoint {hf_ckpt}
    --ref-load ${{BASE}}/{m['hf']}_torch_dist
    --load ${{BASE}}/{m['hf']}_slime/
    --save ${{BASE}}/{m['hf']}_slime/
@@ -202,6 +216,13 @@ SGLANG_ARGS=(
 
 # Ray exposes Ascend NPUs as the NPU resource; slime-ascend's npu plugin makes slime ask for it.
 # The dashboard (and job API) listens on loopback only; from elsewhere use ssh -L 8265:127.0.0.1:8265.
+# A Ray cluster already running here may hold other people's jobs: it is stopped only with RESTART_RAY=1.
+if ray status >/dev/null 2>&1; then
+  if [ "${{RESTART_RAY:-0}}" = 1 ]; then ray stop; else
+    echo "error: a Ray cluster is already running on this node. Fix: stop it (ray stop) if it is yours, or rerun with RESTART_RAY=1" >&2
+    exit 1
+  fi
+fi
 {multinode}ray start --head --node-ip-address ${{MASTER_ADDR:-127.0.0.1}} --disable-usage-stats --dashboard-host=127.0.0.1 --dashboard-port=8265
 
 RUNTIME_ENV_JSON="{{

@@ -100,6 +100,13 @@ MISC_ARGS=(
 
 # Ray exposes Ascend NPUs as the NPU resource; slime-ascend's npu plugin makes slime ask for it.
 # The dashboard (and job API) listens on loopback only; from elsewhere use ssh -L 8265:127.0.0.1:8265.
+# A Ray cluster already running here may hold other people's jobs: it is stopped only with RESTART_RAY=1.
+if ray status >/dev/null 2>&1; then
+  if [ "${RESTART_RAY:-0}" = 1 ]; then ray stop; else
+    echo "error: a Ray cluster is already running on this node. Fix: stop it (ray stop) if it is yours, or rerun with RESTART_RAY=1" >&2
+    exit 1
+  fi
+fi
 # Multi-node: on every other node run the same exports, then
 #   ray start --address=${MASTER_ADDR}:6379 --disable-usage-stats
 ray start --head --node-ip-address ${MASTER_ADDR:-127.0.0.1} --disable-usage-stats --dashboard-host=127.0.0.1 --dashboard-port=8265

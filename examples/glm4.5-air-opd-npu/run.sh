@@ -29,6 +29,12 @@ export HCCL_HOST_SOCKET_PORT_RANGE=60000-60050
 export HCCL_NPU_SOCKET_PORT_RANGE=61000-61050
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:False
 
+# [ascend:opd] the teachers' engines: "math" is served at the URL in ascend.yaml; "code" is loaded on
+# the switch engine (ascend_opd_switch_engine_urls) with /update_weights_from_disk when its domain comes up.
+# Start them first (one NPU engine each), e.g.:
+#   python -m sglang.launch_server --model-path /root/models/GLM-4.5-Air-math-teacher --device npu --port 30010 &
+#   python -m sglang.launch_server --model-path /root/models/GLM-4.5-Air-math-teacher --device npu --port 30011 &
+
 source "${SLIME_DIR}/scripts/models/glm4.5-106B-A12B.sh"
 
 CKPT_ARGS=(
@@ -102,6 +108,13 @@ MISC_ARGS=(
 
 # Ray exposes Ascend NPUs as the NPU resource; slime-ascend's npu plugin makes slime ask for it.
 # The dashboard (and job API) listens on loopback only; from elsewhere use ssh -L 8265:127.0.0.1:8265.
+# A Ray cluster already running here may hold other people's jobs: it is stopped only with RESTART_RAY=1.
+if ray status >/dev/null 2>&1; then
+  if [ "${RESTART_RAY:-0}" = 1 ]; then ray stop; else
+    echo "error: a Ray cluster is already running on this node. Fix: stop it (ray stop) if it is yours, or rerun with RESTART_RAY=1" >&2
+    exit 1
+  fi
+fi
 # Multi-node: on every other node run the same exports, then
 #   ray start --address=${MASTER_ADDR}:6379 --disable-usage-stats
 ray start --head --node-ip-address ${MASTER_ADDR:-127.0.0.1} --disable-usage-stats --dashboard-host=127.0.0.1 --dashboard-port=8265

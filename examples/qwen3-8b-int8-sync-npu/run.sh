@@ -8,7 +8,7 @@
 #   npu         the Ascend accelerator: HCCL, Ray NPU resources, ASCEND_RT_VISIBLE_DEVICES, MindSpeed bootstrap
 #   sglang-npu  SGLang on NPU (device npu, ascend attention backend, HCCL weight sync env; requires npu)
 #   int8-sync   INT8 online quantisation of the synced weights (quantize_params hook)
-# Note: ascend.yaml must be regenerated once the int8-sync plugin is installed (see the first line of ascend.yaml if it is a placeholder).
+# Note: The engines load the W8A8 checkpoint that `slime-ascend quantize` makes from the BF16 model (first step below); each weight update is quantised to the same bytes.
 #
 # Needs: slime (THUDM/slime) with Megatron-LM/MindSpeed, SGLang with sgl-kernel-npu, torch_npu, CANN,
 # and slime-ascend installed in the same environment on every node (pip install slime-ascend[npu]).
@@ -29,10 +29,14 @@ export HCCL_HOST_SOCKET_PORT_RANGE=60000-60050
 export HCCL_NPU_SOCKET_PORT_RANGE=61000-61050
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:False
 
+# [ascend:int8-sync] the engines serve the INT8 (W8A8) checkpoint and every weight update is quantised
+# to it; made once from the BF16 model by the offline converter (the same bytes as each online sync)
+[ -f "${BASE}/Qwen3-8B-w8a8/config.json" ] || slime-ascend quantize "${BASE}/Qwen3-8B" "${BASE}/Qwen3-8B-w8a8" --format int8-w8a8
+
 source "${SLIME_DIR}/scripts/models/qwen3-8B.sh"
 
 CKPT_ARGS=(
-   --hf-checkpoint ${BASE}/Qwen3-8B
+   --hf-checkpoint ${BASE}/Qwen3-8B-w8a8
    --ref-load ${BASE}/Qwen3-8B_torch_dist
    --load ${BASE}/Qwen3-8B_slime/
    --save ${BASE}/Qwen3-8B_slime/
@@ -102,6 +106,13 @@ MISC_ARGS=(
 
 # Ray exposes Ascend NPUs as the NPU resource; slime-ascend's npu plugin makes slime ask for it.
 # The dashboard (and job API) listens on loopback only; from elsewhere use ssh -L 8265:127.0.0.1:8265.
+# A Ray cluster already running here may hold other people's jobs: it is stopped only with RESTART_RAY=1.
+if ray status >/dev/null 2>&1; then
+  if [ "${RESTART_RAY:-0}" = 1 ]; then ray stop; else
+    echo "error: a Ray cluster is already running on this node. Fix: stop it (ray stop) if it is yours, or rerun with RESTART_RAY=1" >&2
+    exit 1
+  fi
+fi
 ray start --head --node-ip-address ${MASTER_ADDR:-127.0.0.1} --disable-usage-stats --dashboard-host=127.0.0.1 --dashboard-port=8265
 
 RUNTIME_ENV_JSON="{

@@ -29,8 +29,8 @@ export HCCL_HOST_SOCKET_PORT_RANGE=60000-60050
 export HCCL_NPU_SOCKET_PORT_RANGE=61000-61050
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:False
 
-# [ascend:sao] the critic freeze list slime reads through --megatron-config-path
-python -m slime_ascend.sao.critic -o "${HERE}/sao_megatron.yaml"
+# [ascend:sao] the critic freeze list slime reads through --megatron-config-path (this script's own file)
+python -m slime_ascend.sao.critic -o "${HERE}/sao_megatron.yaml" --force
 
 source "${SLIME_DIR}/scripts/models/qwen3-8B.sh"
 
@@ -111,6 +111,13 @@ MISC_ARGS=(
 
 # Ray exposes Ascend NPUs as the NPU resource; slime-ascend's npu plugin makes slime ask for it.
 # The dashboard (and job API) listens on loopback only; from elsewhere use ssh -L 8265:127.0.0.1:8265.
+# A Ray cluster already running here may hold other people's jobs: it is stopped only with RESTART_RAY=1.
+if ray status >/dev/null 2>&1; then
+  if [ "${RESTART_RAY:-0}" = 1 ]; then ray stop; else
+    echo "error: a Ray cluster is already running on this node. Fix: stop it (ray stop) if it is yours, or rerun with RESTART_RAY=1" >&2
+    exit 1
+  fi
+fi
 ray start --head --node-ip-address ${MASTER_ADDR:-127.0.0.1} --disable-usage-stats --dashboard-host=127.0.0.1 --dashboard-port=8265
 
 RUNTIME_ENV_JSON="{

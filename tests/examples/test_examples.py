@@ -116,3 +116,38 @@ def test_generated_recipes_are_in_sync_with_the_generator():
     if broken:
         pytest.skip(f"plugin(s) not loadable, the generator would write placeholders: {broken}")
     assert generator["main"](["--check"]) == 0
+
+
+def _args_of(name: str):
+    """slime's args as far as the recipe fixes them: its YAML plus the ``--flag value`` lines of run.sh."""
+    import argparse
+
+    data, _, script = load(name)
+    flags = dict(re.findall(r"^\s+--([a-z0-9-]+) ([^\s\\]+)", script, flags=re.M))
+    args = argparse.Namespace(**{k.replace("-", "_"): v for k, v in flags.items()}, **data)
+    for key in ("n_samples_per_prompt", "rollout_batch_size", "global_batch_size"):
+        if hasattr(args, key):
+            setattr(args, key, int(getattr(args, key)))
+    return args
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_passes_the_plugins_own_start_up_validation(name):
+    """What each plugin checks as slime starts (settings and plugin rules; e.g. an OPD teacher with neither a
+    URL nor a switch engine) holds for the recipe as written."""
+    from slime_ascend.plugins import runtime
+
+    with runtime.ignoring_environment():
+        runtime.check(_args_of(name), command_line=False)
+
+
+def test_recipes_that_need_a_prepared_checkpoint_or_file_make_it_themselves():
+    int8 = (EXAMPLES / "qwen3-8b-int8-sync-npu" / "run.sh").read_text()
+    target = re.search(r"--hf-checkpoint (\S+)", int8).group(1)
+    assert f'slime-ascend quantize "${{BASE}}/Qwen3-8B" "{target}" --format int8-w8a8' in int8  # the engines' format
+    sao = (EXAMPLES / "qwen3-8b-sao-npu" / "run.sh").read_text()
+    assert re.search(r"python -m slime_ascend.sao.critic -o \S+ --force", sao)  # a second launch under set -e
+    for name in RECIPES:  # never stops a Ray cluster it did not start, unless asked
+        script = (EXAMPLES / name / "run.sh").read_text()
+        assert 'if [ "${RESTART_RAY:-0}" = 1 ]; then ray stop' in script and script.index("ray status") < script.index(
+            "ray start --head")
