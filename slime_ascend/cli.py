@@ -67,8 +67,10 @@ def _cmd_config(ns: argparse.Namespace) -> int:
     if path.exists() and not ns.force:
         print(f"error: {path} exists. Fix: pass --force to overwrite it, or choose another -o path", file=sys.stderr)
         return 2
+    generated.check_files(str(path.resolve().parent), force=ns.force)  # nothing written when one is in the way
     path.write_text(generated.yaml_text)
-    print(generated.hint(str(path)))
+    written = generated.write_files(str(path.resolve().parent), force=ns.force)  # e.g. sao's critic role file
+    print(generated.hint(str(path), written))
     return 0
 
 

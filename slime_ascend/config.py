@@ -34,23 +34,70 @@ class GeneratedConfig:
     flags: list[str] = dataclasses.field(default_factory=list)  # pasteable words (`config --flags`)
     manual: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (text, plugin, why) to add by hand
     notes: list[str] = dataclasses.field(default_factory=list)  # checks that could not run here
+    files: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (file name, plugin, writer)
 
     def flags_line(self) -> str:
         """The pasteable flags as one shell-quoted line (empty when there are none)."""
         return shlex.join(self.flags)
 
-    def hint(self, path: str) -> str:
-        lines = [f"wrote {path} for plugins: {', '.join(self.plugins)}", "", "1. export in the driver's environment "
-                 "and in the environment of `ray start` on every node (the bootstrap reads it at process start):",
-                 f"     export {ENV}={self.env_value}", "", "2. add to your slime launch command:",
-                 f"     --custom-config-path {path}"]
+    def write_files(self, directory: str, force: bool = False) -> dict[str, str]:
+        """Write the plugins' companion files (``Plugin.config_files``) into ``directory`` with the YAML's
+        settings; returns file name -> path. An existing file is kept unless ``force`` (FileExistsError)."""
+        import os
+
+        values = yaml.safe_load(self.yaml_text) or {}
+        self.check_files(directory, force)
+        written: dict[str, str] = {}
+        for name, _plugin, writer in self.files:
+            path = os.path.join(directory, name)
+            resolve(writer)(path, values, force)
+            written[name] = path
+        return written
+
+    def check_files(self, directory: str, force: bool = False) -> None:
+        """Refuse (FileExistsError) before anything is written when a companion file exists and not ``force``."""
+        import os
+
+        for name, _plugin, _writer in self.files:
+            path = os.path.join(directory, name)
+            if os.path.exists(path) and not force:
+                raise FileExistsError(f"{path} exists. Fix: pass --force to overwrite it, or write the YAML elsewhere")
+
+    def launch_line(self, path: str, written: dict[str, str] | None = None) -> str:
+        """The whole launch command: the script, the user's own slime flags as a placeholder, the YAML and
+        every flag the plugins need (companion files by their written path; values only the user knows in
+        capitals)."""
+        written = written or {}
+        script, words = "train.py", [f"--custom-config-path {shlex.quote(path)}"]
+        for flag, _plugin, _why in self.command_line:
+            text = " ".join(written.get(w, w) for w in shlex.split(flag))
+            if not text.startswith("-"):
+                first, _, text = text.partition(" ")
+                if first.endswith(".py"):
+                    script = first
+                if not text.startswith("-"):
+                    continue  # advice only
+            words.append(text)
+        return f"{ENV}={self.env_value} python $SLIME_SRC/{script} <your slime flags> " + " ".join(words)
+
+    def hint(self, path: str, written: dict[str, str] | None = None) -> str:
+        written = written or {}
+        lines = [f"wrote {path} for plugins: {', '.join(self.plugins)}"]
+        lines += [f"wrote {p} ({plugin})" for name, plugin, _ in self.files if (p := written.get(name))]
+        lines += ["", "1. export in the driver's environment "
+                  "and in the environment of `ray start` on every node (the bootstrap reads it at process start):",
+                  f"     export {ENV}={self.env_value}", "", "2. add to your slime launch command:",
+                  f"     --custom-config-path {path}"]
         if self.command_line:
             lines.append("   and these flags, which slime reads before the YAML is applied:")
             for flag, plugin, why in self.command_line:
+                flag = " ".join(written.get(w, w) for w in flag.split(" "))
                 lines.append(f"     {flag:<40} # {plugin}: {why}")
             if self.flags:
                 lines.append(f"   (`slime-ascend config {' '.join(self.plugins)} --flags` prints the ready-made ones "
                              "as one shell-quoted line)")
+        lines += ["", "3. the whole launch line (your model, data and parallelism flags in place of <your slime flags>):",
+                  f"     {self.launch_line(path, written)}"]
         return "\n".join(lines)
 
 
@@ -270,4 +317,6 @@ def build(names: list[str], overrides: dict[str, Any] | None = None) -> Generate
     words, manual = _flags(selection)
     notes = check_combination(selection, overrides)
     command_line = [(f.flag, p.name, f.why) for p in selection.plugins for f in p.command_line]
-    return GeneratedConfig(text, list(selection.names), command_line, ",".join(selection.names), words, manual, notes)
+    files = [(name, p.name, writer) for p in selection.plugins for name, writer in p.config_files]
+    return GeneratedConfig(text, list(selection.names), command_line, ",".join(selection.names), words, manual, notes,
+                           files)

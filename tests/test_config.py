@@ -193,3 +193,34 @@ def test_config_set_names_the_closest_key_and_checks_the_value():
         config.build(["dis"], config.parse_overrides(["ascend_dis_weight=sometimes"]))
     with pytest.raises(SettingsError, match="expected KEY=VALUE"):
         config.parse_overrides(["ascend_dis_weight"])
+
+
+# ---- the complete next step --------------------------------------------------------------------
+def test_config_writes_sao_critic_role_file_and_prints_the_whole_launch_line(tmp_path):
+    out = tmp_path / "ascend.yaml"
+    cmd = [sys.executable, "-m", "slime_ascend.cli", "config", "npu", "sao", "--set",
+           "ascend_sao_freeze_patterns=[self_attention, mlp.linear_fc1]", "-o", str(out)]
+    first = subprocess.run(cmd, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    role = tmp_path / "sao_megatron.yaml"
+    critic = [e for e in yaml.safe_load(role.read_text())["megatron"] if e["role"] == "critic"]
+    assert critic[0]["overrides"]["freeze_params_name_list"] == ["self_attention", "mlp.linear_fc1"]  # the YAML's
+    launch = first.stdout.strip().splitlines()[-1].strip()
+    assert launch.startswith("SLIME_ASCEND_PLUGINS=npu,sao python $SLIME_SRC/train_async.py <your slime flags> ")
+    for words in (f"--custom-config-path {out}", "--advantage-estimator ppo", "--n-samples-per-prompt 1",
+                  f"--megatron-config-path {role}", "--rollout-function-path "
+                  "slime.rollout.fully_async_rollout.generate_rollout_fully_async"):
+        assert words in launch, (words, launch)
+    # a second run without --force writes nothing and says which file is in the way
+    out2 = tmp_path / "other.yaml"
+    second = subprocess.run(cmd[:-1] + [str(out2)], capture_output=True, text=True)
+    assert second.returncode == 2 and "sao_megatron.yaml exists" in second.stderr and "Fix:" in second.stderr
+    assert not out2.exists()
+
+
+def test_launch_line_keeps_values_only_the_user_knows_in_capitals():
+    from slime_ascend import config
+
+    line = config.build(["npu", "vllm-ascend"]).launch_line("/x/ascend.yaml")
+    assert line.startswith("SLIME_ASCEND_PLUGINS=npu,vllm-ascend python $SLIME_SRC/train.py <your slime flags> ")
+    assert "--rollout-external-engine-addrs HOST:PORT ..." in line and "--update-weight-disk-dir DIR" in line

@@ -98,7 +98,7 @@ SGLANG_ARGS=(
 
 # [ascend] flags slime reads before the YAML is applied (the plugins check them at start)
 ASCEND_ARGS=(
-   --megatron-config-path "${HERE}/sao_megatron.yaml"  # [ascend:sao] critic freeze list (write it: python -m slime_ascend.sao.critic -o sao_megatron.yaml)
+   --megatron-config-path "${HERE}/sao_megatron.yaml"  # [ascend:sao] critic freeze list (`slime-ascend config -o` writes it beside the YAML)
    --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async  # [ascend:sao] asynchrony (recommended; add the staleness plugin to bound off-policy lag)
 )
 

@@ -152,6 +152,9 @@ class Plugin:
     command_line: tuple[CommandLineFlag, ...] = ()
     # Called with (args, settings_view) at first use in each process; raises SettingsError.
     validate: str | None = None
+    # Files `slime-ascend config -o FILE` writes beside the YAML: (file name, dotted path of
+    # ``fn(path, settings: dict, force: bool)``); a command-line flag naming the file gets its path.
+    config_files: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip().lower() or " " in self.name:

@@ -80,6 +80,14 @@ def critic_role_overrides(freeze_patterns: Sequence[str] = ("self_attention",), 
     return out
 
 
+def write_role_config_for(path: str, settings: dict, force: bool = False) -> None:
+    """``slime-ascend config``'s writer of the critic role file, with the YAML's freeze patterns."""
+    patterns = settings.get("ascend_sao_freeze_patterns") or ["self_attention"]
+    if not settings.get("ascend_sao_freeze_critic_attention", True):
+        patterns = []
+    write_megatron_role_config(path, patterns, force=force)
+
+
 def write_megatron_role_config(
     path: str,
     freeze_patterns: Sequence[str] = ("self_attention",),

@@ -113,11 +113,12 @@ PLUGIN = Plugin(
         CommandLineFlag("--n-samples-per-prompt 1", "single rollout per prompt; slime derives the global batch "
                         "size from it", check=lambda a: getattr(a, "n_samples_per_prompt", None) == 1),
         CommandLineFlag("--megatron-config-path sao_megatron.yaml",
-                        "critic freeze list (write it: python -m slime_ascend.sao.critic -o sao_megatron.yaml)",
+                        "critic freeze list (`slime-ascend config -o` writes it beside the YAML)",
                         check=_freeze_config_given),
         CommandLineFlag("train_async.py --rollout-function-path "
                         "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
                         "asynchrony (recommended; add the staleness plugin to bound off-policy lag)"),
     ),
     validate=_S + "critic.validate",
+    config_files=(("sao_megatron.yaml", _S + "critic.write_role_config_for"),),
 )

@@ -93,9 +93,9 @@ def _layer_tensor(state: dict, layer: int, name: str):
 def test_train_py_sao_with_critic_role(model_dir, engine, tmp_path):
     config = tmp_path / "ascend.yaml"
     _cli("-m", "slime_ascend.cli", "config", *PLUGINS, "--set", f"ascend_sao_critic_iters={K}", "-o", str(config))
-    # the critic role: attention frozen, its own checkpoint directory (the flags name sao_megatron.yaml in cwd)
-    critic_ckpt = tmp_path / "critic_ckpt"
-    _cli("-m", "slime_ascend.sao.critic", "-o", str(tmp_path / "sao_megatron.yaml"), "--set", f"save={critic_ckpt}")
+    # the critic role (attention frozen) that `config` wrote beside the YAML, given its own checkpoint directory
+    critic_ckpt, role = tmp_path / "critic_ckpt", str(tmp_path / "sao_megatron.yaml")
+    _cli("-m", "slime_ascend.sao.critic", "-o", role, "--merge", role, "--set", f"save={critic_ckpt}")
     prompts = make_prompts(tmp_path / "prompts.jsonl")
     flags = slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=NUM_ROLLOUT, batch=4, n_samples=1)
     run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config)
