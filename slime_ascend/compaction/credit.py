@@ -17,8 +17,8 @@ with ``rollout_data`` holding this data-parallel rank's samples):
   ``rollout_data["advantages"]``: a local skip-observation GAE per segment (the shared
   :func:`~slime_ascend.advantage_base.skip_observation_advantages`: bootstrap 0 after the segment's last
   action; rewards ``-kl_coef * kl`` plus the scalar reward on the last action token; one lambda per
-  rollout; sets ``rollout_data["gae_lambdas"]`` and ``["gae_gammas"]``). For every other estimator the advantage dispatcher runs
-  slime's own at the chain's base order (200), before the decay.
+  rollout; sets ``rollout_data["gae_lambdas"]`` and ``["gae_gammas"]``). For every other estimator the
+  advantage dispatcher runs slime's own at the chain's base order (200), before the decay.
 * order 300, :func:`decay_advantages`: ``A(s, i) = (gamma * lambda) ** N_after(s) * A_local(s, i)``.
   lambda is ``rollout_data["gae_lambdas"]`` and gamma ``rollout_data["gae_gammas"]`` (one float per local
   sample each, set by whichever base estimator ran GAE) when present, else ``ascend_compaction_lambda_mode``
