@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slime_ascend import advantage_base, hooks
-from slime_ascend.opd import slime_hooks as opd_hooks
+from slime_ascend.opd import hooks as opd_hooks
 from slime_ascend.patch.train import critic_advantage_function as caf
 from slime_ascend.plugins import registry
 from slime_ascend.plugins.base import Contribution, Plugin

@@ -228,7 +228,7 @@ class RolloutWorker:
     def _plugin_stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if "opd" in runtime.enabled_names(self.args):
-            from slime_ascend.opd.slime_hooks import opd_stats
+            from slime_ascend.opd.hooks import opd_stats
 
             st = opd_stats(self.args)
             out["teacher_switches"] = int(st.get("switches", 0))

@@ -6,7 +6,7 @@ teacher of the ``ascend_opd_teachers`` section; only that teacher scores it. The
 * ``reward_model`` (rollout manager, async): routes the sample, scores ``sample.tokens`` at its
   teacher (``POST /generate``, ``max_new_tokens=0``, ``return_logprob``, ``logprob_start_len=0``)
   and returns the task reward (``ascend_opd_task_rm_path``; 0.0 when unset, i.e. pure
-  distillation; ``slime_ascend.opd.slime_hooks.slime_rule_reward`` applies slime's own ``--rm-type``),
+  distillation; ``slime_ascend.opd.hooks.slime_rule_reward`` applies slime's own ``--rm-type``),
   so ``raw_reward`` stays a task reward rather than slime's teacher JSON.
 * ``reward_post_process`` (order 300): fills ``sample.teacher_log_probs`` (response-aligned, as
   slime's ``post_process_rewards``) and ``sample.train_metadata["opd_teacher"/"opd_coef"]``;
@@ -31,7 +31,7 @@ from typing import Any
 from ..plugins.base import Contribution, PatchUse, Plugin
 from ..plugins.settings import Setting
 
-_H = "slime_ascend.opd.slime_hooks."
+_H = "slime_ascend.opd.hooks."
 
 
 def _check_teachers(value: Any) -> str | None:

@@ -73,7 +73,7 @@ def _write_config(tmp_path: Path, teachers: list[dict], switch_url: str, stage: 
         "ascend_opd_switch_engine_urls": [switch_url],
         "ascend_opd_stage_dir": str(stage),
         "ascend_opd_prefetch": True,
-        "ascend_opd_task_rm_path": "slime_ascend.opd.slime_hooks.slime_rule_reward",
+        "ascend_opd_task_rm_path": "slime_ascend.opd.hooks.slime_rule_reward",
     })
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from slime_ascend.compat.sample import get_sample_class
-from slime_ascend.opd import slime_hooks as hooks
+from slime_ascend.opd import hooks
 from slime_ascend.opd.plugin import PLUGIN
 from slime_ascend.opd.router import RoutingError
+from slime_ascend.opd.switching import SwitchGate
 from slime_ascend.plugins.settings import SettingsError
 
 Sample = get_sample_class()
@@ -286,7 +287,7 @@ def test_switch_gate_never_serves_a_request_with_the_wrong_teacher():
             engine["resident"] = name
             log.append(name)
 
-        gate = hooks.SwitchGate(switch)
+        gate = SwitchGate(switch)
         rng = random.Random(1)
         served = []
 
@@ -320,7 +321,7 @@ def test_switch_gate_batches_queued_requests_and_reports_failures():
                 raise RuntimeError("teacher 'bad' (/ckpt/bad): corrupt")
             log.append(name)
 
-        gate = hooks.SwitchGate(switch)
+        gate = SwitchGate(switch)
         order = ["A", "B", "A", "B", "B", "bad", "A"]
 
         async def request(name):
@@ -476,7 +477,7 @@ def test_advantage_uses_rollout_log_probs_when_slime_does():
 def test_forward_patches_are_declared_where_coefficients_differ():
     uses = {u.patch: u for u in PLUGIN.patches}
     assert (uses["rollout.forward_metadata"].moment, uses["train.rollout_log_metadata"].moment) == ("rollout", "train")
-    assert {u.when for u in uses.values()} == {"slime_ascend.opd.slime_hooks.coefs_differ"}
+    assert {u.when for u in uses.values()} == {"slime_ascend.opd.hooks.coefs_differ"}
     assert hooks.coefs_differ(make_args())  # TEACHERS: 1.0 and 0.5
     assert not hooks.coefs_differ(make_args(ascend_opd_teachers=[dict(t, coef=2.0) for t in TEACHERS]))
     assert not hooks.coefs_differ(make_args(ascend_opd_coef=0.5, ascend_opd_teachers=[

@@ -15,7 +15,7 @@ import pytest
 from conftest import single_process_megatron
 import torch
 
-from slime_ascend.opd import slime_hooks as hooks
+from slime_ascend.opd import hooks as hooks
 from slime_ascend.opd.plugin import PLUGIN
 
 pytestmark = pytest.mark.slime

@@ -47,7 +47,7 @@ def test_generated_yaml_through_slime_parse_args(tmp_path):
     Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                 tie_word_embeddings=False).save_pretrained(tmp_path / "hf")
-    generated = config.build(["npu"])
+    generated = config.build(["npu", "tito"])  # tito contributes to slime's megatron-init hook
     (tmp_path / "ascend.yaml").write_text(generated.yaml_text)
     script = textwrap.dedent(f"""
         import sys, typing, typing_extensions, json
@@ -67,7 +67,7 @@ def test_generated_yaml_through_slime_parse_args(tmp_path):
     import json
 
     plugins, init_path, active = json.loads(line.split(" ", 1)[1])
-    assert plugins == ["npu"] and active == ["npu"]
+    assert plugins == ["npu", "tito"] and active == ["npu", "tito"]
     assert init_path == "slime_ascend.hooks.megatron_init"
 
 

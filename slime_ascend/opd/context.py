@@ -1,0 +1,178 @@
+"""The ``opd`` plugin's state in each process: teachers, router, coefficients, teacher pool, counters
+(built at first use from slime's ``args``; :func:`get_context`), and :func:`opd_stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..plugins import runtime
+from ..plugins.settings import SettingsError
+from .router import DomainRouter
+from .switching import SwitchGate, _PoolSwitcher
+from .teachers import TeacherSpec, check_teacher_compatible, parse_teachers
+
+logger = logging.getLogger("slime_ascend.opd")
+
+PLUGIN_NAME = "opd"
+#: Runtime patch that forwards ``train_data["metadata"]`` (from ``Sample.train_metadata``) to the trainer.
+FORWARD_METADATA_PATCH = "rollout.forward_metadata"
+META_TEACHER = "opd_teacher"
+META_LOG_PROBS = "opd_teacher_log_probs"
+META_TOPK = "opd_topk"
+TRAIN_META_COEF = "opd_coef"
+
+
+def _teachers(settings: Mapping[str, Any]) -> list[TeacherSpec]:
+    raw = settings["ascend_opd_teachers"]
+    if not raw:
+        raise SettingsError(
+            "setting ascend_opd_teachers is empty. Fix: add a teachers section to the YAML given to "
+            "--custom-config-path, e.g. ascend_opd_teachers: [{name: math, checkpoint_dir: /ckpt/math, "
+            "domains: [math], url: 'http://host:30000'}]"
+        )
+    try:
+        return parse_teachers(raw)
+    except ValueError as e:
+        raise SettingsError(f"setting ascend_opd_teachers: {e}") from None
+
+@dataclass
+class OPDContext:
+    """Per-process state of the plugin: parsed teachers, router, switching, counters."""
+
+    settings: Mapping[str, Any]
+    teachers: list[TeacherSpec]
+    router: DomainRouter
+    coefs: dict[str, float]
+    switcher: _PoolSwitcher | None = None
+    gates: dict[int, SwitchGate] = field(default_factory=dict)
+    requests: Counter = field(default_factory=Counter)
+    request_s: Counter = field(default_factory=Counter)
+    request_retries: int = 0
+    post_process_calls: int = 0
+    same_origin: dict[str, Any] | None = None
+    last_step: dict[str, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def uniform_coef(self) -> float | None:
+        values = set(self.coefs.values())
+        return values.pop() if len(values) == 1 else None
+
+    def gate(self) -> SwitchGate:
+        loop = asyncio.get_running_loop()
+        key = id(loop)
+        with self.lock:
+            gate = self.gates.get(key)
+            if gate is None:
+                if self.switcher is None:
+                    raise RuntimeError("no switched teacher engine configured (ascend_opd_switch_engine_urls)")
+                gate = SwitchGate(self.switcher.activate, self.switcher.prefetch)
+                self.gates[key] = gate
+            return gate
+
+
+_CONTEXTS: dict[int, OPDContext] = {}
+
+_CONTEXTS_LOCK = threading.Lock()
+# slime_rule_reward's args copies (custom RM cleared), one per args
+_RULE_ARGS: dict[int, Any] = {}
+
+
+def reset_state() -> None:
+    """Forget per-process contexts (tests)."""
+    with _CONTEXTS_LOCK:
+        _CONTEXTS.clear()
+        _RULE_ARGS.clear()
+
+
+def _student_info(args: Any) -> dict[str, Any]:
+    student_dir = getattr(args, "hf_checkpoint", None)
+    info: dict[str, Any] = {}
+    vocab = getattr(args, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0:
+        info["student_vocab_size"] = vocab
+    if isinstance(student_dir, str) and student_dir:
+        from pathlib import Path
+
+        if Path(student_dir).is_dir():
+            info["student_dir"] = student_dir
+    return info
+
+def coefs_differ(args: Any) -> bool:
+    """Condition of opd's runtime patches (``rollout.forward_metadata``, ``train.rollout_log_metadata``):
+    teachers with different coefficients need each sample's coefficient in the trainer."""
+    settings = runtime.settings(args, PLUGIN_NAME)
+    default = settings["ascend_opd_coef"]
+    return len({t.effective_coef(default) for t in _teachers(settings)}) > 1
+
+def get_context(args: Any, *, rollout_side: bool = False) -> OPDContext:
+    """The plugin's state in this process, built at first use from ``args``.
+
+    On the rollout side each teacher is also checked against the student (vocab size, tokenizer
+    files: a mismatch raises :class:`~slime_ascend.opd.teachers.TeacherMismatchError`), and the
+    teacher pool for switched teachers is created.
+    """
+    key = id(args)
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(key)
+    if ctx is not None:
+        if rollout_side and ctx.switcher is None and ctx.settings["ascend_opd_switch_engine_urls"]:
+            ctx.switcher = _make_switcher(args, ctx)
+        return ctx
+    settings = runtime.settings(args, PLUGIN_NAME)
+    teachers = _teachers(settings)
+    router = DomainRouter(
+        teachers,
+        domain_key=settings["ascend_opd_domain_key"],
+        default_teacher=settings["ascend_opd_default_teacher"],
+        default_coef=settings["ascend_opd_coef"],
+    )
+    coefs = {t.name: router.coef_for(t.name) for t in teachers}
+    ctx = OPDContext(settings, teachers, router, coefs)
+    if rollout_side:
+        student = _student_info(args)
+        for t in teachers:  # refuse vocab / tokenizer mismatches before the first request
+            check_teacher_compatible(t, **student)
+        if settings["ascend_opd_switch_engine_urls"]:
+            ctx.switcher = _make_switcher(args, ctx)
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.setdefault(key, ctx)
+    return ctx
+
+def _make_switcher(args: Any, ctx: OPDContext) -> _PoolSwitcher | None:
+    routers = getattr(args, "sglang_model_routers", None) or {}
+    switched = [t for t in ctx.teachers if t.url is None and t.name not in routers]
+    if not switched:
+        return None
+    return _PoolSwitcher(switched, ctx.settings, _student_info(args))
+
+def opd_stats(args: Any = None) -> dict[str, Any]:
+    """Routing counts (cumulative and last step), requests and latency per teacher, switches, stall,
+    pool metrics and the same-origin report of this process's context(s)."""
+    with _CONTEXTS_LOCK:
+        contexts = list(_CONTEXTS.items())
+    if args is not None:
+        contexts = [(k, c) for k, c in contexts if k == id(args)]
+    out: dict[str, Any] = {}
+    for _, ctx in contexts:
+        gates = list(ctx.gates.values())
+        out = {
+            "routing": ctx.router.stats(),
+            "last_step": dict(ctx.last_step),
+            "requests": dict(ctx.requests),
+            "request_mean_s": {n: ctx.request_s[n] / ctx.requests[n] for n in ctx.requests if ctx.requests[n]},
+            "request_retries": ctx.request_retries,
+            "switches": sum(g.switches for g in gates),
+            "gate_wait_s": sum(g.wait_s for g in gates),
+            "pool": ctx.switcher.metrics() if ctx.switcher is not None else None,
+            "same_origin": ctx.same_origin,
+            "coefs": dict(ctx.coefs),
+        }
+    return out

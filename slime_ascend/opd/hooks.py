@@ -1,0 +1,307 @@
+"""The ``opd`` plugin's hook code: what slime's hooks call (see :mod:`slime_ascend.opd.plugin`).
+
+Rollout manager:
+
+* :func:`teacher_reward` (``reward_model``): route, score at the routed teacher, return the task
+  reward. The sliced teacher log-probs travel in ``sample.metadata["opd_teacher_log_probs"]``
+  (and the routed name in ``sample.metadata["opd_teacher"]``).
+* :func:`fill_teacher_log_probs` (``reward_post_process``, order 300): moves them to
+  ``sample.teacher_log_probs`` (fp32 tensor, length ``response_length``, the same values slime's
+  ``post_process_rewards`` produces), writes ``train_metadata["opd_teacher"/"opd_coef"]``, logs
+  routing counts and per-teacher KL, and runs the same-origin check once.
+
+Train actor:
+
+* :func:`opd_advantage` (``advantage``, order 500): ``A = task_weight * A_task + coef_t * (logp_T -
+  logp_S)`` on CP-local per-sample lists; ``logp_S`` as slime picks it (``log_probs``, or
+  ``rollout_log_probs`` with ``--use-rollout-logprobs``).
+
+The jobs behind them: :mod:`.context` (per-process state, :func:`opd_stats`), :mod:`.scoring` (the
+teacher request and its endpoint), :mod:`.switching` (switched teachers), :mod:`.router`,
+:mod:`.teachers`, :mod:`.pool`, :mod:`.same_origin`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..plugins import roles
+from ..plugins.settings import SettingsError
+from .context import (  # noqa: F401  (coefs_differ, opd_stats, reset_state: declared and public paths of the plugin)
+    _CONTEXTS_LOCK, _RULE_ARGS, FORWARD_METADATA_PATCH, META_LOG_PROBS, META_TEACHER, META_TOPK, TRAIN_META_COEF,
+    OPDContext, _teachers, coefs_differ, get_context, logger, opd_stats, reset_state,
+)
+from .scoring import _score, _task_reward, response_teacher_log_probs
+
+
+def validate(args: Any, settings: Mapping[str, Any]) -> None:
+    """Refuse configurations that would silently train something else than multi-teacher OPD."""
+    teachers = _teachers(settings)
+    names = [t.name for t in teachers]
+    default = settings["ascend_opd_default_teacher"]
+    if default is not None and default not in names:
+        raise SettingsError(
+            f"setting ascend_opd_default_teacher={default!r} is not a configured teacher {names}. "
+            "Fix: name one of the teachers, or unset it (then a sample without a route is an error)"
+        )
+    if settings["ascend_opd_mode"] == "topk":
+        raise SettingsError(
+            "setting ascend_opd_mode='topk': the MOPD top-k loss needs the teacher's top-k ids/log-probs in "
+            "the loss batch, which stock slime neither forwards to the trainer nor puts in the batch "
+            "(rollout.py _split_train_data_by_dp, model.py train_one_step key lists). Fix: use 'sampled'"
+        )
+    problems = []
+    # slime gives the critic its own args with use_opd switched off (_apply_megatron_role_overrides): the
+    # critic fits values and never sees teachers, so the pass-through rule is the actor's and the driver's
+    critic = roles.train_role() == "critic"
+    if not critic and not getattr(args, "use_opd", False):
+        problems.append("use_opd must be true (slime then forwards and CP-slices teacher_log_probs and "
+                        "recomputes the student log-probs before advantages)")
+    if getattr(args, "opd_type", "sglang") != "sglang":
+        problems.append(f"opd_type must be 'sglang' (teachers score at rollout time), got {args.opd_type!r}")
+    if getattr(args, "opd_teacher_load", None) is not None:
+        problems.append("opd_teacher_load must be unset (it loads slime's single megatron-mode teacher)")
+    kl_coef = getattr(args, "opd_kl_coef", 0.0)
+    if kl_coef not in (0, 0.0, None):
+        problems.append(f"opd_kl_coef must be 0 (the opd plugin applies the per-teacher term), got {kl_coef!r}")
+    if problems:
+        raise SettingsError(
+            "plugin 'opd' needs slime's own OPD switched to pass-through: " + "; ".join(problems)
+            + ". Fix: keep use_opd: true, opd_type: sglang, opd_kl_coef: 0 from `slime-ascend config opd` "
+            "and drop --opd-teacher-load / --opd-kl-coef from the command line"
+        )
+    switched = [t.name for t in teachers if t.url is None]
+    if switched and not settings["ascend_opd_switch_engine_urls"] and not getattr(args, "sglang_config", None):
+        raise SettingsError(
+            f"teachers {switched} have no url, and neither ascend_opd_switch_engine_urls nor --sglang-config "
+            "is set. Fix: give each teacher a url, host them as frozen models named like the teachers in "
+            "--sglang-config, or set ascend_opd_switch_engine_urls to the engine that the pool switches"
+        )
+
+async def slime_rule_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
+    """Task reward from slime's own rule-based reward models (``--rm-type``), for ``ascend_opd_task_rm_path``.
+
+    With the ``opd`` plugin ``--custom-rm-path`` is our dispatcher, so slime's ``async_rm`` would call it
+    back instead of applying ``--rm-type``; this calls ``async_rm`` with the custom path cleared on a
+    shallow copy of ``args`` (made once per ``args``).
+    """
+    from slime.rollout.rm_hub import async_rm
+
+    key = id(args)
+    with _CONTEXTS_LOCK:
+        base = _RULE_ARGS.get(key)
+        if base is None:
+            base = copy.copy(args)
+            base.custom_rm_path = None
+            _RULE_ARGS[key] = base
+    if not (getattr(base, "rm_type", None) or "").strip() and not (
+        isinstance(getattr(sample, "metadata", None), dict) and sample.metadata.get("rm_type")
+    ):
+        raise ValueError(
+            "ascend_opd_task_rm_path is slime_rule_reward but --rm-type is not set. Fix: pass --rm-type "
+            "(e.g. math, deepscaler, dapo), or unset ascend_opd_task_rm_path for pure distillation (reward 0.0)"
+        )
+    return await async_rm(base, sample, **kwargs)
+
+
+async def _reward_one(args: Any, ctx: OPDContext, sample: Any, **kwargs: Any) -> Any:
+    if getattr(sample, "metadata", None) is None:
+        sample.metadata = {}
+    spec = ctx.router.route(sample.metadata, sample_id=getattr(sample, "index", None))
+    scored, reward = await asyncio.gather(_score(args, ctx, spec, sample), _task_reward(args, ctx, sample, **kwargs))
+    sample.metadata[META_TEACHER] = spec.name
+    sample.metadata[META_LOG_PROBS] = response_teacher_log_probs(scored, sample.response_length, spec.name)
+    if ctx.settings["ascend_opd_mode"] == "topk":
+        from ..algorithms.opd import topk_payload_from_sglang
+
+        sample.metadata[META_TOPK] = topk_payload_from_sglang(
+            scored["meta_info"]["input_top_logprobs"], sample.response_length, ctx.settings["ascend_opd_topk"]
+        )
+    return reward
+
+async def teacher_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
+    """``reward_model`` contribution: route and score at the teacher; returns the task reward.
+
+    Accepts one sample or, for slime's batched / group RM calls, a list (returns a list).
+    """
+    ctx = get_context(args, rollout_side=True)
+    if isinstance(sample, list):
+        return list(await asyncio.gather(*(_reward_one(args, ctx, s, **kwargs) for s in sample)))
+    return await _reward_one(args, ctx, sample, **kwargs)
+
+def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any], rewards: list[Any]):
+    """``reward_post_process`` contribution (order 300); rewards pass through unchanged."""
+    import torch
+
+    ctx = get_context(args, rollout_side=True)
+    counts: Counter[str] = Counter()
+    kl_sum: Counter[str] = Counter()
+    kl_tokens: Counter[str] = Counter()
+    for i, sample in enumerate(samples):
+        md = sample.metadata if isinstance(getattr(sample, "metadata", None), dict) else {}
+        lps = md.pop(META_LOG_PROBS, None)
+        name = md.get(META_TEACHER)
+        if lps is None:
+            if getattr(sample, "teacher_log_probs", None) is not None and name is not None:
+                lps = sample.teacher_log_probs  # already filled (e.g. a re-run post-process)
+            elif getattr(sample, "remove_sample", False):
+                # dropped sample (loss mask zero): a neutral value keeps the batch rectangular per key
+                ref = getattr(sample, "rollout_log_probs", None)
+                lps = list(ref) if ref is not None else [0.0] * sample.response_length
+                name = name or ctx.router.default_teacher or ctx.teachers[0].name
+            else:
+                raise ValueError(
+                    f"sample {getattr(sample, 'index', i)!r} has no teacher log-probs: it was not scored by the opd "
+                    "reward model (is --custom-rm-path the slime_ascend dispatcher, and did the RM run?)"
+                )
+        t = torch.as_tensor(lps, dtype=torch.float32).flatten()
+        if t.numel() != sample.response_length:
+            raise ValueError(
+                f"sample {getattr(sample, 'index', i)!r}: {t.numel()} teacher log-probs for response_length "
+                f"{sample.response_length}"
+            )
+        sample.teacher_log_probs = t
+        tm = dict(sample.train_metadata or {})
+        tm[META_TEACHER] = name
+        tm[TRAIN_META_COEF] = ctx.coefs[name]
+        sample.train_metadata = tm
+        counts[name] += 1
+        student = getattr(sample, "rollout_log_probs", None)
+        if student is not None and len(student) == t.numel() and not getattr(sample, "remove_sample", False):
+            from .same_origin import per_token_kl
+
+            mask = torch.ones_like(t) if sample.loss_mask is None else torch.as_tensor(sample.loss_mask, dtype=t.dtype)
+            kl = per_token_kl(torch.as_tensor(student, dtype=torch.float32), t, "k3")
+            kl_sum[name] += float((kl * mask).sum())
+            kl_tokens[name] += int(mask.sum())
+    per_teacher_kl = {n: kl_sum[n] / kl_tokens[n] for n in kl_tokens if kl_tokens[n] > 0}
+    with ctx.lock:
+        ctx.post_process_calls += 1
+        ctx.last_step = {"counts": dict(counts), "kl_k3": per_teacher_kl}
+        first = ctx.post_process_calls == 1
+    logger.info("opd routing this step: %s; per-teacher KL(student||teacher) k3: %s", dict(counts),
+                {n: round(v, 5) for n, v in per_teacher_kl.items()})
+    from ..plugins.rollout_metrics import report
+
+    report(args, logger, "opd", rollout_step_metrics(ctx, counts, per_teacher_kl))
+    if first and ctx.settings["ascend_opd_same_origin_check"]:
+        _same_origin_once(ctx, kl_sum, kl_tokens)
+    return raw_rewards, rewards
+
+_POOL_KEYS = ("switches", "prefetch_started", "prefetch_hits", "prefetch_late", "prefetch_misses", "cold_loads",
+              "stage_retries", "stage_failures", "failed_teachers", "stall_s")
+
+def rollout_step_metrics(ctx: OPDContext, counts: Mapping[str, int], kl: Mapping[str, float]) -> dict[str, float]:
+    """This rollout's routing and teacher-pool figures, as ``rollout/*`` keys for slime's rollout metric path:
+    ``rollout/opd_samples/<teacher>`` (samples routed to it; every configured teacher),
+    ``rollout/opd_kl_k3/<teacher>`` (mean per-token KL(student||teacher), k3) and, with a switched-teacher
+    pool, its counters since start as ``rollout/opd_pool/<counter>`` (switches, prefetch started / hits /
+    late / misses, cold loads, stage retries / failures, failed teachers, stall seconds)."""
+    out: dict[str, float] = {f"rollout/opd_samples/{n}": int(counts.get(n, 0)) for n in ctx.coefs}
+    out.update({f"rollout/opd_kl_k3/{n}": float(v) for n, v in kl.items()})
+    if ctx.switcher is not None:
+        pool = ctx.switcher.metrics()
+        out.update({f"rollout/opd_pool/{k}": (float(pool[k]) if k == "stall_s" else int(pool[k]))
+                    for k in _POOL_KEYS if k in pool})
+    return out
+
+def _same_origin_once(ctx: OPDContext, kl_sum: Mapping[str, float], kl_tokens: Mapping[str, int]) -> None:
+    from .same_origin import report_from_kls
+
+    if not kl_tokens:
+        logger.warning("opd same-origin check skipped: samples carry no rollout_log_probs to compare with")
+        return
+    s = ctx.settings
+    report = report_from_kls(
+        {n: kl_sum[n] / kl_tokens[n] for n in kl_tokens if kl_tokens[n] > 0},
+        dict(kl_tokens),
+        threshold_ratio=s["ascend_opd_same_origin_ratio"],
+        max_kl=s["ascend_opd_same_origin_max_kl"],
+        estimator="k3",
+        warn=True,
+    )
+    ctx.same_origin = report.to_dict()
+    logger.info("opd same-origin check: %s", {n: round(t.kl, 5) for n, t in report.teachers.items()})
+    if report.flagged and s["ascend_opd_same_origin_action"] == "error":
+        raise RuntimeError("opd same-origin check failed: " + "; ".join(report.warnings))
+
+def per_sample_coefs(ctx: OPDContext, rollout_data: Mapping[str, Any], n: int) -> list[float]:
+    """Each local sample's teacher coefficient: from the forwarded ``metadata`` when present, else
+    the single coefficient all teachers share (else an error naming the fix)."""
+    metadata = rollout_data.get("metadata")
+    if metadata is not None:
+        if len(metadata) != n:
+            raise ValueError(f"rollout_data['metadata'] has {len(metadata)} entries for {n} samples")
+        out = []
+        for i, md in enumerate(metadata):
+            if not isinstance(md, Mapping) or TRAIN_META_COEF not in md:
+                break
+            out.append(float(md[TRAIN_META_COEF]))
+        else:
+            return out
+    coef = ctx.uniform_coef
+    if coef is None:
+        raise RuntimeError(
+            f"teachers have different coefficients {ctx.coefs}, but rollout_data carries no per-sample "
+            f"'metadata' with {TRAIN_META_COEF!r}: the runtime patch {FORWARD_METADATA_PATCH!r} is not active in "
+            "the rollout manager. Fix: export SLIME_ASCEND_PLUGINS with opd to the driver and to `ray start`, so "
+            "slime-ascend installs it as the RolloutManager starts (or give every teacher the same coef)"
+        )
+    return [coef] * n
+
+def opd_advantage(args: Any, rollout_data: dict[str, Any]) -> None:
+    """``advantage`` contribution (order 500): ``A = task_weight * A + coef_t * (logp_T - logp_S)``."""
+    from ..algorithms.opd import opd_advantages_per_sample
+
+    ctx = get_context(args)
+    if rollout_data.get("advantages") is None:
+        raise RuntimeError("opd advantage: no base advantages; it runs in the advantage chain after its base "
+                           "(slime_ascend.hooks.advantage_function runs slime's estimator when no plugin does)")
+    student = rollout_data.get("rollout_log_probs") if getattr(args, "use_rollout_logprobs", False) else (
+        rollout_data.get("log_probs")
+    )
+    if student is None:
+        raise RuntimeError(
+            "opd advantage: no student log-probs in rollout_data ('log_probs'; 'rollout_log_probs' with "
+            "--use-rollout-logprobs). Fix: keep use_opd: true so slime recomputes them before advantages"
+        )
+    teacher = rollout_data.get("teacher_log_probs")
+    if teacher is None:
+        raise RuntimeError("opd advantage: rollout_data has no 'teacher_log_probs' (did the opd reward hooks run?)")
+    advantages = rollout_data["advantages"]
+    coefs = per_sample_coefs(ctx, rollout_data, len(student))
+    new_adv, reverse_kls = opd_advantages_per_sample(
+        teacher,
+        student,
+        coefs,
+        task_advantages=advantages,
+        task_weight=ctx.settings["ascend_opd_task_weight"],
+        clip=ctx.settings["ascend_opd_clip"],
+    )
+    if rollout_data.get("returns") is advantages:
+        # slime's reinforce_plus_plus_baseline returns the advantages list itself as returns, so its
+        # in-place OPD update reaches the returns too; keep that identity
+        rollout_data["returns"] = new_adv
+    rollout_data["advantages"] = new_adv
+    rollout_data["opd_reverse_kl"] = reverse_kls
+    rollout_data.update(opd_rollout_metrics(ctx, rollout_data, coefs))
+
+def opd_rollout_metrics(ctx: OPDContext, rollout_data: Mapping[str, Any], coefs: Sequence[float]) -> dict[str, list]:
+    """Per-sample columns that slime's train-side ``log_rollout_data`` reports as step metrics (each list
+    averaged over the rollout's samples): ``rollout/opd_coef`` (the coefficient applied) and, when each
+    sample's teacher was forwarded, ``rollout/opd_share/<teacher>`` (the fraction routed to it). Every
+    DP rank emits the same keys (one per configured teacher), as slime's gather requires."""
+    if not coefs:
+        return {}
+    out: dict[str, list] = {"opd_coef": [float(c) for c in coefs]}
+    metadata = rollout_data.get("metadata")
+    if metadata is not None and len(metadata) == len(coefs):
+        names = [md.get(META_TEACHER) if isinstance(md, Mapping) else None for md in metadata]
+        if all(n is not None for n in names):
+            for teacher in ctx.coefs:
+                out[f"opd_share/{teacher}"] = [1.0 if n == teacher else 0.0 for n in names]
+    return out
