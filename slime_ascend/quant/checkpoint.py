@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +140,7 @@ def convert_checkpoint(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     device: str = "cpu",
     overwrite: bool = False,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> ConvertReport:
     """Quantise an HF BF16 safetensors checkpoint into `fmt` ('fp8-block', 'int8-w8a8',
     'int8-ct', 'int4-group' or a QuantSpec).
@@ -153,7 +154,8 @@ def convert_checkpoint(
     written to a temporary directory beside it and moved into place only on success; with
     `overwrite`, a non-empty `out_dir` is replaced only if it holds a checkpoint (config.json +
     *.safetensors), and only after the new one is complete. A NaN/inf in any floating tensor,
-    quantised or passed through, is refused naming the tensor and its file.
+    quantised or passed through, is refused naming the tensor and its file. ``progress(done, total,
+    bytes_read)`` is called after each source tensor.
     """
     src, dst = os.fspath(hf_dir), os.fspath(out_dir)
     spec = as_spec(fmt)
@@ -170,20 +172,23 @@ def convert_checkpoint(
     # Written into a private temporary directory beside out_dir and moved into place only when
     # complete: a failure or Ctrl-C leaves the previous out_dir (if any) untouched.
     with staged_dir(dst_real) as work:
-        _write_converted(src, work, spec, config, report, max_shard_bytes, device)
+        _write_converted(src, work, spec, config, report, max_shard_bytes, device, progress)
     report.files = sorted(os.listdir(dst_real))
     return report
 
 
 def _write_converted(src: str, dst: str, spec: QuantSpec, config: dict[str, Any], report: ConvertReport,
-                     max_shard_bytes: int, device: str) -> None:
+                     max_shard_bytes: int, device: str,
+                     progress: Callable[[int, int, int], None] | None = None) -> None:
     prefix = "quant_model_weights" if spec.fmt == INT8_W8A8 else "model"
     writer = _ShardWriter(dst, prefix, max_shard_bytes)
     types: dict[str, str] = {}
     not_converted: list[str] = []
     with CheckpointReader(src, device=device) as reader:
-        for name in reader.keys():
+        names, read = list(reader.keys()), 0
+        for done, name in enumerate(names, 1):
             t = reader.get(name)
+            read += t.numel() * t.element_size()
             try:
                 outs = quantize_named_params([(name, t)], spec)
                 passthrough = len(outs) == 1 and outs[0][1] is t
@@ -203,6 +208,8 @@ def _write_converted(src: str, dst: str, spec: QuantSpec, config: dict[str, Any]
             for out_name, out_t in outs:
                 writer.add(out_name, out_t)
             del t, outs
+            if progress is not None:
+                progress(done, len(names), read)
     writer.close()
 
     if spec.fmt == INT8_W8A8:

@@ -44,6 +44,33 @@ def _quantize_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Progress:
+    """Tensors, bytes and rate on stderr as a command goes: one line rewritten in place on a terminal,
+    else a line about every ``interval`` seconds (and the last one always)."""
+
+    def __init__(self, label: str, stream=None, interval: float = 5.0):
+        import time
+
+        self.label, self.stream = label, stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = 0.2 if self.tty else interval
+        self._clock = time.monotonic
+        self.start = self.last = self._clock()
+
+    def __call__(self, done: int, total: int, nbytes: int) -> None:
+        now = self._clock()
+        if done < total and now - self.last < self.interval:
+            return
+        self.last = now
+        rate = nbytes / max(now - self.start, 1e-9) / 1e6
+        text = f"{self.label}: {done}/{total} tensors, {nbytes / 1e9:.2f} GB, {rate:.0f} MB/s"
+        if self.tty:
+            self.stream.write("\r" + text + ("\n" if done >= total else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
 def _fail(msg: str, fix: str = "correct it (`slime-ascend quantize --help` / `verify-quant --help`)") -> int:
     print(f"error: {msg}" if "Fix:" in msg else f"error: {msg.rstrip('.')}. Fix: {fix}", file=sys.stderr)
     return 2
@@ -76,7 +103,7 @@ def main_quantize(argv: Sequence[str] | None = None) -> int:
         spec = make_spec(ns.fmt, block_size=tuple(ns.block_size), group_size=ns.group_size,
                          symmetric=not ns.asymmetric, numerics=ns.numerics)
         report = convert_checkpoint(ns.hf_dir, ns.out_dir, spec, max_shard_bytes=int(ns.max_shard_gb * 1024**3),
-                                    overwrite=ns.force)
+                                    overwrite=ns.force, progress=Progress(f"quantize {ns.fmt}"))
     except ValueError as exc:
         return _fail(str(exc))
     except OSError as exc:
@@ -144,12 +171,16 @@ def main_verify(argv: Sequence[str] | None = None) -> int:
     names = list(ns.names) if ns.names else online_names
     rows: list[tuple[str, str, str, str]] = []
     ok = bool(names)
-    for name in names:
+    progress, read = Progress("verify-quant"), 0
+    for done, name in enumerate(names, 1):
         if name not in online:
             rows.append((name, "-", "-", "MISSING online"))
             ok = False
+            progress(done, len(names), read)
             continue
         t = online.get(name)
+        read += t.numel() * t.element_size()
+        progress(done, len(names), read)
         check = verify_tensor(offline, name, t)
         ok &= check.ok
         rows.append((name, str(t.dtype).removeprefix("torch."), "x".join(map(str, t.shape)) or "scalar",

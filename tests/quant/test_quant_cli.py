@@ -40,7 +40,14 @@ def hf(tmp_path_factory):
 def test_quantize_then_verify_online_tensors(fmt, hf, tmp_path, capsys):
     out = tmp_path / "q"
     assert main_quantize([str(hf), str(out), "--format", fmt]) == 0
-    assert "tensors quantised" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "tensors quantised" in captured.out
+    # progress on stderr: the last line counts every source tensor, its bytes and a rate
+    total = len(SRC)
+    nbytes = sum(t.numel() * t.element_size() for t in SRC.values())
+    assert captured.err.strip().splitlines()[-1] == (
+        f"quantize {fmt}: {total}/{total} tensors, {nbytes / 1e9:.2f} GB, " + captured.err.strip().split(" GB, ")[-1])
+    assert captured.err.strip().endswith("MB/s")
     reader = CheckpointReader(out)
     online = dict(quantize_named_params(list(SRC.items()), fmt))  # what a sync sends
     assert set(online) == set(reader.keys())
@@ -49,7 +56,9 @@ def test_quantize_then_verify_online_tensors(fmt, hf, tmp_path, capsys):
     synced.mkdir()
     save_file({k: v.contiguous() for k, v in online.items()}, str(synced / "model-00001-of-00001.safetensors"))
     assert main_verify([str(out), str(synced)]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK")
+    captured = capsys.readouterr()
+    assert captured.out.strip().splitlines()[-1].startswith("OK")
+    assert captured.err.strip().splitlines()[-1].startswith(f"verify-quant: {len(online)}/{len(online)} tensors, ")
 
 
 def test_refuses_overwrite_without_force(hf, tmp_path, capsys):
@@ -136,3 +145,31 @@ def test_cli_passthrough_wired():
 
     assert cli.PASSTHROUGH["quantize"][0] == "slime_ascend.quant.cli:main_quantize"
     assert cli.PASSTHROUGH["verify-quant"][0] == "slime_ascend.quant.cli:main_verify"
+
+
+def test_progress_rewrites_one_line_on_a_terminal_and_throttles_elsewhere():
+    import io
+
+    from slime_ascend.quant.cli import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    clock = iter([0.1, 0.5, 1.0])  # one reading per call
+    tty = Tty()
+    p = Progress("q", stream=tty)
+    p._clock = lambda: next(clock)
+    p.start = p.last = 0.0
+    p(1, 3, 10**9)  # 0.1 s after the last line: skipped on a terminal too (0.2 s)
+    p(2, 3, 2 * 10**9)
+    p(3, 3, 3 * 10**9)
+    assert tty.getvalue() == "\rq: 2/3 tensors, 2.00 GB, 4000 MB/s\rq: 3/3 tensors, 3.00 GB, 3000 MB/s\n"
+    log = io.StringIO()
+    p = Progress("q", stream=log, interval=5.0)
+    p._clock = iter([1.0, 2.0, 6.0]).__next__
+    p.start = p.last = 0.0
+    p(1, 9, 1)
+    p(2, 9, 2)
+    p(9, 9, 9)
+    assert log.getvalue().splitlines() == ["q: 9/9 tensors, 0.00 GB, 0 MB/s"]
