@@ -237,7 +237,7 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
         ray.get(rollout.set_args.remote(args, sampling, cfg.concurrency, cfg.late_long_episodes))
         log(f"engines: rollout {urls['engine']}, teachers {urls['teacher']}; actors ready in "
             f"{time.perf_counter() - t0:.1f}s")
-        if cfg.progress:
+        if cfg.progress and sys.stderr.isatty():  # a bar only on a terminal; a log gets one line per step
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.steps, desc="demo", unit="step", file=sys.stderr, dynamic_ncols=True)

@@ -305,8 +305,12 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     try:
         for plugin in plugins:
             if plugin in SETUPS:
+                t0 = time.perf_counter()
                 SETUPS[plugin](cfg, job)
+                log(f"set up {plugin} in {time.perf_counter() - t0:.1f}s")
+        t0 = time.perf_counter()
         engine = start_engine(Path(job.paths.get("engine_checkpoint", ckpt["policy"])), out / "engine.log")
+        log(f"reference engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
         job.engines.append(engine)
         generated = ascend_config.build(list(plugins))
         values = yaml.safe_load(generated.yaml_text)
@@ -369,11 +373,24 @@ def _terminate_as_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+# (a line of slime's log, what it means): announced once each while slime starts, which takes a minute or
+# more before the first rollout's metrics on a small host
+MILESTONES = (
+    ("Creating placement group", "Ray placement group requested"),
+    ("RolloutManager", "rollout manager started"),
+    ("slime accelerator in the actor train actor", "policy train actor up"),
+    ("slime accelerator in the critic train actor", "critic train actor up"),
+    ("'rollout/", "first rollout generated"),
+)
+
+
 def _run_streaming(cmd: list[str], env: dict[str, str], out: Path, run_log: Path, metrics_path: Path, steps: int,
                    log: Callable[[str], None]) -> int:
     """Run slime (its own process group) with its output in ``run_log``; echo one line per rollout as its
     metrics appear; stop the group on any exit (Ctrl-C, SIGTERM)."""
     seen: set[int] = set()
+    milestones = list(MILESTONES)
+    t0 = time.perf_counter()
     with run_log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(out),
                                 text=True, errors="replace", start_new_session=True)
@@ -382,6 +399,9 @@ def _run_streaming(cmd: list[str], env: dict[str, str], out: Path, run_log: Path
             metric_lines = ""  # only slime's labelled metric lines: the rest of its log is never re-read
             for line in proc.stdout:
                 fh.write(line)
+                for milestone in [m for m in milestones if m[0] in line]:
+                    milestones.remove(milestone)
+                    log(f"  slime: {milestone[1]} ({time.perf_counter() - t0:.0f}s)")
                 if ": {'" in line:
                     metric_lines += line
                 if " step " in line and "'train/step'" in line:

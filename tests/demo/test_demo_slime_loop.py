@@ -105,3 +105,31 @@ def test_cli_refuses_a_bad_slime_src_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
     proc = _demo("--slime-src", str(tmp_path), "--loop", "mini", cwd=tmp_path)
     assert proc.returncode == 2 and "drop --loop mini" in proc.stderr
+
+
+def test_streaming_announces_slimes_start_up_once_each_and_writes_the_rows(tmp_path):
+    """While slime starts (a minute or more before the first metrics) the demo says where it is."""
+    import sys
+
+    from slime_ascend.demo.slime_loop import _run_streaming
+
+    lines = [
+        "Creating placement group with 2 GPUs...",
+        "(RolloutManager pid=1) slime-ascend plugins active: cpu, sao",
+        "(RolloutManager pid=1) more from the rollout manager",
+        "(MegatronTrainRayActor pid=2) slime accelerator in the actor train actor: cpu (process groups gloo, ...)",
+        "(MegatronTrainRayActor pid=3) slime accelerator in the critic train actor: cpu (process groups gloo, ...)",
+        "[2026-12-01 05:22:30] rollout.py:1 - rollout 0: {'rollout/raw_reward': 0.5}",
+        "[2026-12-01 05:22:40] train.py:90 - step 0: {'train/step': 0, 'train/loss': 1.0}",
+    ]
+    script = tmp_path / "fake_slime.py"
+    script.write_text("for line in %r:\n    print(line, flush=True)\n" % (lines,))
+    said: list[str] = []
+    rc = _run_streaming([sys.executable, str(script)], dict(__import__("os").environ), tmp_path, tmp_path / "run.log",
+                        tmp_path / "metrics.jsonl", 1, said.append)
+    assert rc == 0
+    announced = [s.split("slime: ", 1)[1].rsplit(" (", 1)[0] for s in said if s.startswith("  slime: ")]
+    assert announced == ["Ray placement group requested", "rollout manager started", "policy train actor up",
+                         "critic train actor up", "first rollout generated"]
+    assert (tmp_path / "run.log").read_text().splitlines() == lines
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
