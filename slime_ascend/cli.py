@@ -167,7 +167,7 @@ def _user_error(exc: BaseException) -> bool:
     from .plugins.registry import PluginError
     from .plugins.settings import SettingsError
 
-    return isinstance(exc, (PluginError, SettingsError, ValueError, OSError, LookupError, ImportError))
+    return isinstance(exc, (PluginError, SettingsError, ValueError, OSError, ImportError))
 
 
 def run_command(fn, *args) -> int:
