@@ -37,11 +37,19 @@ def kernel_patches_enabled() -> bool:
 
 
 def on_host() -> bool:
-    """True where ``npu`` runs over the host's device operations: the ``cpu`` plugin is enabled too
-    (the ``cpu`` plugin refuses that pairing on a host with torch_npu)."""
+    """True where plugins ``cpu`` and ``npu`` are enabled together: ``npu`` runs over the host's device
+    operations and owns the Ray resources. The one decision both plugins ask; refused (PluginError) on a
+    host with torch_npu, where the chip is there."""
     from ..plugins import runtime
+    from ..plugins.registry import PluginError
 
-    return "cpu" in runtime.enabled_names() and not npu.torch_npu_installed()
+    names = runtime.enabled_names()
+    if "cpu" not in names or "npu" not in names:
+        return False
+    if npu.torch_npu_installed():
+        raise PluginError("plugins 'cpu' and 'npu' together run npu on the host, but this host has torch_npu. "
+                          "Fix: drop 'cpu' from SLIME_ASCEND_PLUGINS / ascend_plugins to run on the NPUs.")
+    return True
 
 
 def on_process_start() -> None:

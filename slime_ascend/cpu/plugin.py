@@ -48,30 +48,20 @@ def host_without_cuda() -> bool:
     return not torch.cuda.is_available()
 
 
-def _with_npu() -> bool:
-    """``npu`` is enabled too: it runs on the host and owns the Ray resources."""
-    from ..accelerator import npu
-    from ..plugins import runtime
-    from ..plugins.registry import PluginError
-
-    if "npu" not in runtime.enabled_names():
-        return False
-    if npu.torch_npu_installed():
-        raise PluginError("plugins 'cpu' and 'npu' together run npu on the host, but this host has torch_npu. "
-                          "Fix: drop 'cpu' from SLIME_ASCEND_PLUGINS / ascend_plugins to run on the NPUs.")
-    return True
-
-
 def owns_ray() -> bool:
     """Condition of ``driver.ray_cpu_resources``: not with ``npu``, whose ``NPU`` view replaces the same attributes."""
-    return not _with_npu()
+    from ..accelerator.plugin import on_host
+
+    return not on_host()
 
 
 def on_process_start() -> None:
     from ..compat import typing_override
 
     typing_override.ensure()  # megatron-core >= 0.17 on Python 3.11
-    _with_npu()  # refuse cpu+npu on a host with torch_npu, in every process
+    from ..accelerator.plugin import on_host
+
+    on_host()  # refuse cpu+npu on a host with torch_npu, in every process
     _import_hooks.when_imported("slime.utils.accelerator", _register_accelerator)
 
 

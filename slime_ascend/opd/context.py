@@ -92,6 +92,19 @@ def reset_state() -> None:
         _RULE_ARGS.clear()
 
 
+def rule_args(args: Any) -> Any:
+    """A shallow copy of ``args`` with the custom reward path cleared, made once per ``args`` (for
+    :func:`slime_ascend.opd.hooks.slime_rule_reward`, which must reach slime's ``--rm-type`` rules)."""
+    import copy
+
+    with _CONTEXTS_LOCK:
+        base = _RULE_ARGS.get(id(args))
+        if base is None:
+            base = _RULE_ARGS[id(args)] = copy.copy(args)
+            base.custom_rm_path = None
+    return base
+
+
 def _student_info(args: Any) -> dict[str, Any]:
     student_dir = getattr(args, "hf_checkpoint", None)
     info: dict[str, Any] = {}

@@ -24,7 +24,6 @@ teacher request and its endpoint), :mod:`.switching` (switched teachers), :mod:`
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,8 +31,8 @@ from typing import Any
 from ..plugins import roles
 from ..plugins.settings import SettingsError
 from .context import (  # noqa: F401  (coefs_differ, opd_stats, reset_state: declared and public paths of the plugin)
-    _CONTEXTS_LOCK, _RULE_ARGS, FORWARD_METADATA_PATCH, META_LOG_PROBS, META_TEACHER, META_TOPK, TRAIN_META_COEF,
-    OPDContext, _teachers, coefs_differ, get_context, logger, opd_stats, reset_state,
+    FORWARD_METADATA_PATCH, META_LOG_PROBS, META_TEACHER, META_TOPK, TRAIN_META_COEF,
+    OPDContext, _teachers, coefs_differ, get_context, logger, opd_stats, reset_state, rule_args,
 )
 from .scoring import _score, _task_reward, response_teacher_log_probs
 
@@ -91,13 +90,7 @@ async def slime_rule_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
     """
     from slime.rollout.rm_hub import async_rm
 
-    key = id(args)
-    with _CONTEXTS_LOCK:
-        base = _RULE_ARGS.get(key)
-        if base is None:
-            base = copy.copy(args)
-            base.custom_rm_path = None
-            _RULE_ARGS[key] = base
+    base = rule_args(args)
     if not (getattr(base, "rm_type", None) or "").strip() and not (
         isinstance(getattr(sample, "metadata", None), dict) and sample.metadata.get("rm_type")
     ):
