@@ -229,11 +229,15 @@ RAY_LOGICAL_CPUS = 8
 
 def job_env(plugins: tuple[str, ...], extra_env: dict[str, str] | None = None, src: Path | None = None
             ) -> dict[str, str]:
+    """The job's environment; a ``PYTHONPATH`` in ``extra_env`` is added to the job's, not put in its place."""
     src = src or slime_src()
+    extra_env = dict(extra_env or {})
+    extra_path = extra_env.pop("PYTHONPATH", "")
     env = dict(os.environ)
     env.update({
         "SLIME_ASCEND_PLUGINS": ",".join(plugins),
-        "PYTHONPATH": os.pathsep.join([str(src), str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "PYTHONPATH": os.pathsep.join(p for p in [str(src), str(PACKAGE_ROOT), extra_path,
+                                                  env.get("PYTHONPATH", "")] if p),
         "SLIME_HOST_IP": "127.0.0.1",
         "RAY_DEDUP_LOGS": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -250,7 +254,7 @@ def job_env(plugins: tuple[str, ...], extra_env: dict[str, str] | None = None, s
         # take longer than Ray's 60 s registration timeout ("worker startup repeatedly failed")
         "RAY_worker_register_timeout_seconds": "600",
     })
-    env.update(extra_env or {})
+    env.update(extra_env)
     return env
 
 

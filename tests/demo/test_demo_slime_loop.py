@@ -133,3 +133,14 @@ def test_streaming_announces_slimes_start_up_once_each_and_writes_the_rows(tmp_p
                          "critic train actor up", "first rollout generated"]
     assert (tmp_path / "run.log").read_text().splitlines() == lines
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_job_env_adds_an_extra_pythonpath_to_the_jobs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/callers/path")
+    env = slime_job.job_env(("cpu",), {"PYTHONPATH": "/tests/helpers", "X": "1"}, src=tmp_path)
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path), str(slime_job.PACKAGE_ROOT), "/tests/helpers",
+                                            "/callers/path"]
+    assert env["X"] == "1" and env["SLIME_ASCEND_PLUGINS"] == "cpu"
+    monkeypatch.delenv("PYTHONPATH")
+    assert slime_job.job_env(("cpu",), src=tmp_path)["PYTHONPATH"].split(":") == [
+        str(tmp_path), str(slime_job.PACKAGE_ROOT)]

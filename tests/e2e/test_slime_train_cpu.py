@@ -105,9 +105,11 @@ def test_train_async_py_fully_async_grpo_with_icepop_staleness_and_tito(model_di
 
     slime's fully-async rollout worker keeps up to ``--sglang-server-concurrency`` groups generating or
     finished ahead of the trainer. With 2 of them for 4 groups a rollout, the 2 groups the worker finishes
-    while the (slow) first train step runs are of the old weights; the next rollout takes them first and
-    generates the other 2 after the weight update. With ``ascend_staleness_tau: 0`` the old ones lag the
-    newest version seen by 1, so they are stale and dropped. IcePop's band is tight ([1/1.0001, 1.0001])
+    before the weight update are of the old weights; the next rollout takes them first and generates the
+    other 2 after the update. With ``ascend_staleness_tau: 0`` the old ones lag the newest version seen by
+    1, so they are stale and dropped. slime's worker runs through ``slow_trainer_rollout``, which waits
+    for the ahead groups to finish before the rollout returns (a real trainer is the slow side; on a busy
+    2-core host the update could otherwise overtake them, and nothing would be stale). IcePop's band is tight ([1/1.0001, 1.0001])
     so that the Megatron-bf16 vs engine-fp32 log-prob gap (about 1e-3) masks tokens: its mask visibly acts.
     """
     plugins = ("cpu", "icepop", "staleness", "tito")
@@ -115,10 +117,10 @@ def test_train_async_py_fully_async_grpo_with_icepop_staleness_and_tito(model_di
     batch, n_samples, num_rollout = 4, 2, 3
     flags = slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=num_rollout, batch=batch,
                         n_samples=n_samples) + [
-        "--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
-        "--sglang-server-concurrency", "2"]
+        "--rollout-function-path", "slow_trainer_rollout.generate_rollout", "--sglang-server-concurrency", "2"]
     config = _config(tmp_path, *plugins, settings={"ascend_staleness_tau": 0, "ascend_icepop_beta": 1.0001})
-    run = run_slime("train_async.py", flags, tmp_path, plugins, custom_config=config)
+    run = run_slime("train_async.py", flags, tmp_path, plugins, custom_config=config,
+                    extra_env={"PYTHONPATH": str(Path(__file__).parent)})
     _assert_finished(run)
     for role in ("RolloutManager", "MegatronTrainRayActor"):
         assert any(role in line and "slime-ascend plugins active: cpu, icepop, staleness, tito" in line
@@ -134,7 +136,11 @@ def test_train_async_py_fully_async_grpo_with_icepop_staleness_and_tito(model_di
     staleness = _rollout_reports(run, "staleness")
     assert len(staleness) == num_rollout, staleness
     assert all(m["rollout/staleness_rollouts"] == batch * n_samples for m in staleness), staleness
-    assert sum(m["rollout/staleness_dropped"] for m in staleness) > 0, staleness
+    # rollouts 0 and 1 are all of weights v1 (train_async.py generates rollout 1 before the first update);
+    # rollout 2 takes the 2 groups finished ahead with v1, then generates 2 with v2: those 2 x 2 go
+    assert [m["rollout/staleness_trainer_version"] for m in staleness] == [1, 1, 2], staleness
+    assert [m["rollout/staleness_stale"] for m in staleness] == [0, 0, 2 * n_samples], staleness
+    assert [m["rollout/staleness_dropped_groups"] for m in staleness] == [0, 0, 2], staleness
     for m in staleness:
         assert m["rollout/staleness_dropped"] == m["rollout/staleness_rollouts"] - m["rollout/staleness_kept"] \
             - m["rollout/staleness_padded"], m
