@@ -17,7 +17,8 @@ an average of teachers):
   ``log P_S`` is an fp32 log-softmax over the *full* student vocabulary, gathered at ``I_T``; it
   is **not** renormalised over the top-k set. The ``- P_S + P_T`` correction makes this the
   unnormalised KL: d l_t / d P_S(v) = log P_S(v) - log P_T(v), so the kept support is stationary
-  exactly at ``P_S = P_T``. The sequence loss is ``(1/B) sum_b (1/L_b) sum_t M_bt l_bt``
+  exactly at ``P_S = P_T``. An entry with ``P_S(v) = 0`` (a ``-inf`` student logit) contributes
+  ``P_T(v)`` (``0 * log 0 = 0``), with a zero gradient, masked or not. The sequence loss is ``(1/B) sum_b (1/L_b) sum_t M_bt l_bt``
   (:func:`per_sample_mean`).
 
 Payload helpers move only the teacher's top-k ids and log-probs between processes, never
@@ -187,11 +188,17 @@ def topk_reverse_kl(
     valid = valid & (safe_ids < vocab)
     safe_ids = safe_ids.clamp(max=vocab - 1)
     s_lp = torch.gather(student_lp_full, -1, safe_ids)  # no renormalisation over top-k
-    t_lp_safe = torch.where(valid, t_lp, torch.zeros_like(t_lp))
-    p_s = s_lp.exp()
+    zero = torch.zeros_like(s_lp)
+    t_lp_safe = torch.where(valid, t_lp, zero)
+    # P_S(v) = 0 (a -inf student logit, e.g. a masked vocabulary entry): 0 * log 0 = 0, so the entry
+    # contributes P_T(v). Computing exp(-inf) * (-inf - t) instead gives NaN, and its gradient is NaN
+    # even where the value is masked out; the log-prob is replaced *before* any arithmetic, so neither
+    # the value nor the gradient sees it (d/dlogit of such an entry is 0). NaN stays NaN (only -inf).
+    s_zero = torch.isneginf(s_lp)
+    s_lp_safe = torch.where(s_zero, zero, s_lp)
+    p_s = torch.where(s_zero, zero, s_lp_safe.exp())
     p_t = t_lp_safe.exp()
-    term = p_s * (s_lp - t_lp_safe) - p_s + p_t
-    zero = torch.zeros_like(term)
+    term = p_s * (s_lp_safe - t_lp_safe) - p_s + p_t
     per_token = torch.where(valid, term, zero).sum(-1)
     if loss_mask is None:
         mask = torch.ones_like(per_token)
@@ -199,7 +206,8 @@ def topk_reverse_kl(
         if loss_mask.shape != per_token.shape:
             raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != token shape {tuple(per_token.shape)}")
         mask = loss_mask.to(device=per_token.device, dtype=torch.float32)
-    per_token = per_token * mask
+    # select, not multiply: a masked token's value never reaches the loss (NaN * 0 is NaN)
+    per_token = torch.where(mask != 0, per_token * mask, torch.zeros_like(per_token))
     with torch.no_grad():
         denom = mask.sum().clamp(min=1.0)
         metrics = {

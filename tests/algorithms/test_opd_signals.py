@@ -35,17 +35,26 @@ def ref_topk_loss(logits, ids, t_lp, mask):
             if v < 0 or not math.isfinite(lt):
                 continue
             ps, pt = math.exp(logp[v]), math.exp(lt)
-            acc += ps * (logp[v] - lt) - ps + pt
+            # 0 * log 0 = 0: a student log-prob of -inf (P_S = 0) leaves only + P_T
+            acc += pt if logp[v] == -math.inf else ps * (logp[v] - lt) - ps + pt
         out.append(acc * float(mask[t]))
     return torch.tensor(out, dtype=torch.float64)
 
 
-def make_case(T, V, k, seed, pad_frac=0.2):
+def make_case(T, V, k, seed, pad_frac=0.2, neg_inf_frac=0.0):
+    """Random student logits, the teacher's top-k (some padded), a 0/1 mask; with ``neg_inf_frac``, that
+    share of the teacher's top-k ids get a -inf student logit (never a whole row)."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, V, generator=g) * 2
     teacher_logits = torch.randn(T, V, generator=g) * 2
     t_lp_full = torch.log_softmax(teacher_logits, -1)
     t_lp, ids = t_lp_full.topk(k, dim=-1)
+    if neg_inf_frac:
+        hit = torch.rand(T, k, generator=g) < neg_inf_frac
+        for t in range(T):
+            cols = ids[t][hit[t]].tolist()
+            if len(set(cols)) < V:  # keep one finite logit per row (an all -inf row has no softmax)
+                logits[t, cols] = float("-inf")
     pad = torch.rand(T, k, generator=g) < pad_frac
     ids = torch.where(pad, torch.full_like(ids, -1), ids)
     t_lp = torch.where(pad, torch.full_like(t_lp, float("-inf")), t_lp)
@@ -53,15 +62,20 @@ def make_case(T, V, k, seed, pad_frac=0.2):
     return logits, ids, t_lp, mask
 
 
-@settings(max_examples=60, deadline=None)
-@given(T=st.integers(1, 6), V=st.integers(2, 12), k=st.integers(1, 12), seed=st.integers(0, 10_000))
-def test_topk_loss_matches_reference(T, V, k, seed):
+@settings(max_examples=80, deadline=None)
+@given(T=st.integers(1, 6), V=st.integers(2, 12), k=st.integers(1, 12), seed=st.integers(0, 10_000),
+       neg_inf_frac=st.sampled_from([0.0, 0.3, 1.0]))
+def test_topk_loss_matches_reference(T, V, k, seed, neg_inf_frac):
     k = min(k, V)
-    logits, ids, t_lp, mask = make_case(T, V, k, seed)
-    loss, metrics = topk_reverse_kl(logits, ids, t_lp, mask)
+    logits, ids, t_lp, mask = make_case(T, V, k, seed, neg_inf_frac=neg_inf_frac)
+    x = logits.clone().requires_grad_(True)
+    loss, metrics = topk_reverse_kl(x, ids, t_lp, mask)
     ref = ref_topk_loss(logits, ids, t_lp, mask)
     torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=1e-4)
     assert float(metrics["topk_kl"]) == pytest.approx(float(ref.sum() / mask.sum().clamp(min=1)), abs=1e-5)
+    assert all(bool(torch.isfinite(v)) for v in metrics.values())
+    loss.sum().backward()
+    assert bool(torch.isfinite(x.grad).all())
 
 
 def test_topk_loss_accepts_log_probs_and_batch_dims():
@@ -120,6 +134,55 @@ def test_topk_loss_gradient_matches_autograd_reference():
                 g_lp[t, v] += math.exp(lp[t, v]) * (lp[t, v] - float(t_lp[t, j]))
         ref = g_lp - lp.exp() * g_lp.sum(-1, keepdim=True)
     torch.testing.assert_close(x.grad, ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_topk_loss_finite_with_neg_inf_student_logit_at_teacher_id(masked):
+    """A -inf student logit at a teacher top-k id (e.g. a vocabulary entry the student masks): P_S = 0 and
+    0 * log 0 = 0, so the entry adds P_T; loss, metrics and gradients stay finite whether or not the token
+    is masked, and the other tokens of the batch keep their exact values (they used to turn NaN)."""
+    logits, ids, t_lp, _ = make_case(4, 12, 3, 7, pad_frac=0.0)
+    mask = torch.ones(4)
+    clean_loss, _ = topk_reverse_kl(logits, ids, t_lp, mask)
+    bad = logits.clone()
+    bad[1, int(ids[1, 0])] = float("-inf")  # the teacher's top-1 at token 1
+    bad[1, int(ids[1, 2])] = float("-inf")
+    if masked:
+        mask[1] = 0.0
+    x = bad.clone().requires_grad_(True)
+    loss, metrics = topk_reverse_kl(x, ids, t_lp, mask)
+    assert bool(torch.isfinite(loss).all()) and all(bool(torch.isfinite(v)) for v in metrics.values())
+    torch.testing.assert_close(loss.double(), ref_topk_loss(bad, ids, t_lp, mask), atol=1e-5, rtol=1e-4)
+    for t in (0, 2, 3):  # untouched tokens: exactly as without the -inf
+        torch.testing.assert_close(loss[t], clean_loss[t])
+    if masked:
+        assert float(loss[1]) == 0.0
+    else:  # P_S = 0 at the two -inf ids: their terms are P_T; the third id is the usual term
+        lp = torch.log_softmax(bad[1].double(), -1)
+        j = int(ids[1, 1])
+        expected = (t_lp[1, 0].exp() + t_lp[1, 2].exp()).double() + (
+            lp[j].exp() * (lp[j] - t_lp[1, 1].double()) - lp[j].exp() + t_lp[1, 1].double().exp())
+        assert float(loss[1]) == pytest.approx(float(expected), abs=1e-6)
+    (loss.sum() + metrics["topk_kl"]).backward()
+    assert bool(torch.isfinite(x.grad).all())
+    assert float(x.grad[1, int(ids[1, 0])]) == 0.0 and float(x.grad[1, int(ids[1, 2])]) == 0.0
+    if masked:
+        assert float(x.grad[1].abs().max()) == 0.0
+    # the same through the log-probs entry point (student_is_log_probs), float64 log-probs in
+    lp_in = torch.log_softmax(bad.double(), -1).requires_grad_(True)
+    loss2, _ = topk_reverse_kl(lp_in, ids, t_lp, mask, student_is_log_probs=True)
+    loss2.sum().backward()
+    assert bool(torch.isfinite(loss2).all()) and bool(torch.isfinite(lp_in.grad).all())
+    torch.testing.assert_close(loss2, loss, atol=1e-5, rtol=1e-5)
+
+
+def test_topk_loss_nan_student_logit_is_not_hidden():
+    """Only -inf means P_S = 0: a NaN logit is a real fault and stays visible in the loss."""
+    logits, ids, t_lp, mask = make_case(3, 8, 2, 5, pad_frac=0.0)
+    logits[0, 3] = float("nan")
+    mask[:] = 1.0
+    loss, _ = topk_reverse_kl(logits, ids, t_lp, mask)
+    assert bool(torch.isnan(loss[0]))
 
 
 def test_topk_loss_input_errors():
