@@ -226,6 +226,52 @@ def test_input_logprobs_with_start_len(url, engine):
     torch.testing.assert_close(torch.tensor([e[0] for e in entries[1:]]), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_teacher_scoring_input_top_logprobs(url, engine):
+    """MOPD top-k teacher request (top_logprobs_num=k): SGLang 0.5.x's input_top_logprobs shape, None first,
+    then per position the k largest raw log-probs of the distribution predicting it, [logprob, id, text]."""
+    k = 4
+    meta = gen(
+        url,
+        sampling_params={"temperature": 0.6, "max_new_tokens": 0, "skip_special_tokens": False},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=k,
+    )["meta_info"]
+    top = meta["input_top_logprobs"]
+    assert len(top) == len(meta["input_token_logprobs"]) == len(PROMPT)
+    assert top[0] is None and meta["output_top_logprobs"] == []
+    expected = torch.log_softmax(full_logits(engine.model, PROMPT)[:-1], dim=-1)  # slow reference, no cache
+    for pos, row in enumerate(top[1:]):
+        assert len(row) == k and all(len(e) == 3 and e[2] is None for e in row)
+        values = [e[0] for e in row]
+        assert values == sorted(values, reverse=True)
+        ref_values, ref_ids = expected[pos].topk(k)
+        assert [e[1] for e in row] == ref_ids.tolist()
+        torch.testing.assert_close(torch.tensor(values), ref_values, atol=1e-5, rtol=1e-5)
+        # the sampled-token entry of the same position is read from the same distribution
+        sampled = meta["input_token_logprobs"][pos + 1]
+        assert sampled[0] == pytest.approx(float(expected[pos, sampled[1]]), abs=1e-5)
+    # the opd plugin's parser reads exactly this shape
+    from slime_ascend.algorithms.opd import topk_payload_from_sglang, unpack_topk_payload
+
+    ids, lps = unpack_topk_payload(topk_payload_from_sglang(top, 3, k))
+    assert ids.tolist() == [[e[1] for e in row] for row in top[-3:]]
+
+
+def test_top_logprobs_with_start_len_and_generation(url, engine):
+    meta = gen(url, sampling_params={"temperature": 0, "max_new_tokens": 3}, return_logprob=True,
+               logprob_start_len=3, top_logprobs_num=2)["meta_info"]
+    assert len(meta["input_top_logprobs"]) == len(PROMPT) - 3 and meta["input_top_logprobs"][0] is None
+    out_top = meta["output_top_logprobs"]
+    assert len(out_top) == len(meta["output_token_logprobs"]) == 3
+    for row, (lp, tok, _) in zip(out_top, meta["output_token_logprobs"], strict=True):
+        assert len(row) == 2 and row[0][1] == tok  # greedy: the chosen token is the top-1
+        assert row[0][0] == pytest.approx(lp, abs=1e-6)
+    # without return_logprob, or with top_logprobs_num 0, there are no top entries (as SGLang)
+    plain = gen(url, sampling_params={"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)["meta_info"]
+    assert "input_top_logprobs" not in plain and "output_top_logprobs" not in plain
+
+
 # ---------------------------------------------------------------- weight updates
 
 
@@ -396,7 +442,9 @@ BAD_GENERATE_BODIES = [
     b'{"input_ids": [1], "return_logprob": true, "logprob_start_len": 5}',
     b'{"input_ids": [1], "return_logprob": true, "logprob_start_len": -2}',
     b'{"input_ids": [1], "stream": true}',
-    b'{"input_ids": [1], "top_logprobs_num": 5}',
+    b'{"input_ids": [1], "top_logprobs_num": -1}',
+    b'{"input_ids": [1], "top_logprobs_num": 1000000}',
+    b'{"input_ids": [1], "top_logprobs_num": "5"}',
     b'{"input_ids": [1], "image_data": ["x"]}',
     b'{"input_ids": [1], "unknown_field": 1}',
     b'{"input_ids": [1], "rid": 5}',

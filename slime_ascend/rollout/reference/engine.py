@@ -12,6 +12,11 @@ Semantics mirrored from SGLang (checked against the installed ``sglang`` sources
   (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``) reports ``T = 1`` log-probs always.
 * ``input_token_logprobs`` are raw (``T = 1``) log-probs of ``input_ids[logprob_start_len:]``; the
   first entry's log-prob is ``None``. ``logprob_start_len = -1`` (default) returns none.
+* ``top_logprobs_num = k`` (with ``return_logprob``) adds ``input_top_logprobs``: per input position
+  of ``input_token_logprobs``, ``None`` for the first, then the ``k`` largest raw log-probs of the
+  distribution that predicts that position, each ``[logprob, token_id, text]``, largest first
+  (SGLang 0.5.x's ``detokenize_top_logprobs_tokens`` shape); and ``output_top_logprobs``: the same for
+  each generated token, from the distribution its ``output_token_logprobs`` entry was read from.
 * ``finish_reason``: ``{"type": "stop", "matched": id_or_str}``, ``{"type": "length", "length": n}``,
   or ``{"type": "abort", "message": ...}``.
 * ``/pause_generation`` with ``mode="abort"`` (default) aborts in-flight requests (partial output,
@@ -262,6 +267,7 @@ class _Request:
     return_logprob: bool
     logprob_start_len: int
     return_text_in_logprobs: bool
+    top_logprobs_num: int = 0
     abort_message: str | None = None
     is_disconnected: Callable[[], bool] | None = None  # the HTTP client went away
 
@@ -565,9 +571,6 @@ class ReferenceEngine:
 
     def _parse_generate(self, payload: Any) -> tuple[list[_Request], bool]:
         check_generate_keys(payload, _SUPPORTED_REQUEST_KEYS, "the reference engine")
-        if payload.get("top_logprobs_num"):
-            raise RequestError("top_logprobs_num > 0 is not supported by the reference engine")
-
         has_ids, has_text = payload.get("input_ids") is not None, payload.get("text") is not None
         if has_ids == has_text:
             raise RequestError("give exactly one of 'input_ids' or 'text'")
@@ -616,6 +619,7 @@ class ReferenceEngine:
                 )
         return_logprobs = per_item("return_logprob", False)
         start_lens = per_item("logprob_start_len", -1)
+        top_nums = per_item("top_logprobs_num", 0)
         rids = per_item("rid", None)
         text_in_lp = payload.get("return_text_in_logprobs", False)
         if not isinstance(text_in_lp, bool):
@@ -626,6 +630,10 @@ class ReferenceEngine:
             if not isinstance(return_logprobs[i], bool):
                 raise RequestError(f"return_logprob must be true or false, got {return_logprobs[i]!r}")
             start = start_lens[i] if start_lens[i] is not None else -1
+            top_num = top_nums[i] if top_nums[i] is not None else 0
+            if not _is_int(top_num) or not 0 <= top_num <= self.vocab_size:
+                raise RequestError(f"top_logprobs_num must be an integer in [0, {self.vocab_size}] (the vocabulary "
+                                   f"size), got {top_num!r}")
             if not _is_int(start) or start < -1:
                 raise RequestError(f"logprob_start_len must be an integer >= -1, got {start!r}")
             if start > len(prompts[i]):
@@ -646,6 +654,7 @@ class ReferenceEngine:
                     return_logprob=return_logprobs[i],
                     logprob_start_len=start if return_logprobs[i] else -1,
                     return_text_in_logprobs=text_in_lp,
+                    top_logprobs_num=top_num if return_logprobs[i] else 0,
                 )
             )
         return requests_, batched
@@ -728,6 +737,8 @@ class ReferenceEngine:
         kept_ids: list[int] = []
         kept_offsets: list[int] = [0]
         input_lps: list[list[Any]] | None = None
+        input_top: list[Any] | None = None
+        out_top: list[Any] = []
         finish: dict[str, Any] = {"type": "length", "length": max_new}
         trim_text_to: int | None = None
         stop_trim_token = False
@@ -747,6 +758,10 @@ class ReferenceEngine:
                         [v, t, self._token_text(t) if req.return_text_in_logprobs else None]
                         for v, t in zip(values, req.input_ids[start:], strict=True)
                     ]
+                    if req.top_logprobs_num:
+                        input_top = [None] + [
+                            self._top_entries(row, req) for row in torch.log_softmax(logits[start:-1], dim=-1)
+                        ]
             for step in range(max_new):
                 abort = abort or self._check_step(req)
                 if abort is not None:
@@ -754,6 +769,10 @@ class ReferenceEngine:
                 if step > 0:
                     self._forward(seq, [out_ids[-1]])
                 token, logprob, kept = _choose_token(seq.next_logits, cfg, generator, self.return_original_logprob)
+                if req.return_logprob and req.top_logprobs_num:
+                    # the distribution output_token_logprobs reports: T = 1 when greedy or original, else 1/T
+                    t = 1.0 if cfg.greedy or self.return_original_logprob else cfg.temperature
+                    out_top.append(self._top_entries(torch.log_softmax(seq.next_logits / t, dim=-1), req))
                 out_ids.append(token)
                 out_lps.append(logprob)
                 if kept is not None:
@@ -794,10 +813,19 @@ class ReferenceEngine:
                 [lp, t, self._token_text(t) if req.return_text_in_logprobs else None]
                 for lp, t in zip(out_lps, out_ids, strict=True)
             ]
+            if req.top_logprobs_num:
+                meta["input_top_logprobs"] = input_top or []
+                meta["output_top_logprobs"] = out_top
         if cfg.return_top_p_token_ids:
             meta["top_p_token_ids"] = kept_ids
             meta["top_p_token_offsets"] = kept_offsets
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    def _top_entries(self, log_probs: torch.Tensor, req: _Request) -> list[list[Any]]:
+        """The ``top_logprobs_num`` largest of one position's log-probs ``[V]``, ``[logprob, id, text]`` each."""
+        values, ids = torch.topk(log_probs, req.top_logprobs_num)
+        return [[v, t, self._token_text(t) if req.return_text_in_logprobs else None]
+                for v, t in zip(values.tolist(), ids.tolist(), strict=True)]
 
     def _decode(self, ids: list[int], cfg: SamplingConfig) -> str:
         if self.tokenizer is None or not ids:
