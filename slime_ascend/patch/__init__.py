@@ -20,6 +20,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.weight_sync_metrics | updaters' update_weights timed, pop_metrics gets perf/weight_sync_* | 0005-quantizer-hook |
 | rollout.forward_metadata | RolloutManager._split_train_data_by_dp forwards each sample's train_metadata | 0004-forward-metadata-extra-batch-keys |
 | train.rollout_log_metadata | train_metric_utils.log_rollout_data skips the forwarded metadata | 0004-forward-metadata-extra-batch-keys |
+| train.loss_batch_metadata | model.get_batch: the loss batch also fetches the forwarded metadata (OPD top-k payload) | 0004-forward-metadata-extra-batch-keys (`--extra-train-batch-keys metadata`) |
 | driver.ray_cpu_resources | `ray` in slime.ray.{placement_group,actor_group,rollout,train_actor}; InfoActor (no device resource) | 0002-accelerator-ray-resource-name |
 | train.cpu_current_device | torch.cuda.{current_device,set_device,synchronize,empty_cache}, Tensor/Module.cuda | megatron/megatron-device-neutral-placement.md |
 | train.cpu_streams | torch.cuda.{Stream,Event,current_stream,default_stream,stream,set_stream} | megatron/megatron-device-neutral-placement.md |
@@ -48,6 +49,7 @@ LEDGER: dict[str, str] = {
     "train.mindspeed_repatch": "slime_ascend.patch.train.mindspeed_repatch",
     "rollout.forward_metadata": "slime_ascend.patch.rollout.forward_metadata",
     "train.rollout_log_metadata": "slime_ascend.patch.train.rollout_log_metadata",
+    "train.loss_batch_metadata": "slime_ascend.patch.train.loss_batch_metadata",
     "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",
     "driver.ray_cpu_resources": "slime_ascend.patch.driver.ray_cpu_resources",
     "train.cpu_current_device": "slime_ascend.patch.train.cpu_current_device",
