@@ -37,6 +37,8 @@ __all__ = [
     "opd_advantages",
     "opd_advantages_per_sample",
     "topk_reverse_kl",
+    "topk_reverse_kl_gathered",
+    "topk_student_log_probs",
     "per_sample_mean",
     "pack_topk_payload",
     "unpack_topk_payload",
@@ -181,13 +183,88 @@ def topk_reverse_kl(
     vocab = student.shape[-1]
     ids = teacher_topk_ids.to(student.device).long()
     student_lp_full = student.float() if student_is_log_probs else torch.log_softmax(student.float(), dim=-1)
-    t_lp = teacher_topk_log_probs.to(device=student.device, dtype=torch.float32)
-    valid = (ids >= 0) & torch.isfinite(t_lp)
-    safe_ids = torch.where(ids >= 0, ids, torch.zeros_like(ids))
     # ids beyond the vocab would silently gather garbage on some backends: clamp then invalidate
-    valid = valid & (safe_ids < vocab)
-    safe_ids = safe_ids.clamp(max=vocab - 1)
+    in_vocab = (ids >= 0) & (ids < vocab)
+    safe_ids = torch.where(in_vocab, ids, torch.zeros_like(ids))
     s_lp = torch.gather(student_lp_full, -1, safe_ids)  # no renormalisation over top-k
+    return _topk_terms(s_lp, in_vocab, teacher_topk_log_probs, loss_mask)
+
+
+def topk_reverse_kl_gathered(
+    student_topk_log_probs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    *,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`topk_reverse_kl` from the student's full-vocabulary log-probs already gathered at the
+    teacher's ids (``[..., k]``, e.g. from :func:`topk_student_log_probs`); same loss and metrics.
+    Entries at padding ids (-1), ids ``>= vocab_size`` (when given) or non-finite teacher log-probs are
+    ignored."""
+    if not (student_topk_log_probs.shape == teacher_topk_ids.shape == teacher_topk_log_probs.shape):
+        raise ValueError(
+            f"student_topk_log_probs {tuple(student_topk_log_probs.shape)}, teacher_topk_ids "
+            f"{tuple(teacher_topk_ids.shape)} and teacher_topk_log_probs {tuple(teacher_topk_log_probs.shape)} "
+            "must have one shape"
+        )
+    if teacher_topk_ids.dtype.is_floating_point or teacher_topk_ids.dtype == torch.bool:
+        raise TypeError(f"teacher_topk_ids must be an integer tensor, got {teacher_topk_ids.dtype}")
+    ids = teacher_topk_ids.to(student_topk_log_probs.device).long()
+    in_vocab = (ids >= 0) if vocab_size is None else (ids >= 0) & (ids < vocab_size)
+    return _topk_terms(student_topk_log_probs.float(), in_vocab, teacher_topk_log_probs, loss_mask)
+
+
+def topk_student_log_probs(
+    logits: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    reduce_sum: Any = None,
+    reduce_max: Any = None,
+) -> torch.Tensor:
+    """The student's full-vocabulary log-probs at the teacher's ids, ``[..., k]``, without materialising a
+    log-softmax: ``logit[id] - logsumexp(logits)`` in fp32 (a -inf logit gives -inf; padding ids give
+    a finite value that the loss ignores).
+
+    For vocabulary-parallel logits (tensor parallelism) ``logits`` is this rank's shard ``[..., V_local]``
+    starting at ``vocab_start``; ``reduce_sum`` / ``reduce_max`` are the group's all-reduces (sum with an
+    identity backward, as Megatron's ``reduce_from_tensor_model_parallel_region``; max on detached
+    values). Each id is read on the rank that owns it and summed in. Without them (one shard) the whole
+    vocabulary is local.
+    """
+    if logits.shape[:-1] != teacher_topk_ids.shape[:-1]:
+        raise ValueError(f"logits leading shape {tuple(logits.shape[:-1])} != teacher top-k leading shape "
+                         f"{tuple(teacher_topk_ids.shape[:-1])}")
+    z = logits.float()
+    local_vocab = z.shape[-1]
+    with torch.no_grad():
+        m = z.max(dim=-1, keepdim=True).values
+        if reduce_max is not None:
+            m = reduce_max(m)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    sum_exp = (z - m).exp().sum(dim=-1, keepdim=True)
+    if reduce_sum is not None:
+        sum_exp = reduce_sum(sum_exp)
+    lse = m + sum_exp.log()
+    ids = teacher_topk_ids.to(z.device).long() - vocab_start
+    owned = (ids >= 0) & (ids < local_vocab)
+    picked = torch.gather(z, -1, torch.where(owned, ids, torch.zeros_like(ids)))
+    picked = torch.where(owned, picked, torch.zeros_like(picked))
+    if reduce_sum is not None:
+        picked = reduce_sum(picked)
+    return picked - lse
+
+
+def _topk_terms(
+    s_lp: torch.Tensor,
+    in_vocab: torch.Tensor,
+    teacher_topk_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token loss and metrics from gathered student log-probs ``s_lp [..., k]``."""
+    t_lp = teacher_topk_log_probs.to(device=s_lp.device, dtype=torch.float32)
+    valid = in_vocab & torch.isfinite(t_lp)
     zero = torch.zeros_like(s_lp)
     t_lp_safe = torch.where(valid, t_lp, zero)
     # P_S(v) = 0 (a -inf student logit, e.g. a masked vocabulary entry): 0 * log 0 = 0, so the entry

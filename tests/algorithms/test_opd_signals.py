@@ -16,6 +16,8 @@ from slime_ascend.algorithms.opd import (
     per_sample_mean,
     topk_payload_from_sglang,
     topk_reverse_kl,
+    topk_reverse_kl_gathered,
+    topk_student_log_probs,
     unpack_topk_payload,
 )
 
@@ -183,6 +185,68 @@ def test_topk_loss_nan_student_logit_is_not_hidden():
     mask[:] = 1.0
     loss, _ = topk_reverse_kl(logits, ids, t_lp, mask)
     assert bool(torch.isnan(loss[0]))
+
+
+@pytest.mark.parametrize("neg_inf_frac", [0.0, 0.4])
+def test_gathered_path_equals_full_log_softmax_path(neg_inf_frac):
+    """logit[id] - logsumexp (what the slime loss uses: no [T, V] log-softmax kept) gives the same loss,
+    metrics and logit gradients as the full log-softmax path, -inf student logits included."""
+    logits, ids, t_lp, mask = make_case(7, 15, 5, 11, neg_inf_frac=neg_inf_frac)
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    la, ma = topk_reverse_kl(a, ids, t_lp, mask)
+    lb, mb = topk_reverse_kl_gathered(topk_student_log_probs(b, ids), ids, t_lp, mask, vocab_size=15)
+    torch.testing.assert_close(lb, la, atol=1e-6, rtol=1e-5)
+    for key in ma:
+        torch.testing.assert_close(mb[key], ma[key], atol=1e-6, rtol=1e-5)
+    la.sum().backward()
+    lb.sum().backward()
+    assert bool(torch.isfinite(b.grad).all())
+    torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_vocab_parallel_shards_match_the_full_vocabulary():
+    """Tensor parallelism: each rank holds a vocabulary shard; the all-reduce sums with identity backward
+    (Megatron's reduce_from_tensor_model_parallel_region), emulated in-process: rank r's graph sees the
+    other ranks' contributions as constants. Every rank gets the full-vocabulary loss, and the gradient on
+    its shard is the full-vocabulary gradient's slice."""
+    logits, ids, t_lp, mask = make_case(6, 12, 4, 3, neg_inf_frac=0.3)
+    full = logits.clone().requires_grad_(True)
+    ref, _ = topk_reverse_kl(full, ids, t_lp, mask)
+    ref.sum().backward()
+    tp, width = 3, 4
+    shards = [logits[:, r * width:(r + 1) * width].clone().requires_grad_(True) for r in range(tp)]
+
+    for rank in range(tp):
+        def reduce_sum(x):
+            # x is this rank's local value; the others' values come from the same computation on their shards
+            return x + sum(o.detach() for o in _others.pop(0))
+
+        def reduce_max(x):
+            return torch.stack([x] + [s.detach().max(-1, keepdim=True).values
+                                      for q, s in enumerate(shards) if q != rank]).max(0).values
+
+        # the other ranks' values of the two reduced quantities, in call order (sum_exp, then picked)
+        with torch.no_grad():
+            m = torch.stack([s.max(-1, keepdim=True).values for s in shards]).max(0).values
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            others_sum = [(s - m).exp().sum(-1, keepdim=True) for q, s in enumerate(shards) if q != rank]
+            others_pick = []
+            for q, s in enumerate(shards):
+                if q == rank:
+                    continue
+                rel = ids.long() - q * width
+                own = (rel >= 0) & (rel < width)
+                picked = torch.gather(s, -1, torch.where(own, rel, torch.zeros_like(rel)))
+                others_pick.append(torch.where(own, picked, torch.zeros_like(picked)))
+        _others = [others_sum, others_pick]
+        lp = topk_student_log_probs(shards[rank], ids, vocab_start=rank * width, reduce_sum=reduce_sum,
+                                    reduce_max=reduce_max)
+        loss, _ = topk_reverse_kl_gathered(lp, ids, t_lp, mask, vocab_size=12)
+        torch.testing.assert_close(loss, ref.detach(), atol=1e-6, rtol=1e-5)
+        loss.sum().backward()
+    for r in range(tp):
+        torch.testing.assert_close(shards[r].grad, full.grad[:, r * width:(r + 1) * width], atol=1e-6, rtol=1e-5)
 
 
 def test_topk_loss_input_errors():
