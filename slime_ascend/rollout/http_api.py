@@ -21,7 +21,9 @@ running. Binds 127.0.0.1 unless told otherwise. :func:`check_generate_keys` is t
 
 Bounded per server: a connection idle or stalled mid-request for ``timeout`` seconds is closed (408
 when a body was being read); at most ``max_connections`` connections are served at once (503 beyond,
-so stalled clients cannot hold unbounded threads); the listen backlog is ``backlog`` (a burst of
+so stalled clients cannot hold unbounded threads), plus ``CONTROL_CONNECTIONS`` more that serve every
+endpoint but ``/generate`` (slime's pause, weight update and health calls still reach an engine whose
+connections its own rollout has filled: slime's fully-async worker keeps 512 requests per engine open); the listen backlog is ``backlog`` (a burst of
 hundreds of concurrent clients is queued, not reset); bodies are at most ``max_body_bytes``; a
 ``/generate`` whose client disconnects is aborted at the next decode step. Per-request limits live
 on the engine (``--max-batch-size``, ``--max-prompt-tokens``, ``--max-new-tokens``).
@@ -279,6 +281,10 @@ class _Handler(BaseHTTPRequestHandler):
             except RequestError:
                 self.close_connection = True  # the body may be unread; do not reuse the connection
                 raise
+            if path in WORK_PATHS and getattr(self.server, "control_only", lambda _: False)(self.request):
+                self.close_connection = True
+                self._send(503, {"error": self.server.busy_message(), "success": False})
+                return
             handler = self.routes.get((method, path))
             if handler is None:
                 known = any(p == path for _, p in self.routes)
@@ -309,9 +315,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("DELETE")
 
 
+# connections past --max-connections that serve every endpoint but the ones below (control calls)
+CONTROL_CONNECTIONS = 16
+WORK_PATHS = frozenset({"/generate"})
+
+
 class BoundedThreadingHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``max_connections`` at once (503 and close beyond), listening
-    with a ``backlog`` deep accept queue."""
+    """A thread per connection, at most ``max_connections`` at once plus ``CONTROL_CONNECTIONS`` for
+    everything but ``WORK_PATHS`` (503 and close beyond), listening with a ``backlog`` deep accept queue."""
 
     daemon_threads = True
 
@@ -319,13 +330,25 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
         self.request_queue_size = backlog  # socketserver passes it to listen(); the stdlib default is 5
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._control_slots = threading.BoundedSemaphore(CONTROL_CONNECTIONS)
+        self._control_only: dict[int, threading.BoundedSemaphore] = {}  # id(socket) -> the slot it holds
         super().__init__(address, handler)
 
+    def busy_message(self) -> str:
+        return f"server busy: {self.max_connections} connections open (--max-connections)"
+
+    def control_only(self, request: Any) -> bool:
+        """Whether ``request``'s connection holds a control slot (it may not start work)."""
+        return id(request) in self._control_only
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            body = json.dumps(
-                {"success": False, "error": f"server busy: {self.max_connections} connections open (--max-connections)"}
-            ).encode()
+        if self._slots.acquire(blocking=False):
+            slot = self._slots
+        elif self._control_slots.acquire(blocking=False):
+            slot = self._control_slots
+            self._control_only[id(request)] = slot
+        else:
+            body = json.dumps({"success": False, "error": self.busy_message()}).encode()
             try:
                 request.settimeout(1.0)
                 request.sendall(
@@ -339,14 +362,19 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._release(request, slot)
             raise
 
+    def _release(self, request: Any, slot: threading.BoundedSemaphore) -> None:
+        self._control_only.pop(id(request), None)
+        slot.release()
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        slot = self._control_only.get(id(request), self._slots)
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._release(request, slot)
 
 
 def make_server(

@@ -135,6 +135,8 @@ def behaviour():
     probe("module_cuda", lambda: torch.nn.Linear(2, 2).cuda().weight.device.type)
     probe("synchronize", lambda: torch.cuda.synchronize())
     probe("rng_state", lambda: isinstance(torch.cuda.get_rng_state(), torch.Tensor))
+    # what Megatron's activation recompute reads (tensor_parallel/random.py _get_cuda_rng_state)
+    probe("random_rng_state", lambda: torch.equal(torch.cuda.random.get_rng_state(), torch.get_rng_state()))
     probe("stream", lambda: type(torch.cuda.Stream()).__name__)
     def ctx():
         s = torch.cuda.Stream(priority=-1)
@@ -166,7 +168,7 @@ print(json.dumps(result))
 # what each patch makes work (the probe's value while it is applied)
 EXPECTED = {
     "train.cpu_current_device": {"current_device": 0, "tensor_cuda": "cpu", "module_cuda": "cpu", "synchronize": None,
-                                 "rng_state": True},
+                                 "rng_state": True, "random_rng_state": True},
     "train.cpu_streams": {"stream": "Stream", "stream_ctx": True},
     "train.cpu_device_map": {"empty_cuda": "cpu", "full_cuda1": "cpu", "new_zeros": "cpu", "to_cuda": "cpu",
                              "module_to": "cpu", "pin": False},

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slime_ascend.rollout.reference import model as reference_model
-from slime_ascend.rollout.http_api import make_server
+from slime_ascend.rollout.http_api import CONTROL_CONNECTIONS, make_server
 from slime_ascend.rollout.reference.engine import ReferenceEngine
 from slime_ascend.rollout.reference.model import save_model
 
@@ -401,6 +401,18 @@ def test_stalled_clients_are_released_by_the_timeout_and_capped(engine):
             sock = socket.create_connection((host, port), timeout=10)
             sock.sendall(partial[i % len(partial)])
             socks.append(sock)
+        time.sleep(0.1)
+        # past max_connections: control calls are still served, /generate is refused
+        with socket.create_connection((host, port), timeout=5) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert b" 200 " in _read_all(extra).split(b"\r\n", 1)[0]
+        with socket.create_connection((host, port), timeout=5) as extra:
+            body = b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}'
+            extra.sendall(b"POST /generate HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert b" 503 " in _read_all(extra).split(b"\r\n", 1)[0]
+        # ... and the control reserve is bounded too
+        for _ in range(CONTROL_CONNECTIONS):
+            socks.append(socket.create_connection((host, port), timeout=10))
         time.sleep(0.1)
         with socket.create_connection((host, port), timeout=5) as extra:
             extra.sendall(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")

@@ -2,8 +2,9 @@
 
 Megatron-core allocates on ``torch.cuda.current_device()``, moves modules with ``.cuda()``, and
 calls ``torch.cuda.synchronize()`` / ``set_device`` / ``empty_cache`` (``tensor_parallel/layers.py``,
-``training.py``, the DDP buffers, the optimizer), and saves ``torch.cuda.get_rng_state()`` in each
-checkpoint. On a host without CUDA each raises. With the ``cpu`` plugin the host is the device:
+``training.py``, the DDP buffers, the optimizer), saves ``torch.cuda.get_rng_state()`` in each
+checkpoint, and reads ``torch.cuda.random.get_rng_state()`` as activation recompute starts
+(``tensor_parallel/random.py`` ``_get_all_rng_states``: ``--recompute-granularity full``). On a host without CUDA each raises. With the ``cpu`` plugin the host is the device:
 ``current_device()`` is 0 (which ``train.cpu_device_map`` maps to ``cpu``), ``.cuda()`` is the
 identity, the device RNG state is the host generator's, and the rest do nothing.
 """
@@ -18,7 +19,8 @@ from ..base import RuntimePatch
 from ._cpu_common import cuda_absent_problems
 
 ATTRS = ("cuda.current_device", "cuda.set_device", "cuda.synchronize", "cuda.empty_cache", "cuda.get_rng_state",
-         "cuda.set_rng_state", "Tensor.cuda", "nn.Module.cuda")
+         "cuda.set_rng_state", "cuda.random.get_rng_state", "cuda.random.set_rng_state", "Tensor.cuda",
+         "nn.Module.cuda")
 
 
 class CPUCurrentDevice(RuntimePatch):
@@ -33,6 +35,8 @@ class CPUCurrentDevice(RuntimePatch):
         self.replace(torch.cuda, "empty_cache", cuda_shims.empty_cache)
         self.replace(torch.cuda, "get_rng_state", cuda_shims.get_rng_state)
         self.replace(torch.cuda, "set_rng_state", cuda_shims.set_rng_state)
+        self.replace(torch.cuda.random, "get_rng_state", cuda_shims.get_rng_state)
+        self.replace(torch.cuda.random, "set_rng_state", cuda_shims.set_rng_state)
         self.wrap(torch.Tensor, "cuda", cuda_shims.tensor_cuda)
         self.wrap(torch.nn.Module, "cuda", cuda_shims.module_cuda)
 
@@ -43,7 +47,8 @@ PATCH = CPUCurrentDevice(
     why="Megatron-core calls torch.cuda.current_device()/set_device/synchronize/empty_cache and .cuda() "
     "directly; each raises on a host without CUDA.",
     how="current_device() returns 0 (mapped to cpu by train.cpu_device_map), .cuda() on tensors and modules "
-    "is the identity, get/set_rng_state use the host generator, set_device/synchronize/empty_cache do nothing. Applied in processes that import "
+    "is the identity, get/set_rng_state (torch.cuda and torch.cuda.random: activation recompute) use the host "
+    "generator, set_device/synchronize/empty_cache do nothing. Applied in processes that import "
     "megatron.core, only where torch.cuda.is_available() is False.",
     upstream="patches/megatron/megatron-device-neutral-placement.md",
     checked_on=("0.3.1",),
