@@ -1,8 +1,9 @@
 """CompactionRL credit on slime: shared rewards (rollout side) and cross-segment GAE (train side).
 
 Rollout side (reward_post_process, order 500): :func:`share_final_reward` gives every segment of a
-rollout the reward of its last segment. The dispatcher then normalises per prompt group counting each
-rollout once.
+rollout the reward of its last segment, and reports the rollout's :func:`segment_counts` (``compaction
+<rollout_id>: {'rollout/compaction_*': ...}`` in the log and at slime's rollout step in its trackers). The
+dispatcher then normalises per prompt group counting each rollout once.
 
 Train side (advantage chain; slime calls it on the last pipeline stage of the actor and of the critic,
 with ``rollout_data`` holding this data-parallel rank's samples):
@@ -33,11 +34,14 @@ per-rollout token mean over all segments, and a step counts rollouts.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 from slime_ascend.advantage_base import skip_observation_advantages
 from slime_ascend.algorithms.gae import (
@@ -128,7 +132,33 @@ def share_final_reward(args: Any, samples: Sequence[Any], raw_rewards: list, rew
         last = idx[seg.index(max(seg))]
         for i in idx:
             raw_out[i], out[i] = raw_out[last], out[last]
+    if groups:
+        from ..plugins.rollout_metrics import report
+
+        report(args, logger, "compaction", segment_counts(samples))
     return raw_out, out
+
+
+def segment_counts(samples: Sequence[Any]) -> dict[str, float]:
+    """Per-rollout counts of a batch's compaction rollouts (samples with ``metadata["compaction"]``):
+    rollouts, segments, compactions (a rollout of n segments was compacted n - 1 times), rollouts
+    compacted at least once, mean and max segments per rollout."""
+    segments: dict[Hashable, int] = {}
+    for sample in samples:
+        metadata = getattr(sample, "metadata", None) or {}
+        if metadata.get("compaction"):
+            key = _rollout_key(sample)
+            segments[key] = segments.get(key, 0) + 1
+    n = len(segments)
+    total = sum(segments.values())
+    return {
+        "rollout/compaction_rollouts": float(n),
+        "rollout/compaction_segments": float(total),
+        "rollout/compaction_compactions": float(total - n),
+        "rollout/compaction_compacted_rollouts": float(sum(1 for v in segments.values() if v > 1)),
+        "rollout/compaction_segments_per_rollout": total / n if n else 0.0,
+        "rollout/compaction_max_segments": float(max(segments.values(), default=0)),
+    }
 
 
 # ----------------------------------------------------------------------------------------------

@@ -183,6 +183,12 @@ class Run:
     returncode: int
     log: str
     seconds: float
+    tensorboard_dir: Path | None = None  # where slime's trackers wrote (``--use-tensorboard``)
+
+    def tracked(self) -> dict[str, list[tuple[int, float]]]:
+        """What slime sent to its trackers: every scalar in the TensorBoard event files of every process
+        (driver, RolloutManager, train actors), as ``tag -> [(step, value), ...]`` in step order."""
+        return read_tensorboard(self.tensorboard_dir) if self.tensorboard_dir else {}
 
     def metrics(self, prefix: str = "") -> list[dict]:
         """The step-metric dicts slime logged (``... : {'rollout/...': ...}`` lines), in order."""
@@ -204,6 +210,25 @@ class Run:
 # slime's labels (rollout, step, perf, eval) and the plugins' own rollout reports (staleness, tito, ...:
 # slime_ascend.plugins.rollout_metrics), each "<label> <rollout id>: {'<group>/<name>': ...}"
 _LABELLED_METRICS = re.compile(r"\b([a-z][a-z0-9_]*) (\d+): (\{'[a-z_]+/[^\n]*\})\s*$", re.MULTILINE)
+
+
+def read_tensorboard(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of every TensorBoard event file under ``directory``: ``tag -> [(step, value), ...]``."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(Path(directory).rglob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.HasField("tensor"):
+                    scalar = float(tensor_util.make_ndarray(value.tensor))
+                elif value.HasField("simple_value"):
+                    scalar = float(value.simple_value)
+                else:
+                    continue
+                out.setdefault(value.tag, []).append((int(event.step), scalar))
+    return {tag: sorted(points) for tag, points in sorted(out.items())}
 
 
 def parse_rollout_metrics(text: str) -> dict[int, dict]:
@@ -275,6 +300,11 @@ def run_slime(script: str, flags: list[str], work: Path, plugins: tuple[str, ...
     if custom_config is not None:
         cmd += ["--custom-config-path", str(custom_config)]
     cmd += plugin_flags(plugins)
+    # slime's trackers: every process writes TensorBoard events here (what wandb would get too)
+    tensorboard_dir = work / "tensorboard"
+    extra_env = {"TENSORBOARD_DIR": str(tensorboard_dir), **(extra_env or {})}
+    if "--use-tensorboard" not in cmd:
+        cmd.append("--use-tensorboard")
     env = job_env(plugins, extra_env, src)
     log_path = work / f"{Path(script).stem}.log"
     start = time.monotonic()
@@ -286,4 +316,4 @@ def run_slime(script: str, flags: list[str], work: Path, plugins: tuple[str, ...
         except subprocess.TimeoutExpired:
             stop(proc)
             rc = -9
-    return Run(rc, log_path.read_text(errors="replace"), time.monotonic() - start)
+    return Run(rc, log_path.read_text(errors="replace"), time.monotonic() - start, Path(env["TENSORBOARD_DIR"]))

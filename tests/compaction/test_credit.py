@@ -367,6 +367,20 @@ def test_share_final_reward_copies_last_segment_and_checks_completeness():
         credit.share_final_reward(None, samples[1:], raw[1:], raw[1:])
 
 
+def test_share_final_reward_reports_the_rollouts_segment_counts(caplog):
+    samples = (_segment_samples(1, 0, [0.1, 0.2, 0.9]) + _segment_samples(2, 0, [0.5])
+               + [get_sample_class()(index=9, reward=0.3)])
+    raw = [s.reward for s in samples]
+    with caplog.at_level("INFO", logger="slime_ascend.compaction.credit"):
+        credit.share_final_reward(SimpleNamespace(), samples, raw, raw)
+    expected = {"rollout/compaction_rollouts": 2.0, "rollout/compaction_segments": 4.0,
+                "rollout/compaction_compactions": 2.0, "rollout/compaction_compacted_rollouts": 1.0,
+                "rollout/compaction_segments_per_rollout": 2.0, "rollout/compaction_max_segments": 3.0}
+    assert credit.segment_counts(samples) == expected
+    assert f"compaction -: {expected}" in caplog.text  # outside slime's rollout: no rollout id, no tracker
+    assert credit.segment_counts([get_sample_class()(index=9, reward=0.3)])["rollout/compaction_rollouts"] == 0
+
+
 @pytest.mark.parametrize("splits", [(1, 1, 1), (2, 1, 4), (4, 4, 2)])
 def test_group_normalisation_counts_a_rollout_once_however_many_segments(fresh_runtime, splits):
     rewards = [1.0, 0.0, 0.5]

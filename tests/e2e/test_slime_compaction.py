@@ -94,6 +94,16 @@ def test_train_py_compaction_with_builtin_env(model_dir, engine, tmp_path):
         assert 0 < m["rollout/compaction_decay"] < 1, m
         assert "rollout/advantages" in m, m
 
+    # the per-rollout counts reach slime's trackers (TensorBoard here) at each rollout step: every rollout
+    # was compacted once (two segments), and the segment index and decay at each train step
+    tracked = run.tracked()
+    counts = {tag: [v for _, v in tracked[tag]] for tag in tracked if tag.startswith("rollout/compaction_")}
+    assert counts["rollout/compaction_rollouts"] == [ROLLOUTS_PER_STEP] * NUM_ROLLOUT, counts
+    assert counts["rollout/compaction_compactions"] == [ROLLOUTS_PER_STEP] * NUM_ROLLOUT, counts
+    assert counts["rollout/compaction_segments_per_rollout"] == [2.0] * NUM_ROLLOUT, counts
+    assert counts["rollout/compaction_max_segments"] == [2.0] * NUM_ROLLOUT, counts
+    assert [step for step, _ in tracked["rollout/compaction_decay"]] == list(range(NUM_ROLLOUT)), tracked.keys()
+
     # slime's own train-data dump: every segment of every rollout, trained with its advantages
     dumps = _train_dumps(dump)
     assert len(dumps) == NUM_ROLLOUT, [sorted(d) for d in dumps]

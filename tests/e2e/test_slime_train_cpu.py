@@ -98,6 +98,12 @@ def test_train_py_grpo_with_npu_on_the_host_dis_staleness_and_tito(model_dir, en
     versions = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert versions == ["weight_v000001", "weight_v000002", "weight_v000003"], versions
     assert _steps(run, "perf/update_weights_time")
+    # the plugins' numbers reached slime's trackers (TensorBoard here; wandb gets the same calls), not
+    # only the log: DIS's masked fraction at each train step, staleness and tito at each rollout step
+    tracked = run.tracked()
+    assert [step for step, _ in tracked["train/dis_masked"]] == [0, 1], tracked.get("train/dis_masked")
+    assert [v for _, v in tracked["rollout/staleness_kept"]] == [batch * n_samples] * 2
+    assert [v for _, v in tracked["rollout/tito_checked_samples"]] == [batch * n_samples] * 2
 
 
 def test_train_async_py_fully_async_grpo_with_icepop_staleness_and_tito(model_dir, engine, tmp_path):
@@ -148,4 +154,8 @@ def test_train_async_py_fully_async_grpo_with_icepop_staleness_and_tito(model_di
     assert "staleness: trainer version" in run.log  # the plugin's own account of what it dropped and why
     tito = _rollout_reports(run, "tito")
     assert [m["rollout/tito_checked_samples"] for m in tito] == [batch * n_samples] * num_rollout, tito
+    # ... and in slime's trackers: IcePop's masked fraction per train step, the staleness drops per rollout
+    tracked = run.tracked()
+    assert [step for step, _ in tracked["train/icepop_masked"]] == list(range(num_rollout))
+    assert [v for _, v in tracked["rollout/staleness_dropped"]] == [0, 0, 2 * n_samples]
 
