@@ -150,10 +150,14 @@ def _render(selection: registry.Selection, overrides: dict[str, Any]) -> str:
     hook_lines: list[str] = []
     for slot_name in SLOTS:
         entries = selection.slots.get(slot_name)
+        who_suffix = ""
+        if slot_name == "loss" and not entries:  # loss terms are added by the loss dispatcher
+            entries = selection.slots.get("loss_term")
+            who_suffix = " (loss term; the base is slime's loss)"
         slot = SLOTS[slot_name]
         if not entries or slot.slime_arg is None:
             continue
-        who = ", ".join(p for p, _ in entries)
+        who = ", ".join(p for p, _ in entries) + who_suffix
         hook_lines.append(f"# {slot.name} hook ({slot.mode}) <- {who}")
         value = [slot.dispatcher] if slot.repeatable else slot.dispatcher
         hook_lines.append(f"{slot.slime_arg}: {_dump_value(value)}")
@@ -161,7 +165,7 @@ def _render(selection: registry.Selection, overrides: dict[str, Any]) -> str:
         out += ["# ---- slime hook paths (our dispatchers) ----"] + hook_lines + [""]
 
     slime_args: dict[str, tuple[Any, str]] = {}
-    if "loss" in selection.slots:
+    if "loss" in selection.slots or "loss_term" in selection.slots:
         slime_args["loss_type"] = ("custom_loss", "loss")
     for plugin in selection.plugins:
         for key, value in plugin.slime_args:

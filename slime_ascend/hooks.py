@@ -49,7 +49,32 @@ def _merge_metrics(into: dict[str, Any], new: dict[str, Any], plugin: str, slot:
 
 # ---- train actor ----------------------------------------------------------------------------------
 def loss_function(args, batch, logits, sum_of_sample_mean):
-    return _exclusive(args, "loss")(args, batch, logits, sum_of_sample_mean)
+    """The loss slot's function (exclusive) or, when no plugin provides one but a plugin adds a loss term,
+    slime's own loss for ``args.loss_type`` (``policy_loss_function``; ``value_loss_function`` in a critic
+    pass); then each ``loss_term`` contribution's term (None: nothing to add) is added, its metrics
+    merged and the reported ``loss`` updated."""
+    terms = _contributions(args, "loss_term")
+    if _entries(args, "loss") or not terms:
+        base = _exclusive(args, "loss")
+    else:
+        from slime.backends.megatron_utils import loss as slime_loss
+
+        base = slime_loss.value_loss_function if getattr(args, "loss_type", None) == "value_loss" else (
+            slime_loss.policy_loss_function)
+    loss, metrics = base(args, batch, logits, sum_of_sample_mean)
+    added = False
+    for plugin, fn in terms:
+        out = fn(args, batch, logits, sum_of_sample_mean)
+        if out is None:
+            continue
+        term, new = out
+        loss = loss + term
+        added = True
+        metrics = dict(metrics)
+        _merge_metrics(metrics, new, plugin, "loss_term")
+    if added and "loss" in metrics:
+        metrics["loss"] = loss.detach().clone()
+    return loss, metrics
 
 
 def advantage_function(args, rollout_data) -> None:

@@ -27,6 +27,10 @@ META_TEACHER = "opd_teacher"
 META_LOG_PROBS = "opd_teacher_log_probs"
 META_TOPK = "opd_topk"
 TRAIN_META_COEF = "opd_coef"
+#: ``Sample.train_metadata`` key of the teacher's top-k payload (``algorithms.opd.pack_topk_payload``) in topk mode.
+TRAIN_META_TOPK = "opd_topk"
+#: Runtime patch that puts the forwarded ``metadata`` into the loss batch (topk mode).
+LOSS_BATCH_PATCH = "train.loss_batch_metadata"
 
 
 def _teachers(settings: Mapping[str, Any]) -> list[TeacherSpec]:
@@ -124,6 +128,18 @@ def coefs_differ(args: Any) -> bool:
     settings = runtime.settings(args, PLUGIN_NAME)
     default = settings["ascend_opd_coef"]
     return len({t.effective_coef(default) for t in _teachers(settings)}) > 1
+
+def topk_mode(args: Any) -> bool:
+    """``ascend_opd_mode: topk`` (condition of ``train.loss_batch_metadata``): the loss reads each sample's
+    teacher top-k payload from the loss batch's forwarded metadata."""
+    return runtime.settings(args, PLUGIN_NAME)["ascend_opd_mode"] == "topk"
+
+
+def needs_metadata(args: Any) -> bool:
+    """Condition of ``rollout.forward_metadata`` / ``train.rollout_log_metadata``: the trainer needs per-sample
+    facts, i.e. teachers' coefficients differ (:func:`coefs_differ`) or the top-k payload travels."""
+    return topk_mode(args) or coefs_differ(args)
+
 
 def get_context(args: Any, *, rollout_side: bool = False) -> OPDContext:
     """The plugin's state in this process, built at first use from ``args``.

@@ -30,9 +30,10 @@ from typing import Any
 
 from ..plugins import roles
 from ..plugins.settings import SettingsError
-from .context import (  # noqa: F401  (coefs_differ, opd_stats, reset_state: declared and public paths of the plugin)
-    FORWARD_METADATA_PATCH, META_LOG_PROBS, META_TEACHER, META_TOPK, TRAIN_META_COEF,
-    OPDContext, _teachers, coefs_differ, get_context, logger, opd_stats, reset_state, rule_args,
+from .context import (  # noqa: F401  (coefs_differ, needs_metadata, topk_mode, opd_stats, reset_state: declared and public paths)
+    FORWARD_METADATA_PATCH, LOSS_BATCH_PATCH, META_LOG_PROBS, META_TEACHER, META_TOPK, TRAIN_META_COEF,
+    TRAIN_META_TOPK, OPDContext, _teachers, coefs_differ, get_context, logger, needs_metadata, opd_stats,
+    reset_state, rule_args, topk_mode,
 )
 from .scoring import _score, _task_reward, response_teacher_log_probs
 
@@ -47,16 +48,12 @@ def validate(args: Any, settings: Mapping[str, Any]) -> None:
             f"setting ascend_opd_default_teacher={default!r} is not a configured teacher {names}. "
             "Fix: name one of the teachers, or unset it (then a sample without a route is an error)"
         )
-    if settings["ascend_opd_mode"] == "topk":
-        raise SettingsError(
-            "setting ascend_opd_mode='topk': the MOPD top-k loss needs the teacher's top-k ids/log-probs in "
-            "the loss batch, which stock slime neither forwards to the trainer nor puts in the batch "
-            "(rollout.py _split_train_data_by_dp, model.py train_one_step key lists). Fix: use 'sampled'"
-        )
     problems = []
     # slime gives the critic its own args with use_opd switched off (_apply_megatron_role_overrides): the
     # critic fits values and never sees teachers, so the pass-through rule is the actor's and the driver's
     critic = roles.train_role() == "critic"
+    if settings["ascend_opd_mode"] == "topk" and not critic:
+        _validate_topk(args)
     if not critic and not getattr(args, "use_opd", False):
         problems.append("use_opd must be true (slime then forwards and CP-slices teacher_log_probs and "
                         "recomputes the student log-probs before advantages)")
@@ -80,6 +77,31 @@ def validate(args: Any, settings: Mapping[str, Any]) -> None:
             "is set. Fix: give each teacher a url, host them as frozen models named like the teachers in "
             "--sglang-config, or set ascend_opd_switch_engine_urls to the engine that the pool switches"
         )
+
+_LOSS_DISPATCHER = "slime_ascend.hooks.loss_function"
+
+
+def _validate_topk(args: Any) -> None:
+    """topk mode: the top-k term is added by slime_ascend's loss dispatcher, so slime must call it."""
+    if getattr(args, "loss_type", "custom_loss") != "custom_loss":
+        raise SettingsError(
+            f"ascend_opd_mode='topk' adds the top-k loss through slime's custom loss, but loss_type is "
+            f"{args.loss_type!r}. Fix: set loss_type: custom_loss (as `slime-ascend config opd` writes) and drop "
+            "--loss-type from the command line, or use ascend_opd_mode: sampled"
+        )
+    path = getattr(args, "custom_loss_function_path", _LOSS_DISPATCHER)
+    if path != _LOSS_DISPATCHER:
+        raise SettingsError(
+            f"ascend_opd_mode='topk' adds the top-k loss in {_LOSS_DISPATCHER}, but custom_loss_function_path is "
+            f"{path!r}. Fix: set custom_loss_function_path: {_LOSS_DISPATCHER} (as `slime-ascend config opd` "
+            "writes; another plugin's loss is run by it), or use ascend_opd_mode: sampled"
+        )
+    if getattr(args, "allgather_cp", False):
+        raise SettingsError(
+            "ascend_opd_mode='topk' does not support --allgather-cp (the DSA context-parallel layout): its "
+            "top-k payload is sliced in the zig-zag layout. Fix: drop --allgather-cp, or use ascend_opd_mode: sampled"
+        )
+
 
 async def slime_rule_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
     """Task reward from slime's own rule-based reward models (``--rm-type``), for ``ascend_opd_task_rm_path``.
@@ -111,9 +133,14 @@ async def _reward_one(args: Any, ctx: OPDContext, sample: Any, **kwargs: Any) ->
     if ctx.settings["ascend_opd_mode"] == "topk":
         from ..algorithms.opd import topk_payload_from_sglang
 
-        sample.metadata[META_TOPK] = topk_payload_from_sglang(
-            scored["meta_info"]["input_top_logprobs"], sample.response_length, ctx.settings["ascend_opd_topk"]
-        )
+        try:
+            top = scored["meta_info"]["input_top_logprobs"]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"teacher {spec.name!r}: reply has no meta_info.input_top_logprobs; in ascend_opd_mode topk the "
+                "endpoint must be an SGLang /generate that honours top_logprobs_num with return_logprob"
+            ) from None
+        sample.metadata[META_TOPK] = topk_payload_from_sglang(top, sample.response_length, ctx.settings["ascend_opd_topk"])
     return reward
 
 async def teacher_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
@@ -161,6 +188,8 @@ def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any]
         tm = dict(sample.train_metadata or {})
         tm[META_TEACHER] = name
         tm[TRAIN_META_COEF] = ctx.coefs[name]
+        if ctx.settings["ascend_opd_mode"] == "topk":
+            tm[TRAIN_META_TOPK] = _topk_payload(ctx, sample, md.pop(META_TOPK, None) or tm.get(TRAIN_META_TOPK), i)
         sample.train_metadata = tm
         counts[name] += 1
         student = getattr(sample, "rollout_log_probs", None)
@@ -184,6 +213,29 @@ def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any]
     if first and ctx.settings["ascend_opd_same_origin_check"]:
         _same_origin_once(ctx, kl_sum, kl_tokens)
     return raw_rewards, rewards
+
+def _topk_payload(ctx: OPDContext, sample: Any, payload: Any, i: int) -> dict[str, Any]:
+    """The sample's teacher top-k payload, checked against its response length; a dropped sample without
+    one gets an all-padding payload (ids -1: no loss), keeping every sample's metadata alike."""
+    from ..algorithms.opd import pack_topk_payload, unpack_topk_payload
+
+    k = ctx.settings["ascend_opd_topk"]
+    if payload is None:
+        if not getattr(sample, "remove_sample", False):
+            raise ValueError(
+                f"sample {getattr(sample, 'index', i)!r} has no teacher top-k payload in topk mode: it was not "
+                "scored by the opd reward model with top_logprobs_num (is --custom-rm-path the slime_ascend dispatcher?)"
+            )
+        import torch
+
+        n = sample.response_length
+        return pack_topk_payload(torch.full((n, k), -1, dtype=torch.int32), torch.full((n, k), float("-inf")))
+    ids, _ = unpack_topk_payload(payload)
+    if ids.shape[0] != sample.response_length:
+        raise ValueError(f"sample {getattr(sample, 'index', i)!r}: top-k payload has {ids.shape[0]} rows for "
+                         f"response_length {sample.response_length}")
+    return payload
+
 
 _POOL_KEYS = ("switches", "prefetch_started", "prefetch_hits", "prefetch_late", "prefetch_misses", "cold_loads",
               "stage_retries", "stage_failures", "failed_teachers", "stall_s")
@@ -267,10 +319,12 @@ def opd_advantage(args: Any, rollout_data: dict[str, Any]) -> None:
         raise RuntimeError("opd advantage: rollout_data has no 'teacher_log_probs' (did the opd reward hooks run?)")
     advantages = rollout_data["advantages"]
     coefs = per_sample_coefs(ctx, rollout_data, len(student))
+    # topk mode: the teacher signal is the loss term (opd_topk_loss); the advantage keeps the task term
+    signal_coefs = [0.0] * len(coefs) if ctx.settings["ascend_opd_mode"] == "topk" else coefs
     new_adv, reverse_kls = opd_advantages_per_sample(
         teacher,
         student,
-        coefs,
+        signal_coefs,
         task_advantages=advantages,
         task_weight=ctx.settings["ascend_opd_task_weight"],
         clip=ctx.settings["ascend_opd_clip"],
@@ -298,3 +352,82 @@ def opd_rollout_metrics(ctx: OPDContext, rollout_data: Mapping[str, Any], coefs:
             for teacher in ctx.coefs:
                 out[f"opd_share/{teacher}"] = [1.0 if n == teacher else 0.0 for n in names]
     return out
+
+
+def opd_topk_loss(args: Any, batch: Mapping[str, Any], logits: Any, sum_of_sample_mean: Any):
+    """``loss_term`` contribution: in topk mode, ``sum_i coef_i * (top-k reverse KL of sample i)`` reduced with
+    slime's ``sum_of_sample_mean`` (None in sampled mode and in critic passes).
+
+    The student's log-probs at the teacher's ids come from this micro-batch's logits (slime's
+    ``get_responses``: response rows, CP-local, divided by ``--rollout-temperature`` as slime's own
+    log-probs), as ``logit[id] - logsumexp`` over the full vocabulary (all-reduced over the tensor-parallel
+    group when the logits are vocabulary-parallel). The payload rows are sliced to this CP rank's
+    response pieces. Metrics: ``opd_topk_kl`` (the uncoefficiented KL) and ``opd_topk_loss`` (the term).
+    """
+    import torch
+
+    from ..algorithms.cp import cp_slice
+    from ..algorithms.opd import topk_reverse_kl_gathered, topk_student_log_probs, unpack_topk_payload
+
+    if getattr(args, "loss_type", None) == "value_loss":  # a critic pass routed to the loss dispatcher
+        return None
+    ctx = get_context(args)
+    if ctx.settings["ascend_opd_mode"] != "topk":
+        return None
+    metadata = batch.get("metadata")
+    if metadata is None:
+        raise RuntimeError(
+            "opd topk loss: the loss batch has no per-sample 'metadata' with the teacher top-k payload: the "
+            f"runtime patches {FORWARD_METADATA_PATCH!r} (RolloutManager) and {LOSS_BATCH_PATCH!r} (train actors) "
+            "are not active. Fix: export SLIME_ASCEND_PLUGINS with opd to the driver and to `ray start`, so "
+            "slime-ascend installs them as those processes start"
+        )
+    from megatron.core import mpu
+    from slime.backends.megatron_utils.loss import get_responses
+
+    cp_rank, cp_size = mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    reduce_sum = reduce_max = None
+    vocab_start = 0
+    if tp_size > 1:  # vocabulary-parallel logits: this rank holds [V / tp] columns
+        import torch.distributed as dist
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        group = mpu.get_tensor_model_parallel_group()
+
+        def reduce_max(x):
+            x = x.clone()
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+            return x
+
+        reduce_sum = reduce_from_tensor_model_parallel_region
+        vocab_start = mpu.get_tensor_model_parallel_rank() * logits.shape[-1]
+    vocab = logits.shape[-1] * tp_size
+    total_lengths, response_lengths = batch["total_lengths"], batch["response_lengths"]
+    chunks = get_responses(logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=total_lengths,
+                           response_lengths=response_lengths)
+    kls, weighted = [], []
+    for i, (chunk, _) in enumerate(chunks):
+        md = metadata[i]
+        payload = md.get(TRAIN_META_TOPK) if isinstance(md, Mapping) else None
+        if payload is None:
+            raise RuntimeError(f"opd topk loss: sample {i} of the micro-batch has no {TRAIN_META_TOPK!r} in its "
+                               "forwarded metadata (did the opd reward post-process run in topk mode?)")
+        ids, t_lps = unpack_topk_payload(payload, device=chunk.device)
+        total, resp = int(total_lengths[i]), int(response_lengths[i])
+        if ids.shape[0] != resp:
+            raise RuntimeError(f"opd topk loss: sample {i} has {ids.shape[0]} top-k rows for response length {resp}")
+        mask = batch["loss_masks"][i].to(chunk.device)
+        if cp_size > 1:
+            ids, t_lps, mask = (cp_slice(x, cp_rank, cp_size, total, resp) for x in (ids, t_lps, mask))
+        s_lps = topk_student_log_probs(chunk, ids, vocab_start=vocab_start, reduce_sum=reduce_sum,
+                                       reduce_max=reduce_max)
+        per_token, _ = topk_reverse_kl_gathered(s_lps, ids, t_lps, mask, vocab_size=vocab)
+        kls.append(per_token)
+        weighted.append(per_token * float(md[TRAIN_META_COEF]))
+    if not kls:
+        zero = logits.sum() * 0.0
+        return zero, {"opd_topk_kl": zero.detach(), "opd_topk_loss": zero.detach()}
+    term = sum_of_sample_mean(torch.cat(weighted, dim=0))
+    kl = sum_of_sample_mean(torch.cat(kls, dim=0).detach())
+    return term, {"opd_topk_kl": kl.detach().clone(), "opd_topk_loss": term.detach().clone()}

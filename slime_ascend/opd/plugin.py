@@ -19,9 +19,18 @@ teacher of the ``ascend_opd_teachers`` section; only that teacher scores it. The
   which slime's train-side rollout logger reports as ``rollout/opd_coef`` and
   ``rollout/opd_share/<teacher>``; the rollout manager logs routing and teacher-pool counters.
 
-Per-teacher coefficients reach the trainer through ``train_metadata``: where teachers' coefficients
-differ, the runtime installs ``rollout.forward_metadata`` in the RolloutManager and
-``train.rollout_log_metadata`` in each train actor. Nothing heavy is imported here.
+* ``loss_term`` (train actor, ``ascend_opd_mode: topk`` only): the MOPD top-k loss. The teacher request
+  adds ``top_logprobs_num = ascend_opd_topk``; each sample's teacher top-k ids and log-probs
+  (``meta_info.input_top_logprobs``, response-aligned, packed int32/fp32) ride in
+  ``Sample.train_metadata["opd_topk"]``; the loss adds ``coef_t * sum_v [P_S log(P_S/P_T) - P_S + P_T]``
+  over the teacher's top-k, reduced with slime's ``sum_of_sample_mean``, to the loss slot's loss (slime's
+  ``policy_loss_function`` when no plugin provides one) and logs ``opd_topk_kl``. The advantage then
+  keeps the task term only (``A = ascend_opd_task_weight * A_task``).
+
+Per-sample facts reach the trainer through ``train_metadata``: where teachers' coefficients differ or in
+topk mode, the runtime installs ``rollout.forward_metadata`` in the RolloutManager and
+``train.rollout_log_metadata`` in each train actor; in topk mode also ``train.loss_batch_metadata``, which
+puts each micro-batch's metadata into slime's loss batch. Nothing heavy is imported here.
 """
 
 from __future__ import annotations
@@ -55,9 +64,11 @@ SETTINGS = (
             "teacher for samples whose domain has no route (unset: a missing route is an error)", optional=True),
     Setting("ascend_opd_coef", float, 1.0, "OPD coefficient of teachers without their own 'coef'", minimum=0.0),
     Setting("ascend_opd_mode", str, "sampled",
-            "signal: 'sampled' (sampled-token advantage); 'topk' (MOPD top-k loss, needs a trainer-side "
-            "payload path stock slime lacks: refused at start)", choices=("sampled", "topk")),
-    Setting("ascend_opd_topk", int, 32, "k of the teacher top-k request in topk mode", minimum=1, maximum=1024),
+            "signal: 'sampled' (A += coef_t * (logp_T - logp_S) on the sampled token); 'topk' (MOPD: the loss "
+            "adds coef_t * the top-k corrected reverse KL over the teacher's top-k tokens; the advantage keeps "
+            "the task term only)", choices=("sampled", "topk")),
+    Setting("ascend_opd_topk", int, 32, "k of the teacher top-k request (top_logprobs_num) in topk mode",
+            minimum=1, maximum=1024),
     Setting("ascend_opd_task_weight", float, 1.0, "weight alpha of the task advantage: A = alpha*A_task + coef*OPD"),
     Setting("ascend_opd_clip", float, None, "clip the per-token OPD term to [-clip, clip] (unset: no clip)",
             optional=True, minimum=0.0),
@@ -94,11 +105,15 @@ PLUGIN = Plugin(
         Contribution("reward_model", _H + "teacher_reward", note="route + score at the teacher; returns task reward"),
         Contribution("reward_post_process", _H + "fill_teacher_log_probs", order=300,
                      note="teacher_log_probs, routed coef, same-origin check"),
-        Contribution("advantage", _H + "opd_advantage", order=500, note="A += coef_t * (logp_T - logp_S)"),
+        Contribution("advantage", _H + "opd_advantage", order=500,
+                     note="A += coef_t * (logp_T - logp_S) (sampled); A = alpha * A_task (topk)"),
+        Contribution("loss_term", _H + "opd_topk_loss", order=500,
+                     note="topk mode: + coef_t * top-k reverse KL (sampled mode: nothing)"),
     ),
     patches=(
-        PatchUse("rollout.forward_metadata", "rollout", when=_H + "coefs_differ"),
-        PatchUse("train.rollout_log_metadata", "train", when=_H + "coefs_differ"),
+        PatchUse("rollout.forward_metadata", "rollout", when=_H + "needs_metadata"),
+        PatchUse("train.rollout_log_metadata", "train", when=_H + "needs_metadata"),
+        PatchUse("train.loss_batch_metadata", "train", when=_H + "topk_mode"),
     ),
     slime_args=(("use_opd", True), ("opd_type", "sglang"), ("opd_kl_coef", 0.0)),
     validate=_H + "validate",

@@ -38,6 +38,9 @@ SLOTS: dict[str, HookSlot] = {
     for s in (
         HookSlot("loss", "custom_loss_function_path", _H + "loss_function", "exclusive", "train",
                  "fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)"),
+        HookSlot("loss_term", None, _H + "loss_function", "chain", "train",
+                 "fn(args, batch, logits, sum_of_sample_mean) -> (term, metrics) | None; added to the loss "
+                 "(the loss slot's, else slime's policy_loss_function) through slime's custom_loss_function_path"),
         HookSlot("advantage", "custom_advantage_function_path", _H + "advantage_function", "chain", "train",
                  "fn(args, rollout_data) -> None; below order 200 may set rollout_data['advantages'] and "
                  "['returns'] (a base); from 200 on they are set (slime's estimator when no base did)",

@@ -208,3 +208,80 @@ def test_train_py_opd_two_teachers_url_and_switched(models, engines, tmp_path):
     train_steps = [m for m in run.metrics() if "train/step" in m]
     assert [m["train/step"] for m in train_steps] == list(range(NUM_ROLLOUT))
     assert all(m["train/grad_norm"] > 0 for m in train_steps), train_steps
+
+
+TOPK = 4
+
+
+def _teacher_top_k(engine_url: str, tokens: list[int], response_length: int, k: int) -> tuple[list, list]:
+    """The teacher's top-k ids and log-probs per response position, asked as the opd plugin asks (top_logprobs_num)."""
+    out = _post(engine_url + "/generate", {
+        "input_ids": list(tokens), "sampling_params": {"temperature": 1.0, "max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k})
+    rows = out["meta_info"]["input_top_logprobs"][1:]
+    rows = rows[len(rows) - response_length:]
+    return [[e[1] for e in row] for row in rows], [[e[0] for e in row] for row in rows]
+
+
+def test_train_py_opd_topk_mode(models, engines, tmp_path):
+    """``ascend_opd_mode: topk``: the teacher's top-k ids and log-probs travel from the RolloutManager to the
+    train actor in each sample's train_metadata (rollout.forward_metadata), into slime's loss batch
+    (train.loss_batch_metadata), and the loss adds coef_t * the top-k corrected reverse KL; the advantage is
+    the task term only. Two teachers on one engine with different coefficients (1.0 and 0.5)."""
+    import torch
+
+    teachers = [
+        {"name": "math", "checkpoint_dir": str(models["math"]), "domains": ["math"], "coef": COEFS["math"],
+         "url": engines["math"].url},
+        {"name": "code", "checkpoint_dir": str(models["math"]), "domains": ["code"], "coef": COEFS["code"],
+         "url": engines["math"].url},
+    ]
+    config = _write_config(tmp_path, teachers, engines["switch"].url, tmp_path / "teacher-stage")
+    import yaml
+
+    cfg = yaml.safe_load(config.read_text())
+    assert cfg["loss_type"] == "custom_loss" and cfg["custom_loss_function_path"] == "slime_ascend.hooks.loss_function"
+    cfg.update({"ascend_opd_mode": "topk", "ascend_opd_topk": TOPK, "ascend_opd_switch_engine_urls": []})
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=("math", "code"))
+    dumps = tmp_path / "dumps"
+    flags = slime_flags(models["student"], prompts, [engines["rollout"]], tmp_path, num_rollout=NUM_ROLLOUT,
+                        batch=4, n_samples=2)
+    flags += ["--save-debug-rollout-data", str(dumps / "rollout_{rollout_id}.pt"),
+              "--save-debug-train-data", str(dumps / "train_{rollout_id}.pt")]
+    run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config)
+    assert run.returncode == 0, run.log[-6000:]
+    print(f"slime train.py with cpu+opd (topk): {run.seconds:.1f} s")
+    for patch_id in ("rollout.forward_metadata", "train.rollout_log_metadata", "train.loss_batch_metadata"):
+        assert f"applied runtime patch {patch_id}" in run.log, patch_id
+
+    # ---- slime's train dump: each sample's payload is the routed teacher's top-k for exactly its tokens,
+    # and the advantage is the GRPO task advantage alone (the teacher signal is in the loss)
+    for rollout_id in range(NUM_ROLLOUT):
+        rollout = torch.load(dumps / f"rollout_{rollout_id}.pt", weights_only=False)["samples"]
+        train = torch.load(dumps / f"train_{rollout_id}.pt", weights_only=False)["samples"]
+        assert len(train) == 8
+        for position, t in enumerate(train):
+            r = rollout[position]
+            teacher = DOMAIN_TEACHER[r["metadata"]["domain"]]
+            md = t["metadata"]
+            assert (md["opd_teacher"], md["opd_coef"]) == (teacher, COEFS[teacher])
+            payload = md["opd_topk"]
+            n = t["response_lengths"]
+            assert payload["format"] == "opd_topk_v1" and payload["k"] == TOPK
+            assert tuple(payload["ids"].shape) == tuple(payload["log_probs"].shape) == (n, TOPK)
+            ids, lps = _teacher_top_k(engines["math"].url, r["tokens"], n, TOPK)
+            assert payload["ids"].tolist() == ids
+            assert torch.allclose(payload["log_probs"], torch.tensor(lps), atol=1e-4)
+            adv = t["advantages"].float()
+            assert torch.allclose(adv, torch.full_like(adv, float(t["rewards"])), atol=1e-5), adv
+
+    # ---- slime's step metrics: the top-k KL and its loss term every step; slime's reported loss is the
+    # policy loss plus the term (entropy coef 0, no KL loss)
+    steps = [m for m in run.metrics() if "train/opd_topk_kl" in m]
+    assert len(steps) == NUM_ROLLOUT, run.metric_keys()
+    for m in steps:
+        assert math.isfinite(m["train/opd_topk_kl"]) and m["train/opd_topk_kl"] > 0, m
+        assert 0 < m["train/opd_topk_loss"] < m["train/opd_topk_kl"], m  # mean coef 0.75
+        assert m["train/loss"] == pytest.approx(m["train/pg_loss"] + m["train/opd_topk_loss"], rel=1e-4, abs=1e-6), m
+        assert math.isfinite(m["train/grad_norm"]) and m["train/grad_norm"] > 0, m

@@ -62,7 +62,7 @@ def make_sample(index, tokens, response_length, domain=None, rollout_log_probs=N
 # ---------------------------------------------------------------------------------------------- plugin
 def test_plugin_declares_slots_orders_and_slime_args():
     slots = {c.slot: c.order for c in PLUGIN.contributions}
-    assert slots == {"reward_model": 500, "reward_post_process": 300, "advantage": 500}
+    assert slots == {"reward_model": 500, "reward_post_process": 300, "advantage": 500, "loss_term": 500}
     assert dict(PLUGIN.slime_args) == {"use_opd": True, "opd_type": "sglang", "opd_kl_coef": 0.0}
     for c in PLUGIN.contributions:
         assert callable(c.load())
@@ -77,7 +77,10 @@ def test_plugin_declares_slots_orders_and_slime_args():
         ({"ascend_opd_teachers": [{"name": "m", "checkpoint_dir": "/x", "domains": ["a"], "coef": "hi"}]},
          "teacher 'm': field 'coef'"),
         ({"ascend_opd_default_teacher": "physics"}, "ascend_opd_default_teacher='physics'"),
-        ({"ascend_opd_mode": "topk"}, "ascend_opd_mode='topk'"),
+        ({"ascend_opd_mode": "topk", "loss_type": "policy_loss"}, "loss_type is 'policy_loss'. Fix: set loss_type: custom_loss"),
+        ({"ascend_opd_mode": "topk", "loss_type": "custom_loss", "custom_loss_function_path": "my.loss"},
+         "custom_loss_function_path is 'my.loss'. Fix: set custom_loss_function_path: slime_ascend.hooks.loss_function"),
+        ({"ascend_opd_mode": "topk", "allgather_cp": True}, "does not support --allgather-cp"),
         ({"opd_kl_coef": 1.0}, "opd_kl_coef must be 0"),
         ({"use_opd": False}, "use_opd must be true"),
         ({"opd_type": "megatron"}, "opd_type must be 'sglang'"),
@@ -233,6 +236,77 @@ def test_post_process_refuses_unscored_samples_and_pads_removed_ones():
     bad.metadata.update(opd_teacher="math", opd_teacher_log_probs=[-1.0])
     with pytest.raises(ValueError, match="1 teacher log-probs for response_length 2"):
         hooks.fill_teacher_log_probs(args, [bad], [0.0], [0.0])
+
+
+def test_topk_mode_carries_the_routed_teachers_top_k_in_train_metadata(two_teacher_engines):
+    """topk mode, rollout side: the teacher request asks top_logprobs_num = k; the routed teacher's top-k of
+    each response position (a slow no-cache forward of that teacher) lands in train_metadata['opd_topk']."""
+    from slime_ascend.algorithms.opd import unpack_topk_payload
+
+    (eng_a, eng_b), url_a, url_b = two_teacher_engines
+    teachers = [dict(TEACHERS[0], url=url_a), dict(TEACHERS[1], url=url_b)]
+    args = make_args(ascend_opd_teachers=teachers, ascend_opd_same_origin_check=False, ascend_opd_mode="topk",
+                     ascend_opd_topk=3)
+    samples = [make_sample(0, [5, 6, 7, 8, 9], 3, domain="math"), make_sample(1, [11, 12, 13, 14], 2, domain="code")]
+    asyncio.run(hooks.teacher_reward(args, samples))
+    hooks.fill_teacher_log_probs(args, samples, [0.0, 0.0], [0.0, 0.0])
+    for s, eng in zip(samples, (eng_a, eng_b), strict=True):
+        tm = s.train_metadata
+        assert tm["opd_teacher"] == ("math" if eng is eng_a else "code") and "opd_topk" not in s.metadata
+        ids, lps = unpack_topk_payload(tm["opd_topk"])
+        with torch.no_grad():
+            logits = eng.model(input_ids=torch.tensor([s.tokens]), use_cache=False).logits[0].float()
+        ref_lps, ref_ids = torch.log_softmax(logits[:-1], -1)[-s.response_length:].topk(3, dim=-1)
+        assert ids.tolist() == ref_ids.tolist()
+        torch.testing.assert_close(lps, ref_lps, atol=1e-5, rtol=1e-5)
+        # the sampled-token teacher log-prob is the same distribution's entry at the response token
+        own = torch.log_softmax(logits[:-1], -1)[-s.response_length:].gather(
+            -1, torch.tensor(s.tokens[-s.response_length:])[:, None])[:, 0]
+        torch.testing.assert_close(s.teacher_log_probs, own, atol=1e-5, rtol=1e-5)
+
+
+def test_topk_mode_post_process_pads_removed_samples_and_refuses_unscored_ones():
+    from slime_ascend.algorithms.opd import pack_topk_payload, unpack_topk_payload
+
+    args = make_args(ascend_opd_same_origin_check=False, ascend_opd_mode="topk", ascend_opd_topk=2)
+    s = make_sample(3, [1, 2, 3], 2, domain="math")
+    s.metadata.update(opd_teacher="math", opd_teacher_log_probs=[-1.0, -2.0])
+    with pytest.raises(ValueError, match="sample 3 has no teacher top-k payload"):
+        hooks.fill_teacher_log_probs(args, [s], [0.0], [0.0])
+    s.metadata.update(opd_teacher="math", opd_teacher_log_probs=[-1.0, -2.0],
+                      opd_topk=pack_topk_payload(torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)))
+    with pytest.raises(ValueError, match="3 rows for response_length 2"):
+        hooks.fill_teacher_log_probs(args, [s], [0.0], [0.0])
+    gone = make_sample(4, [1, 2, 3], 2, domain="math")
+    gone.remove_sample = True
+    gone.rollout_log_probs = [-0.5, -0.25]
+    hooks.fill_teacher_log_probs(args, [gone], [0.0], [0.0])
+    ids, lps = unpack_topk_payload(gone.train_metadata["opd_topk"])
+    assert ids.tolist() == [[-1, -1], [-1, -1]] and bool(torch.isneginf(lps).all())  # no loss from it
+
+
+def test_topk_mode_advantage_keeps_the_task_term_only():
+    args = make_args(ascend_opd_task_weight=0.5, ascend_opd_mode="topk")
+    data = _rollout_data()
+    data["metadata"] = [{"opd_teacher": "math", "opd_coef": 1.0}] * 5
+    before = [a.clone() for a in data["advantages"]]
+    hooks.opd_advantage(args, data)
+    for i in range(5):
+        torch.testing.assert_close(data["advantages"][i], 0.5 * before[i])
+        torch.testing.assert_close(data["opd_reverse_kl"][i], data["log_probs"][i] - data["teacher_log_probs"][i])
+
+
+def test_topk_loss_term_is_nothing_in_sampled_mode_and_critic_passes():
+    assert hooks.opd_topk_loss(make_args(), {}, None, None) is None
+    assert hooks.opd_topk_loss(make_args(ascend_opd_mode="topk", loss_type="value_loss"), {}, None, None) is None
+
+
+def test_validate_accepts_topk_with_the_loss_dispatcher():
+    from slime_ascend.plugins import runtime
+
+    args = make_args(ascend_opd_mode="topk", loss_type="custom_loss",
+                     custom_loss_function_path="slime_ascend.hooks.loss_function")
+    assert runtime.settings(args, "opd")["ascend_opd_mode"] == "topk"
 
 
 def test_same_origin_check_flags_a_foreign_teacher_on_the_first_step(caplog):
@@ -477,7 +551,16 @@ def test_advantage_uses_rollout_log_probs_when_slime_does():
 def test_forward_patches_are_declared_where_coefficients_differ():
     uses = {u.patch: u for u in PLUGIN.patches}
     assert (uses["rollout.forward_metadata"].moment, uses["train.rollout_log_metadata"].moment) == ("rollout", "train")
-    assert {u.when for u in uses.values()} == {"slime_ascend.opd.hooks.coefs_differ"}
+    assert {p: u.when for p, u in uses.items()} == {
+        "rollout.forward_metadata": "slime_ascend.opd.hooks.needs_metadata",
+        "train.rollout_log_metadata": "slime_ascend.opd.hooks.needs_metadata",
+        "train.loss_batch_metadata": "slime_ascend.opd.hooks.topk_mode",
+    }
+    assert uses["train.loss_batch_metadata"].moment == "train"
+    same = make_args(ascend_opd_teachers=[dict(t, coef=2.0) for t in TEACHERS])
+    assert not hooks.needs_metadata(same) and not hooks.topk_mode(same)
+    topk = make_args(ascend_opd_mode="topk", ascend_opd_teachers=[dict(t, coef=2.0) for t in TEACHERS])
+    assert hooks.needs_metadata(topk) and hooks.topk_mode(topk)  # the top-k payload travels in the metadata
     assert hooks.coefs_differ(make_args())  # TEACHERS: 1.0 and 0.5
     assert not hooks.coefs_differ(make_args(ascend_opd_teachers=[dict(t, coef=2.0) for t in TEACHERS]))
     assert not hooks.coefs_differ(make_args(ascend_opd_coef=0.5, ascend_opd_teachers=[
