@@ -20,6 +20,7 @@ REWARD_MARGIN = 0.10  # mean reward of the last 4 steps minus the first 4 steps
 
 
 ENV_BEFORE: list = []
+LOG: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     ENV_BEFORE.append(os.environ.get("SLIME_ASCEND_PLUGINS"))
     runtime.reset()
-    summary = run_demo(DemoConfig(steps=STEPS, out=str(out), progress=False, contract_check=False), log=lambda _: None)
+    summary = run_demo(DemoConfig(steps=STEPS, out=str(out), progress=False, contract_check=False), log=LOG.append)
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out, summary, history
 
@@ -90,3 +91,24 @@ def test_same_seed_gives_the_same_rewards(demo_run, tmp_path):
     again = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [h["reward"] for h in again] == [h["reward"] for h in history[:steps]]
     assert [h["engine_version"] for h in again] == [h["engine_version"] for h in history[:steps]]
+
+
+@pytest.mark.slow
+def test_readme_sample_output_has_the_shape_of_what_the_demo_prints(demo_run):
+    """The README's sample output (scripts/readme_demo_output.py puts a real run there) may not drift from
+    what the demo prints: every line it shows has the shape (numbers masked) of a line printed here."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("readme_demo_output", root / "scripts" / "readme_demo_output.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    shown = script.shown_in_readme((root / "README.md").read_text())
+    printed = {script.shape(line) for text in LOG for line in text.splitlines()}
+    assert len(shown) >= 8, shown
+    for line in shown:
+        if line == "..." or line.startswith("ALL PASS"):  # the contract report is off in this run
+            continue
+        assert script.shape(line) in printed, line
+
