@@ -274,7 +274,8 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
     if history:
         from slime_ascend.demo.plots import plot_curves
 
-        summary["plot"] = plot_curves(history, str(out / "curves.png"))
+        summary["plot"] = plot_curves(history, str(out / "curves.png"),
+                                      title=f"slime-ascend demo (miniature loop): {', '.join(plugins)}; seed {cfg.seed}")
     if cfg.contract_check and not summary["interrupted"]:
         from slime_ascend.contracts.check import format_table, run_check
 

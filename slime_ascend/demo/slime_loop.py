@@ -255,7 +255,7 @@ def _history_row(step: int, m: dict[str, Any]) -> dict[str, Any]:
         "reward": first("rollout/raw_reward", "rollout/rewards"),
         "mismatch": first("train/train_rollout_logprob_abs_diff"),
         "masked_frac": first("train/dis_masked_frac", "train/icepop_masked_frac"),
-        "kl": first("rollout/opd_kl", "train/ppo_kl"),
+        "kl": first("rollout/opd_kl", "rollout/opd_reverse_kl"),  # the teacher KL only (the plot's panel)
         "staleness_drops": first("rollout/staleness_dropped", "rollout/staleness_drops"),
         "slime": m,
     }
@@ -355,7 +355,8 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     summary["evidence"] = plugin_evidence(plugins, steps, text, engine_log)
     summary["plugins_without_evidence"] = [p for p, e in summary["evidence"].items() if not e["found"]]
     if history and rewards:
-        summary["plot"] = plot_curves([h for h in history if h["reward"] is not None], str(out / "curves.png"))
+        summary["plot"] = plot_curves([h for h in history if h["reward"] is not None], str(out / "curves.png"),
+                                      title=f"slime's train_async.py on this CPU: {', '.join(plugins)}")
     summary["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if rc not in (0, None):
