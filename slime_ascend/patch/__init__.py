@@ -26,6 +26,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.cpu_streams | torch.cuda.{Stream,Event,current_stream,default_stream,stream,set_stream} | megatron/megatron-device-neutral-placement.md |
 | train.cpu_device_map | torch factories' device=, Tensor.new_*, Tensor/Module.to: cuda -> cpu | megatron/megatron-device-neutral-placement.md |
 | train.cpu_tensor_type | Tensor.type() of a CPU tensor reads torch.cuda.*Tensor | megatron/megatron-device-neutral-placement.md |
+| train.dsa_deterministic_topk | glm5 ops.indexer.pytorch_topk_with_invalid_padding: deterministic DSA indexer top-k | 0013-dsa-indexer-deterministic-topk |
 | engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
 
 Plugins declare the patches they need and when (:class:`slime_ascend.plugins.base.PatchUse`); the
@@ -62,6 +63,7 @@ LEDGER: dict[str, str] = {
     "train.quantize_params": "slime_ascend.patch.train.quantize_params",
     "train.quant_post_process": "slime_ascend.patch.train.quant_post_process",
     "train.weight_sync_metrics": "slime_ascend.patch.train.weight_sync_metrics",
+    "train.dsa_deterministic_topk": "slime_ascend.patch.train.dsa_deterministic_topk",
 }
 
 

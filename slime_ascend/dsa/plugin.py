@@ -1,0 +1,28 @@
+"""Plugin declaration of ``dsa-determinism`` (cheap to import; no torch).
+
+slime's DSA lightning indexer (``slime_plugins/models/glm5/ops/indexer.py``, used by the GLM-5 and
+DeepSeek-V3.2 specs) picks each query's top-k keys with ``torch.topk``, whose order among equal scores
+is unspecified (it differs between devices, kernels and thread counts). The sparse attention then
+reads the keys in that order, so two runs on the same scores can attend to a different key set at
+the k-th place, and sum the selected keys in a different order. This plugin makes the train-side
+selection the package's deterministic top-k (:mod:`slime_ascend.algorithms.dsa_topk`): score desc,
+ties by lower index, ``-inf`` keys never selected (``-1``), NaN refused; same layout and dtypes as
+slime's function returns (values best first in the scores' dtype, int32 indices, ``-1`` / ``-inf``
+padding). Key-sharded scoring merges to the same result (``merge_topk_candidates``).
+
+No setting: the patch (``train.dsa_deterministic_topk``) is installed, in every process, as slime's
+indexer module is imported, which only the Megatron train actors do (a rollout engine has its own
+indexer). slime's ``--freeze-indexer`` is unaffected: it sets ``requires_grad`` on the indexer's
+parameters (``model_provider.freeze_model_params``), the selection itself has no parameters.
+"""
+
+from __future__ import annotations
+
+from ..plugins.base import Plugin, PatchUse
+
+PLUGIN = Plugin(
+    name="dsa-determinism",
+    description="slime's DSA indexer (GLM-5 / DeepSeek-V3.2) selects with the deterministic top-k "
+                "(ties by lower index, -inf never selected, NaN refused); key-sharded merge rule",
+    patches=(PatchUse("train.dsa_deterministic_topk"),),
+)
