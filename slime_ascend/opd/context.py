@@ -16,7 +16,7 @@ from ..plugins import runtime
 from ..plugins.settings import SettingsError
 from .router import DomainRouter
 from .switching import SwitchGate, _PoolSwitcher
-from .teachers import TeacherSpec, check_teacher_compatible, parse_teachers
+from .teachers import TeacherSpec, parse_teachers
 
 logger = logging.getLogger("slime_ascend.opd")
 
@@ -94,6 +94,9 @@ def reset_state() -> None:
     with _CONTEXTS_LOCK:
         _CONTEXTS.clear()
         _RULE_ARGS.clear()
+    from .compat import clear_cache
+
+    clear_cache()
 
 
 def rule_args(args: Any) -> Any:
@@ -144,9 +147,8 @@ def needs_metadata(args: Any) -> bool:
 def get_context(args: Any, *, rollout_side: bool = False) -> OPDContext:
     """The plugin's state in this process, built at first use from ``args``.
 
-    On the rollout side each teacher is also checked against the student (vocab size, tokenizer
-    files: a mismatch raises :class:`~slime_ascend.opd.teachers.TeacherMismatchError`), and the
-    teacher pool for switched teachers is created.
+    On the rollout side the teacher pool for switched teachers is created. (Each teacher was checked
+    against the student when the settings were validated in this process: :func:`.hooks.validate`.)
     """
     key = id(args)
     with _CONTEXTS_LOCK:
@@ -166,9 +168,6 @@ def get_context(args: Any, *, rollout_side: bool = False) -> OPDContext:
     coefs = {t.name: router.coef_for(t.name) for t in teachers}
     ctx = OPDContext(settings, teachers, router, coefs)
     if rollout_side:
-        student = _student_info(args)
-        for t in teachers:  # refuse vocab / tokenizer mismatches before the first request
-            check_teacher_compatible(t, **student)
         if settings["ascend_opd_switch_engine_urls"]:
             ctx.switcher = _make_switcher(args, ctx)
     with _CONTEXTS_LOCK:
@@ -180,7 +179,8 @@ def _make_switcher(args: Any, ctx: OPDContext) -> _PoolSwitcher | None:
     switched = [t for t in ctx.teachers if t.url is None and t.name not in routers]
     if not switched:
         return None
-    return _PoolSwitcher(switched, ctx.settings, _student_info(args))
+    return _PoolSwitcher(switched, ctx.settings,
+                         {**_student_info(args), "compat_check": ctx.settings["ascend_opd_compat_check"]})
 
 def opd_stats(args: Any = None) -> dict[str, Any]:
     """Routing counts (cumulative and last step), requests and latency per teacher, switches, stall,

@@ -77,6 +77,23 @@ def validate(args: Any, settings: Mapping[str, Any]) -> None:
             "is set. Fix: give each teacher a url, host them as frozen models named like the teachers in "
             "--sglang-config, or set ascend_opd_switch_engine_urls to the engine that the pool switches"
         )
+    if roles.train_role() is None:  # the driver and the rollout manager; train actors never ask a teacher
+        _validate_compat(args, settings, teachers)
+
+
+def _validate_compat(args: Any, settings: Mapping[str, Any], teachers: Sequence[Any]) -> None:
+    """Each teacher's vocabulary, special tokens, tokenizer and chat template against the student's
+    (``--hf-checkpoint``; :mod:`.compat`): a mismatch in strict mode is a SettingsError (one line)."""
+    from .compat import check_teachers
+    from .teachers import TeacherMismatchError
+
+    vocab = getattr(args, "vocab_size", None)
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+    try:
+        check_teachers(teachers, getattr(args, "hf_checkpoint", None), mode=settings["ascend_opd_compat_check"],
+                       student_vocab_size=vocab, log=logger)
+    except TeacherMismatchError as e:
+        raise SettingsError(str(e)) from None
 
 _LOSS_DISPATCHER = "slime_ascend.hooks.loss_function"
 

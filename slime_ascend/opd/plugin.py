@@ -19,6 +19,11 @@ teacher of the ``ascend_opd_teachers`` section; only that teacher scores it. The
   which slime's train-side rollout logger reports as ``rollout/opd_coef`` and
   ``rollout/opd_share/<teacher>``; the rollout manager logs routing and teacher-pool counters.
 
+* start-up compatibility (``validate``, in the driver and the rollout manager): each teacher's vocab
+  size, special token ids, tokenizer and chat template against the student's ``--hf-checkpoint``
+  (:mod:`slime_ascend.opd.compat`); a mismatch refuses to start, naming the teacher and the field,
+  unless ``ascend_opd_compat_check`` (or the teacher's ``compat_check``) says warn / off.
+
 * ``loss_term`` (train actor, ``ascend_opd_mode: topk`` only): the MOPD top-k loss. The teacher request
   adds ``top_logprobs_num = ascend_opd_topk``; each sample's teacher top-k ids and log-probs
   (``meta_info.input_top_logprobs``, response-aligned, packed int32/fp32) ride in
@@ -57,7 +62,8 @@ def _check_teachers(value: Any) -> str | None:
 
 SETTINGS = (
     Setting("ascend_opd_teachers", dict, [],
-            "teachers: list of {name, checkpoint_dir, domains, coef?, tokenizer_revision?, vocab_size?, url?}",
+            "teachers: list of {name, checkpoint_dir, domains, coef?, tokenizer_revision?, vocab_size?, url?, "
+            "compat_check?}",
             check=_check_teachers),
     Setting("ascend_opd_domain_key", str, "domain", "sample.metadata key holding the domain label used for routing"),
     Setting("ascend_opd_default_teacher", str, None,
@@ -87,6 +93,11 @@ SETTINGS = (
     Setting("ascend_opd_pool_actor", str, None,
             "name of a Ray actor holding the TeacherPool, shared by several rollout workers (unset: in-process)",
             optional=True),
+    Setting("ascend_opd_compat_check", str, "strict",
+            "teacher/student compatibility at start (vocab_size, tokenizer length, bos/eos/pad/unk and special "
+            "token ids, tokenizer, chat template; from each checkpoint_dir, else asked of the teacher's url): "
+            "'strict' (a mismatch refuses to start), 'warn' (log it and start), 'off' (skip); a teacher's own "
+            "compat_check overrides it", choices=("strict", "warn", "off")),
     Setting("ascend_opd_same_origin_check", bool, True,
             "before the first train step, compare each teacher's initial per-token KL to the student"),
     Setting("ascend_opd_same_origin_ratio", float, 3.0,

@@ -477,6 +477,7 @@ class TeacherPool:
         loader: the :class:`TeacherLoader` that owns the weights.
         student_vocab_size / student_tokenizer_revision / student_dir: when given, each teacher is
             checked with :func:`check_teacher_compatible` and a mismatch raises at construction.
+        compat_check: that check's mode (strict | warn | off) for teachers without their own.
         validate: run ``loader.validate`` per teacher at start (failures mark that teacher failed).
         stage_attempts: attempts per stage (default 2 = retried once).
     """
@@ -489,6 +490,7 @@ class TeacherPool:
         student_vocab_size: int | None = None,
         student_tokenizer_revision: str | None = None,
         student_dir: str | Path | None = None,
+        compat_check: str = "strict",
         validate: bool = True,
         stage_attempts: int = 2,
     ) -> None:
@@ -499,6 +501,7 @@ class TeacherPool:
                 student_vocab_size=student_vocab_size,
                 student_tokenizer_revision=student_tokenizer_revision,
                 student_dir=student_dir,
+                mode=compat_check,
             )
         if stage_attempts < 1:
             raise ValueError(f"stage_attempts must be >= 1, got {stage_attempts}")

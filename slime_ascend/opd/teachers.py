@@ -10,9 +10,11 @@ A ``teachers`` config is a list of dicts (typically YAML), one per teacher::
         tokenizer_revision: abc1  # optional, must equal the student's when both are known
         vocab_size: 151936        # optional, else read from checkpoint_dir/config.json
         url: http://host:30000    # optional, an external scoring endpoint
+        compat_check: warn        # optional: strict | warn | off, overrides ascend_opd_compat_check
 
 :func:`parse_teachers` validates it; errors name the teacher and the field. Compatibility with the
-student (vocabulary size, tokenizer files) is checked by :func:`check_teacher_compatible`.
+student (vocabulary size, special tokens, tokenizer, chat template; :mod:`.compat`) is checked by
+:func:`check_teacher_compatible`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ __all__ = [
     "NAME_RE",
 ]
 
-_FIELDS = {"name", "checkpoint_dir", "domains", "coef", "tokenizer_revision", "vocab_size", "url"}
+_FIELDS = {"name", "checkpoint_dir", "domains", "coef", "tokenizer_revision", "vocab_size", "url", "compat_check"}
+COMPAT_MODES = ("strict", "warn", "off")
 
 #: A teacher name is used as a directory name under the stage directory: no separators, no ``.``/``..``.
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -61,6 +64,7 @@ class TeacherSpec:
     tokenizer_revision: str | None = None
     vocab_size: int | None = None
     url: str | None = None
+    compat_check: str | None = None  # strict | warn | off; None: ascend_opd_compat_check
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def effective_coef(self, default: float = 1.0) -> float:
@@ -74,7 +78,7 @@ class TeacherSpec:
             "checkpoint_dir": str(self.checkpoint_dir),
             "domains": list(self.domains),
         }
-        for key in ("coef", "tokenizer_revision", "vocab_size", "url"):
+        for key in ("coef", "tokenizer_revision", "vocab_size", "url", "compat_check"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -136,6 +140,9 @@ def _parse_one(idx: int, raw: Any) -> TeacherSpec:
     url = raw.get("url")
     if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
         raise _err(idx, name, "url", f"must be an http(s) URL, got {url!r}")
+    compat = raw.get("compat_check")
+    if compat is not None and compat not in COMPAT_MODES:
+        raise _err(idx, name, "compat_check", f"must be one of {list(COMPAT_MODES)}, got {compat!r}")
     return TeacherSpec(
         name=name,
         checkpoint_dir=Path(ckpt),
@@ -144,6 +151,7 @@ def _parse_one(idx: int, raw: Any) -> TeacherSpec:
         tokenizer_revision=rev,
         vocab_size=vocab,
         url=url,
+        compat_check=compat,
     )
 
 
@@ -217,39 +225,32 @@ def check_teacher_compatible(
     student_vocab_size: int | None = None,
     student_tokenizer_revision: str | None = None,
     student_dir: str | Path | None = None,
+    mode: str = "strict",
 ) -> None:
     """Raise :class:`TeacherMismatchError` when the teacher cannot score the student's tokens.
 
-    Compared when both sides are known: vocab size (teacher: ``vocab_size`` field, else its
-    ``config.json``; student: ``student_vocab_size``, else ``student_dir/config.json``),
-    tokenizer revision strings, and the tokenizer file fingerprint of both directories.
-    A missing checkpoint directory is not a mismatch (the pool reports it as unavailable).
+    The rules and fields are :mod:`slime_ascend.opd.compat`'s (vocab size, tokenizer length, special
+    tokens, tokenizer, chat template; the teacher's declared ``vocab_size`` / ``tokenizer_revision``),
+    read from ``student_dir`` and the teacher's ``checkpoint_dir`` (no engine is asked here);
+    ``student_vocab_size`` stands in when the student's config.json has none, and
+    ``student_tokenizer_revision`` is compared with the teacher's declared revision when there is no
+    ``student_dir``. ``mode`` (strict | warn | off) applies unless the teacher has its own
+    ``compat_check``; warn logs instead of raising. A missing checkpoint directory is not a mismatch.
     """
-    t_vocab = teacher.vocab_size
-    if t_vocab is None and teacher.checkpoint_dir.is_dir():
-        t_vocab = read_vocab_size(teacher.checkpoint_dir)
-    s_vocab = student_vocab_size
-    if s_vocab is None and student_dir is not None:
-        s_vocab = read_vocab_size(student_dir)
-    if t_vocab is not None and s_vocab is not None and t_vocab != s_vocab:
-        raise TeacherMismatchError(
-            f"teacher {teacher.name!r} ({teacher.checkpoint_dir}): vocab_size {t_vocab} != student vocab_size "
-            f"{s_vocab}; a teacher must share the student's tokenizer"
-        )
+    from . import compat
+
+    effective = compat.teacher_mode(teacher, mode)
+    if effective == "off":
+        return
     if (
-        teacher.tokenizer_revision is not None
+        student_dir is None
+        and teacher.tokenizer_revision is not None
         and student_tokenizer_revision is not None
         and teacher.tokenizer_revision != student_tokenizer_revision
     ):
-        raise TeacherMismatchError(
-            f"teacher {teacher.name!r}: tokenizer_revision {teacher.tokenizer_revision!r} != student "
-            f"{student_tokenizer_revision!r}"
-        )
-    if student_dir is not None and teacher.checkpoint_dir.is_dir():
-        t_fp = tokenizer_fingerprint(teacher.checkpoint_dir)
-        s_fp = tokenizer_fingerprint(student_dir)
-        if t_fp is not None and s_fp is not None and t_fp != s_fp:
-            raise TeacherMismatchError(
-                f"teacher {teacher.name!r} ({teacher.checkpoint_dir}): tokenizer files differ from the "
-                f"student's ({student_dir}); revisions {t_fp} != {s_fp}"
-            )
+        line = (f"opd teacher {teacher.name!r}: tokenizer_revision {teacher.tokenizer_revision} differs from the "
+                f"student's {student_tokenizer_revision}")
+        if effective == "strict":
+            raise TeacherMismatchError(line + ". " + compat.fix_hint([teacher.name]))
+        compat.logger.warning("%s (compat_check: warn: starting anyway)", line)
+    compat.check_teachers([teacher], student_dir, mode=mode, student_vocab_size=student_vocab_size, probe=False)

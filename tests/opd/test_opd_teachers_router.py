@@ -73,12 +73,12 @@ def test_compatibility_checks(tmp_path):
     ok = parse_teachers([{"name": "ok", "checkpoint_dir": str(_model_dir(tmp_path / "ok", 100)), "domains": ["a"]}])[0]
     check_teacher_compatible(ok, student_dir=student)
     bad_vocab = parse_teachers([{"name": "bv", "checkpoint_dir": str(_model_dir(tmp_path / "bv", 101)), "domains": ["a"]}])[0]
-    with pytest.raises(TeacherMismatchError, match=r"teacher 'bv'.*vocab_size 101 != student vocab_size 100"):
+    with pytest.raises(TeacherMismatchError, match=r"opd teacher 'bv': vocab_size 101 differs from the student's 100"):
         check_teacher_compatible(bad_vocab, student_dir=student)
     bad_tok = parse_teachers(
         [{"name": "bt", "checkpoint_dir": str(_model_dir(tmp_path / "bt", 100, "tok-B")), "domains": ["a"]}]
     )[0]
-    with pytest.raises(TeacherMismatchError, match="teacher 'bt'.*tokenizer files differ"):
+    with pytest.raises(TeacherMismatchError, match="opd teacher 'bt': tokenizer files:"):
         check_teacher_compatible(bad_tok, student_dir=student)
     rev = parse_teachers([{"name": "r", "checkpoint_dir": "/none", "domains": ["a"], "tokenizer_revision": "v1"}])[0]
     with pytest.raises(TeacherMismatchError, match="tokenizer_revision"):

@@ -199,7 +199,7 @@ def test_vocab_or_tokenizer_mismatch_refused_at_start(teachers, tmp_path):
         TeacherPool(bad, TorchModuleLoader(tiny_model()), student_dir=student)
     (odd / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
     (odd / "tokenizer.json").write_text("another tokenizer")
-    with pytest.raises(TeacherMismatchError, match="tokenizer files differ"):
+    with pytest.raises(TeacherMismatchError, match="opd teacher 'odd': tokenizer files:"):
         TeacherPool(bad, TorchModuleLoader(tiny_model()), student_dir=student)
 
 

@@ -1,0 +1,542 @@
+"""Teacher/student compatibility, checked at start: may this teacher score the student's tokens?
+
+In OPD the teacher never tokenizes: it scores the *student's* token ids (``/generate`` with
+``input_ids``), so every id must mean the same string to both models, the teacher must have been
+trained on the same canonical tokenization (merges, normaliser, pre-tokenizer) and on the same chat
+format, and its log-probs must normalise over the same rows. A mismatch does not crash anything: it
+silently trains the student toward a teacher that is scoring gibberish. This module finds it first.
+
+Pure (no slime, no Ray); ``transformers`` is imported only to read a tokenizer.
+
+Fingerprint (:func:`fingerprint_dir`, one checkpoint directory; :class:`Fingerprint`):
+
+* ``vocab_size``: ``config.json``'s ``vocab_size`` (or its ``text_config``'s): the rows of the
+  embedding / LM head, i.e. the width of the distribution the log-probs normalise over.
+* ``tokenizer_len``: ``len(tokenizer)``, the ids the tokenizer can produce (base vocabulary plus
+  added tokens).
+* ``bos_token`` / ``eos_token`` / ``pad_token`` / ``unk_token``: each as ``(id, text)`` (None: unset).
+* ``special_tokens``: every added token marked special (``added_tokens_decoder``), as ``(id, text)``
+  pairs: the chat-control tokens (``<|im_start|>``, ``<|im_end|>``, tool tags, ...).
+* ``tokenizer``: the tokenizer as it encodes: ``enc:<hash>`` of the fast tokenizer's model (vocab and
+  merges), normaliser, pre-tokenizer, post-processor and added tokens (the backend's own serialisation,
+  so formatting and unrelated ``tokenizer_config.json`` keys such as ``model_max_length`` do not count;
+  a slow tokenizer hashes its vocabulary and model files). When no tokenizer can be loaded it is
+  ``files:<hash>`` of the tokenizer files, ``slime-ascend tito-fingerprint``'s ``tok`` part.
+* ``chat_template``: ``tpl:<hash>`` of the chat template as transformers reads it (``chat_template.jinja``,
+  ``chat_template.json``, else ``tokenizer_config.json``'s, so where it is stored does not count);
+  ``tpl:none`` when there is none.
+* ``revision``: the ``tito`` revision (``slime-ascend tito-fingerprint``), compared with a teacher
+  entry's declared ``tokenizer_revision``.
+
+Rules (:func:`compare`, strict by design; every field known on both sides must be equal):
+
+* ``vocab_size`` equal. A teacher with a *larger* (padded) embedding table is refused too: its
+  log-probs normalise over rows the student can never produce, and in top-k mode it can return ids
+  outside the student's vocabulary. A deliberately padded teacher with the identical tokenizer is the
+  case for the opt-out (``compat_check: warn`` on that teacher).
+* ``tokenizer_len``, the four special tokens (id *and* text) and the set of special tokens equal.
+* ``tokenizer`` equal: ``enc:`` against ``enc:``; when a side's tokenizer could not be loaded, both
+  sides' tokenizer files are compared (``files:`` against ``files:``).
+* ``chat_template`` equal (the student's prompt format is what the teacher scores).
+* A teacher's declared ``vocab_size`` replaces the one read from its files; a declared
+  ``tokenizer_revision`` must equal the student's tito revision.
+* A field unknown on either side is not a mismatch: it is listed as *not checked* with the reason
+  (:attr:`Report.unchecked`), which the caller logs.
+
+Opt-out: ``compat_check`` per teacher (in ``ascend_opd_teachers``) or ``ascend_opd_compat_check`` for
+all: ``strict`` (refuse to start), ``warn`` (log the mismatches and go on), ``off`` (skip, no reads).
+
+A teacher served at a URL whose ``checkpoint_dir`` is not a local directory is asked
+(:func:`probe_engine`): ``/get_model_info`` (``model_path``, ``tokenizer_path``) and ``/get_server_info``
+(``vocab_size`` where the engine reports it, as the reference engine does); a ``tokenizer_path`` or
+``model_path`` that is a directory here is then fingerprinted like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+__all__ = [
+    "MODES",
+    "FIELDS",
+    "Fingerprint",
+    "Mismatch",
+    "Report",
+    "fingerprint_dir",
+    "fingerprint_from_engine",
+    "probe_engine",
+    "compare",
+    "describe",
+    "report_line",
+    "teacher_fingerprint",
+    "check_teachers",
+    "clear_cache",
+]
+
+logger = logging.getLogger("slime_ascend.opd")
+
+MODES = ("strict", "warn", "off")
+SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+#: the compared fields, in the order they are reported
+FIELDS = ("vocab_size", "tokenizer_len", *SPECIAL_ROLES, "special_tokens", "tokenizer", "chat_template",
+          "tokenizer_revision")
+# what a fast tokenizer's serialisation holds that changes how text becomes ids (decoder, padding and
+# truncation do not)
+_ENCODING_KEYS = ("model", "normalizer", "pre_tokenizer", "post_processor", "added_tokens")
+# model files of a slow tokenizer (its vocabulary alone misses the merges / the sentencepiece model)
+_SLOW_MODEL_FILES = ("tokenizer.model", "spiece.model", "merges.txt", "vocab.json", "vocab.txt",
+                     "tokenizer.tiktoken", "qwen.tiktoken")
+
+Token = tuple[int, str]
+
+
+class Mismatch(NamedTuple):
+    """One field that differs: ``(teacher, field, student value, teacher value)``."""
+
+    teacher: str
+    field: str
+    student: Any
+    teacher_value: Any
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one side (a checkpoint directory, or an engine) tells about its vocabulary and tokenizer.
+
+    A field is None when it is unknown; :attr:`unknown` says why, by field."""
+
+    source: str
+    vocab_size: int | None = None
+    tokenizer_len: int | None = None
+    bos_token: Token | None = None
+    eos_token: Token | None = None
+    pad_token: Token | None = None
+    unk_token: Token | None = None
+    special_tokens: tuple[Token, ...] | None = None
+    tokenizer: str | None = None
+    files: str | None = None
+    chat_template: str | None = None
+    revision: str | None = None
+    #: roles/fields read from a loaded tokenizer (False: specials and length unknown)
+    tokenizer_loaded: bool = False
+    unknown: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """The comparison of one teacher with the student."""
+
+    teacher: str
+    teacher_source: str
+    student_source: str
+    mismatches: list[Mismatch] = field(default_factory=list)
+    unchecked: dict[str, str] = field(default_factory=dict)  # field -> why
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def _blake(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str).encode()
+
+
+def read_config_vocab_size(model_dir: str | Path) -> int | None:
+    """``vocab_size`` of ``model_dir/config.json`` (or its ``text_config``); None when absent."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    vocab = cfg.get("vocab_size")
+    if vocab is None and isinstance(cfg.get("text_config"), Mapping):
+        vocab = cfg["text_config"].get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def _token(tok: Any, role: str) -> Token | None:
+    text = getattr(tok, role, None)
+    tid = getattr(tok, role + "_id", None)
+    if text is None or tid is None:
+        return None
+    return int(tid), str(text)
+
+
+def _encoding_hash(tok: Any, model_dir: Path) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        return "enc:" + _blake(_canonical({k: spec.get(k) for k in _ENCODING_KEYS}))
+    h = hashlib.blake2b(digest_size=8)
+    h.update(_canonical(sorted(tok.get_vocab().items(), key=lambda kv: kv[1])))
+    for name in _SLOW_MODEL_FILES:
+        p = model_dir / name
+        if p.is_file():
+            h.update(name.encode() + b"\0" + p.read_bytes())
+    return "enc:" + h.hexdigest()
+
+
+def _template_hash(template: Any) -> str:
+    return "tpl:none" if not template else "tpl:" + _blake(_canonical(template))
+
+
+def read_chat_template(model_dir: Path) -> Any:
+    """The chat template as transformers reads it: ``chat_template.jinja``, ``chat_template.json``'s
+    ``chat_template``, else ``tokenizer_config.json``'s (a list of named templates becomes a dict)."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        p = model_dir / name
+        if p.is_file():
+            with open(p, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
+            if template:
+                if isinstance(template, list):
+                    template = {t["name"]: t["template"] for t in template}
+                return template
+    return None
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+
+
+@functools.lru_cache(maxsize=32)
+def _fingerprint_cached(path: str, stamp: tuple) -> Fingerprint:
+    model_dir = Path(path)
+    unknown: dict[str, str] = {}
+    vocab = None
+    try:
+        vocab = read_config_vocab_size(model_dir)
+        if vocab is None:
+            unknown["vocab_size"] = f"no vocab_size in {model_dir / 'config.json'}"
+    except (OSError, ValueError) as e:
+        unknown["vocab_size"] = f"{model_dir / 'config.json'} unreadable ({type(e).__name__}: {e})"
+    files = revision = template = None
+    try:
+        from ..tito.hooks import TitoError
+        from ..tito.hooks import tokenizer_fingerprint as tito_fingerprint
+
+        # tito's own cache is keyed by path only; this one also by the files' sizes and mtimes
+        tito = tito_fingerprint.__wrapped__(str(model_dir))
+        files, revision = "files:" + tito["tokenizer"], tito["revision"]
+        template = _template_hash(read_chat_template(model_dir))
+    except (TitoError, OSError, ValueError, KeyError, TypeError) as e:
+        for name in ("tokenizer_revision", "chat_template"):
+            unknown[name] = str(e)
+    values: dict[str, Any] = {"chat_template": template}
+    try:
+        tok = _load_tokenizer(model_dir)
+    except Exception as e:  # noqa: BLE001 - any failure to load is reported as "not checked", with its reason
+        why = f"no tokenizer loads from {model_dir} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        for name in ("tokenizer_len", *SPECIAL_ROLES, "special_tokens"):
+            unknown[name] = why
+        if files is None:
+            unknown["tokenizer"] = why
+        values["tokenizer"] = files
+    else:
+        values.update(
+            tokenizer_len=len(tok),
+            special_tokens=tuple(sorted((int(i), str(t.content)) for i, t in tok.added_tokens_decoder.items()
+                                        if getattr(t, "special", False))),
+            tokenizer=_encoding_hash(tok, model_dir),
+            tokenizer_loaded=True,
+            **{role: _token(tok, role) for role in SPECIAL_ROLES},
+        )
+    return Fingerprint(source=str(model_dir), vocab_size=vocab, files=files, revision=revision, unknown=unknown,
+                       **values)
+
+
+def _stamp(model_dir: Path) -> tuple:
+    """Sizes and mtimes of the files read, so a rewritten checkpoint is read again."""
+    out = []
+    for p in sorted(model_dir.iterdir()) if model_dir.is_dir() else ():
+        if p.is_file() and (p.suffix in (".json", ".jinja", ".txt", ".model", ".tiktoken")):
+            st = p.stat()
+            out.append((p.name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def fingerprint_dir(model_dir: str | Path) -> Fingerprint:
+    """The fingerprint of an HF checkpoint directory (config.json and tokenizer files; weights unread).
+
+    Cached per directory while its files are unchanged."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir} is not a directory")
+    return _fingerprint_cached(str(model_dir), _stamp(model_dir))
+
+
+def clear_cache() -> None:
+    """Forget fingerprints and the lines already logged (tests)."""
+    _fingerprint_cached.cache_clear()
+    _logged.clear()
+    try:
+        from ..tito.hooks import tokenizer_fingerprint as tito_fingerprint
+
+        tito_fingerprint.cache_clear()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+# ---- engines ----------------------------------------------------------------------------------------
+def probe_engine(url: str, *, timeout_s: float = 5.0,
+                 get: Callable[[str], Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """What a serving engine says about its model: ``(info, errors)``.
+
+    ``info`` merges ``/get_model_info`` and ``/get_server_info`` (``/server_info`` when the former is
+    absent): ``model_path``, ``tokenizer_path`` and, when the engine reports it, ``vocab_size``.
+    ``errors`` names each endpoint that did not answer, with why."""
+    if get is None:
+        from ..json_client import request_json
+
+        def get(u: str) -> Any:
+            return request_json(u, timeout_s=timeout_s, retries=0)
+
+    base = url.rstrip("/")
+    info: dict[str, Any] = {}
+    errors: list[str] = []
+    for group in (("/get_model_info", "/model_info"), ("/get_server_info", "/server_info")):
+        last = None
+        for path in group:
+            try:
+                answer = get(base + path)
+            except Exception as e:  # noqa: BLE001 - an unreachable engine is reported, not raised
+                why = str(e).split("attempt(s): ", 1)[-1]
+                last = f"{base} did not answer {path} ({why})"
+                if getattr(e, "status", None) is None:  # no answer at all: asking again will not help
+                    errors.append(last)
+                    return info, errors
+                continue
+            if isinstance(answer, Mapping):
+                for key in ("model_path", "tokenizer_path", "vocab_size"):
+                    if answer.get(key) is not None and key not in info:
+                        info[key] = answer[key]
+            last = None
+            break
+        if last is not None:
+            errors.append(last)
+    return info, errors
+
+
+def fingerprint_from_engine(url: str, *, timeout_s: float = 5.0,
+                            get: Callable[[str], Any] | None = None) -> Fingerprint:
+    """A teacher's fingerprint as far as its engine at ``url`` can tell (see :func:`probe_engine`)."""
+    info, errors = probe_engine(url, timeout_s=timeout_s, get=get)
+    reason = "; ".join(errors) if errors else None
+    for key in ("tokenizer_path", "model_path"):
+        path = info.get(key)
+        if isinstance(path, str) and path and os.path.isdir(path):
+            fp = fingerprint_dir(path)
+            vocab = info.get("vocab_size")
+            unknown = dict(fp.unknown)
+            if fp.vocab_size is None and isinstance(vocab, int):
+                unknown.pop("vocab_size", None)
+                return _replace(fp, source=f"{url} ({key} {path})", vocab_size=vocab, unknown=unknown)
+            return _replace(fp, source=f"{url} ({key} {path})")
+    vocab = info.get("vocab_size")
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+    path = info.get("tokenizer_path") or info.get("model_path")
+    why = reason or (f"the engine's tokenizer path {path!r} is not a directory here" if path
+                     else "the engine reports no model or tokenizer path")
+    unknown = {name: why for name in FIELDS if name not in ("vocab_size", "tokenizer_revision")}
+    if vocab is None:
+        unknown["vocab_size"] = reason or "the engine does not report vocab_size"
+    return Fingerprint(source=url, vocab_size=vocab, unknown=unknown)
+
+
+def _replace(fp: Fingerprint, **changes: Any) -> Fingerprint:
+    import dataclasses
+
+    return dataclasses.replace(fp, **changes)
+
+
+# ---- comparison -------------------------------------------------------------------------------------
+def _value(fp: Fingerprint, name: str) -> Any:
+    if name == "tokenizer_revision":
+        return fp.revision
+    return getattr(fp, name)
+
+
+def compare(teacher: str, student: Fingerprint, teacher_fp: Fingerprint, *,
+            declared_vocab_size: int | None = None, declared_revision: str | None = None) -> Report:
+    """Compare a teacher's fingerprint with the student's under the module's rules.
+
+    ``declared_vocab_size`` (the teacher entry's ``vocab_size``) replaces the teacher's read one;
+    ``declared_revision`` (its ``tokenizer_revision``) is compared with the student's tito revision."""
+    report = Report(teacher, teacher_fp.source, student.source)
+    t_vocab = declared_vocab_size if declared_vocab_size is not None else teacher_fp.vocab_size
+    for name in FIELDS:
+        if name == "tokenizer_revision":
+            if declared_revision is None:
+                continue
+            s_val, t_val = student.revision, declared_revision
+        elif name == "vocab_size":
+            s_val, t_val = student.vocab_size, t_vocab
+        elif name == "tokenizer":
+            s_val, t_val = student.tokenizer, teacher_fp.tokenizer
+            # one side not loadable: compare both by their tokenizer files
+            if (s_val and t_val) and s_val.split(":")[0] != t_val.split(":")[0] and student.files and teacher_fp.files:
+                s_val, t_val = student.files, teacher_fp.files
+        elif name in ("tokenizer_len", *SPECIAL_ROLES, "special_tokens"):
+            if not (student.tokenizer_loaded and teacher_fp.tokenizer_loaded):
+                side = student if not student.tokenizer_loaded else teacher_fp
+                who = "student" if side is student else "teacher"
+                report.unchecked[name] = f"{who}: {side.unknown.get(name, 'tokenizer is not loaded')}"
+                continue
+            s_val, t_val = getattr(student, name), getattr(teacher_fp, name)
+            if s_val != t_val:  # None is a value here: that special token is unset
+                report.mismatches.append(Mismatch(teacher, name, s_val, t_val))
+            continue
+        else:
+            s_val, t_val = _value(student, name), _value(teacher_fp, name)
+        if s_val is None or t_val is None:
+            if s_val is None:
+                why = f"student: {student.unknown.get(name, name + ' is unknown')}"
+            else:
+                why = f"teacher: {teacher_fp.unknown.get(name, name + ' is unknown')}"
+            report.unchecked[name] = why
+            continue
+        if s_val != t_val:
+            report.mismatches.append(Mismatch(teacher, name, s_val, t_val))
+    return report
+
+
+def _fmt(name: str, value: Any, other: Any = None) -> str:
+    if value is None:
+        return "unset"
+    if name in SPECIAL_ROLES:
+        return f"{value[0]} {value[1]!r}"
+    if name == "special_tokens":
+        # only the part that differs: this side's special tokens the other side lacks
+        extra = sorted(set(value) - set(other or ()))
+        shown = ", ".join(f"{i} {t!r}" for i, t in extra[:4]) + (f", ... ({len(extra)} in all)" if len(extra) > 4 else "")
+        return "{" + shown + "}" if extra else "{}"
+    return str(value)
+
+
+def describe(m: Mismatch) -> str:
+    """``vocab_size 151936 differs from the student's 151552``."""
+    if m.field == "special_tokens":
+        return (f"special_tokens differ: the teacher has {_fmt(m.field, m.teacher_value, m.student)} that the "
+                f"student has not, the student {_fmt(m.field, m.student, m.teacher_value)}")
+    return f"{m.field} {_fmt(m.field, m.teacher_value)} differs from the student's {_fmt(m.field, m.student)}"
+
+
+def report_line(report: Report, student_flag: str = "--hf-checkpoint") -> str:
+    """``opd teacher 'code': vocab_size 151936 differs from the student's 151552 (--hf-checkpoint)``, with
+    every mismatch of the teacher and where the teacher's values were read."""
+    parts = ", ".join(describe(m) for m in report.mismatches)
+    return f"opd teacher {report.teacher!r}: {parts} ({student_flag}; teacher read from {report.teacher_source})"
+
+
+def fix_hint(names: Sequence[str]) -> str:
+    return ("Fix: give each teacher a checkpoint trained from the student's tokenizer (same vocab_size, special "
+            "tokens, tokenizer and chat template); a teacher whose tokenizer is deliberately different but aligned "
+            f"(e.g. a padded embedding table) can opt out with compat_check: warn (or off) in its "
+            f"ascend_opd_teachers entry ({', '.join(repr(n) for n in names)}), or ascend_opd_compat_check: warn "
+            "for every teacher")
+
+
+# ---- teachers ---------------------------------------------------------------------------------------
+_logged: set[str] = set()
+
+
+def _log_once(log: logging.Logger, line: str) -> None:
+    if line not in _logged:
+        _logged.add(line)
+        log.warning("%s", line)
+
+
+def teacher_mode(spec: Any, default: str) -> str:
+    """The teacher's own ``compat_check`` when set, else ``default``."""
+    return getattr(spec, "compat_check", None) or default
+
+
+def teacher_fingerprint(spec: Any, *, probe: bool = True, timeout_s: float = 5.0,
+                        get: Callable[[str], Any] | None = None) -> Fingerprint:
+    """Read from the teacher's ``checkpoint_dir`` when it is a directory here, else ask its engine
+    (``url``, when ``probe``); otherwise every field is unknown, with why."""
+    ckpt = Path(spec.checkpoint_dir)
+    if ckpt.is_dir():
+        return fingerprint_dir(ckpt)
+    if spec.url and probe:
+        fp = fingerprint_from_engine(spec.url, timeout_s=timeout_s, get=get)
+        unknown = {k: f"checkpoint_dir {ckpt} is not a directory here and {v}" for k, v in fp.unknown.items()}
+        return _replace(fp, unknown=unknown)
+    why = f"checkpoint_dir {ckpt} is not a directory here" + ("" if spec.url else " and the teacher has no url")
+    return Fingerprint(source=f"checkpoint_dir {ckpt}", unknown={name: why for name in FIELDS})
+
+
+def unchecked_line(report: Report) -> str:
+    by_reason: dict[str, list[str]] = {}
+    for name, why in report.unchecked.items():
+        by_reason.setdefault(why, []).append(name)
+    return f"opd teacher {report.teacher!r}: not checked against the student: " + "; ".join(
+        f"{', '.join(names)} ({why})" for why, names in by_reason.items())
+
+
+def check_teachers(teachers: Sequence[Any], student_dir: str | Path | None, *, mode: str = "strict",
+                   student_vocab_size: int | None = None, student_flag: str = "--hf-checkpoint",
+                   probe: bool = True, timeout_s: float = 5.0, get: Callable[[str], Any] | None = None,
+                   log: logging.Logger = logger) -> list[Report]:
+    """Compare every teacher (a :class:`~slime_ascend.opd.teachers.TeacherSpec`) with the student.
+
+    Each teacher's mode is its ``compat_check``, else ``mode``. ``strict`` teachers with a mismatch raise
+    :class:`~slime_ascend.opd.teachers.TeacherMismatchError` (one line: each such teacher's mismatches and
+    the Fix); ``warn`` teachers' mismatches are logged; ``off`` teachers are skipped (nothing is read).
+    Fields that could not be compared are logged once per process, naming the teacher and why.
+    ``student_vocab_size`` stands in when the student's config.json has none. Returns the reports."""
+    from .teachers import TeacherMismatchError
+
+    if mode not in MODES:
+        raise ValueError(f"compat_check mode must be one of {MODES}, got {mode!r}")
+    active = [t for t in teachers if teacher_mode(t, mode) != "off"]
+    if not active:
+        return []
+    student_ok = student_dir is not None and Path(student_dir).is_dir()
+    if student_ok:
+        student = fingerprint_dir(student_dir)
+    else:
+        why = (f"the student's {student_flag} {student_dir} is not a directory here" if student_dir
+               else f"the student's {student_flag} is not set")
+        student = Fingerprint(source=str(student_dir), unknown={name: why for name in FIELDS})
+    if student.vocab_size is None and student_vocab_size is not None:
+        unknown = dict(student.unknown)
+        unknown.pop("vocab_size", None)
+        student = _replace(student, vocab_size=int(student_vocab_size), unknown=unknown)
+    if not student_ok and student.vocab_size is None:
+        _log_once(log, f"opd teacher compatibility not checked: {student.unknown['vocab_size']}")
+        return []
+    reports, refused = [], []
+    for spec in active:
+        fp = teacher_fingerprint(spec, probe=probe, timeout_s=timeout_s, get=get)
+        report = compare(spec.name, student, fp, declared_vocab_size=getattr(spec, "vocab_size", None),
+                         declared_revision=getattr(spec, "tokenizer_revision", None))
+        reports.append(report)
+        if report.unchecked:
+            _log_once(log, unchecked_line(report))
+        if report.mismatches:
+            if teacher_mode(spec, mode) == "strict":
+                refused.append(report)
+            else:
+                _log_once(log, report_line(report, student_flag) + " (compat_check: warn: starting anyway)")
+    if refused:
+        raise TeacherMismatchError(
+            "; ".join(report_line(r, student_flag) for r in refused) + ". " + fix_hint([r.teacher for r in refused]))
+    return reports
