@@ -12,6 +12,11 @@ What it does, in order:
        fractions.
     4. Checks deterministic top-k (:mod:`slime_ascend.algorithms.topk`) on tie-heavy scores: repeat
        calls, 1 vs N threads, a stable-sort reference, index replay, and ``device`` vs CPU.
+    5. DSA indexer top-k (:mod:`slime_ascend.algorithms.dsa_topk`, what the ``dsa-determinism`` plugin puts
+       in slime's indexer): index-set agreement between two numeric paths of a lightning indexer
+       (causal, sum over heads of relu(q.k) * w): the key-sharded merge vs the unsharded top-k (must be
+       identical), and bf16 vs fp32 indexer inputs (fraction of query rows with identical index sets and
+       mean Jaccard, lower bounds :data:`DSA_TOPK_THRESHOLDS`).
 
 Thresholds (:data:`DEFAULT_THRESHOLDS`) were calibrated on the tiny model (initializer_range 0.1, so
 log-probs have a std of ~0.8 rather than the near-uniform 0.17 of the default 0.02), seeds 0-2, on CPU:
@@ -20,6 +25,11 @@ log-probs have a std of ~0.8 rather than the near-uniform 0.17 of the default 0.
 Bounds are ~3x the worst measurement for means/p99s; masked fractions allow 1% (DIS, GLM-5 band
 (0.8, 1.28) needs |Δ| >= 0.22) and 0.1% (IcePop, |Δ| >= 0.69; Ring-1T reports 1-2 per mille on real
 models). A real model (``model_dir``) can differ; pass ``thresholds=`` to override.
+
+DSA top-k bounds (:data:`DSA_TOPK_THRESHOLDS`) were calibrated on the default indexer shape (512 causal
+queries, 8 heads of dim 32, k = 64, so the first 64 rows select every key), seeds 0-2, on CPU: bf16 vs
+fp32 inputs give identical index sets in 0.88-0.91 of the rows and a mean Jaccard of 0.996-0.997 (a
+differing row swaps 1-2 of its 64 keys). The bounds allow ~3x the worst deviation from 1 (0.6, 0.98).
 
 The INT8 fake quantiser here is a local stand-in (scale = amax/127 in fp32, round half to even,
 clamp ±127, all-zero rows stay zero); it will be switched to :mod:`slime_ascend.quant`.
@@ -38,6 +48,7 @@ from typing import Any
 
 import torch
 
+from slime_ascend.algorithms.dsa_topk import deterministic_topk, index_set_agreement, sharded_deterministic_topk
 from slime_ascend.algorithms.masks import DIS_PRESETS, dis_mask, icepop_weights
 from slime_ascend.algorithms.mismatch import mismatch_stats
 from slime_ascend.algorithms.topk import deterministic_topk_indices, replay_topk_indices
@@ -45,6 +56,7 @@ from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
+    "DSA_TOPK_THRESHOLDS",
     "INJECTIONS",
     "ContractResult",
     "CheckReport",
@@ -61,11 +73,16 @@ DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     "int8": {"logratio_abs_mean": 0.05, "logratio_abs_p99": 0.2, "dis_masked_frac": 0.01, "icepop_masked_frac": 0.001},
 }
 
+#: Lower bounds of the DSA indexer's bf16-vs-fp32 index-set agreement (see module docstring).
+DSA_TOPK_THRESHOLDS: dict[str, float] = {"rows_identical_frac": 0.6, "jaccard_mean": 0.98}
+
 #: Deliberate faults for self-tests of the checker: each must turn some contract to FAIL.
 #:   logprob_noise: add N(0, 0.5²) to the bf16 path's log-probs.
 #:   logprob_nan:   put a NaN into the bf16 path's log-probs.
 #:   topk_unstable: top-k under test breaks ties by *highest* index on every other call.
-INJECTIONS = ("logprob_noise", "logprob_nan", "topk_unstable")
+#:   dsa_merge_unstable: the key-sharded DSA top-k merges ties by *highest* index.
+#:   dsa_bf16_noise: the bf16 DSA indexer path's scores get N(0, 1²) noise.
+INJECTIONS = ("logprob_noise", "logprob_nan", "topk_unstable", "dsa_merge_unstable", "dsa_bf16_noise")
 
 # the reference engine's tiny model, with a shorter context and a wider init (the default init gives
 # near-uniform log-probs, which would make every numeric path look alike)
@@ -267,6 +284,63 @@ def _topk_contracts(device: torch.device, seed: int, topk_fn, rows: int, length:
     return out
 
 
+def _indexer_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores [T, S] in fp32: sum_h relu(q[t, h] . k[s]) * w[t, h], causal (-inf above the
+    diagonal), the formula of slime's GLM-5 indexer kernel. q . k comes out in the inputs' dtype (bf16 inputs:
+    rounded to bf16), the weighted sum over heads is taken in fp32."""
+    s = torch.einsum("thd,sd->ths", q, k).float()
+    logits = (s.clamp(min=0) * w.float()[..., None]).sum(1)
+    causal = torch.ones(logits.shape, dtype=torch.bool, device=logits.device).tril()
+    return logits.masked_fill(~causal, float("-inf"))
+
+
+def _unstable_sharded_topk(scores: torch.Tensor, k: int, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fault: the sharded path with ties by highest index (the merge of the key-reversed scores, mapped back)."""
+    length = scores.shape[-1]
+    values, idx = sharded_deterministic_topk(scores.flip(-1), k, sizes[::-1])
+    return values, torch.where(idx >= 0, length - 1 - idx, idx)
+
+
+def _dsa_topk_contracts(device: torch.device, seed: int, shape: tuple[int, int, int, int],
+                        bounds: Mapping[str, float], inject: str | None,
+                        stats: dict[str, dict[str, float]]) -> list[ContractResult]:
+    n, heads, dim, k = shape
+    g = torch.Generator().manual_seed(seed + 3)
+    q = torch.randn(n, heads, dim, generator=g)
+    key = torch.randn(n, dim, generator=g)
+    w = torch.randn(n, heads, generator=g) / heads ** 0.5
+    out: list[ContractResult] = []
+
+    # 1) key-sharded merge vs unsharded: uneven shards (one empty), on the fp32 scores and on a coarse
+    #    grid of them (ties everywhere); values and indices must be identical row by row.
+    fp32 = _indexer_logits(q.to(device), key.to(device), w.to(device))
+    sizes = [n // 7, n // 3, 0, n - n // 7 - n // 3]
+    merge = _unstable_sharded_topk if inject == "dsa_merge_unstable" else sharded_deterministic_topk
+    same_rows, rows = 0, 0
+    for scores in (fp32, torch.round(fp32 * 2) / 2):
+        whole_v, whole_i = deterministic_topk(scores, k)
+        got_v, got_i = merge(scores, k, sizes)
+        same = (got_i == whole_i).all(-1) & ((got_v == whole_v) | (got_i < 0)).all(-1)
+        same_rows += int(same.sum())
+        rows += int(same.numel())
+    frac = same_rows / rows
+    out.append(ContractResult("dsa_topk.sharded_merge_identical", PASS if frac == 1.0 else FAIL, frac,
+                              "== 1 (rows identical)", f"shards {sizes} of {n} keys, k={k}, {rows} rows"))
+
+    # 2) bf16 vs fp32 indexer inputs: index-set agreement of the deterministic top-k.
+    bf16 = _indexer_logits(q.to(device, torch.bfloat16), key.to(device, torch.bfloat16), w.to(device, torch.bfloat16))
+    if inject == "dsa_bf16_noise":
+        bf16 = bf16 + torch.randn(bf16.shape, generator=torch.Generator().manual_seed(seed + 4)).to(device)
+    agreement = index_set_agreement(deterministic_topk(fp32, k)[1].cpu(), deterministic_topk(bf16, k)[1].cpu())
+    stats["dsa_topk_bf16"] = agreement
+    for stat in ("rows_identical_frac", "jaccard_mean"):
+        value, bound = agreement[stat], bounds[stat]
+        ok = math.isfinite(value) and value >= bound
+        out.append(ContractResult(f"dsa_topk.bf16_vs_fp32.{stat}", PASS if ok else FAIL, value, f">= {bound:g}",
+                                  f"{n} queries, {heads} heads, dim {dim}, k={k}"))
+    return out
+
+
 def run_check(
     model_dir: str | None = None,
     device: str = "cpu",
@@ -279,6 +353,8 @@ def run_check(
     thresholds: Mapping[str, Mapping[str, float]] | None = None,
     inject: str | None = None,
     topk_shape: tuple[int, int, int] = (8, 8192, 512),
+    dsa_shape: tuple[int, int, int, int] = (512, 8, 32, 64),
+    dsa_thresholds: Mapping[str, float] | None = None,
 ) -> CheckReport:
     """Run all contracts; optionally write JSON (``out_json``) and a log-ratio histogram PNG (``plot``).
 
@@ -290,6 +366,8 @@ def run_check(
         thresholds: per-path overrides merged into :data:`DEFAULT_THRESHOLDS`.
         inject: one of :data:`INJECTIONS` (tests only).
         topk_shape: (rows, L, k) of the top-k determinism case.
+        dsa_shape: (queries = keys, heads, head dim, k) of the DSA indexer top-k case.
+        dsa_thresholds: overrides of :data:`DSA_TOPK_THRESHOLDS` (lower bounds).
     """
     if inject is not None and inject not in INJECTIONS:
         raise ValueError(f"inject must be None or one of {INJECTIONS}, got {inject!r}")
@@ -302,6 +380,11 @@ def run_check(
         if p not in limits:
             raise ValueError(f"thresholds has unknown path {p!r}; known: {sorted(limits)}")
         limits[p].update(v)
+    dsa_bounds = dict(DSA_TOPK_THRESHOLDS)
+    for stat, v in (dsa_thresholds or {}).items():
+        if stat not in dsa_bounds:
+            raise ValueError(f"dsa_thresholds has unknown statistic {stat!r}; known: {sorted(dsa_bounds)}")
+        dsa_bounds[stat] = float(v)
 
     model, meta = _build_model(model_dir, seed)
     vocab = int(meta["vocab_size"])
@@ -347,6 +430,8 @@ def run_check(
     topk_fn = _unstable_topk() if inject == "topk_unstable" else deterministic_topk_indices
     report.contracts.extend(_topk_contracts(dev, seed, topk_fn, rows, length, k))
     report.meta["topk_shape"] = list(topk_shape)
+    report.contracts.extend(_dsa_topk_contracts(dev, seed, tuple(dsa_shape), dsa_bounds, inject, report.stats))
+    report.meta["dsa_shape"] = list(dsa_shape)
     report.meta["elapsed_s"] = round(time.perf_counter() - t0, 3)
 
     if out_json is not None:

@@ -12,7 +12,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="slime-ascend check",
         description="Compare log-probs of the same token IDs along two numeric paths, report mismatch and "
-        "DIS/IcePop masked fractions, and check top-k determinism. Exit status 1 when a contract is broken.",
+        "DIS/IcePop masked fractions, check top-k determinism and the DSA indexer top-k's index-set agreement "
+        "(key-sharded merge vs unsharded, bf16 vs fp32 scores). Exit status 1 when a contract is broken.",
     )
     p.add_argument("--model", default=None, help="local HF checkpoint dir (safetensors); default: built-in tiny model")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, npu (default cpu)")

@@ -36,13 +36,19 @@ def test_clean_run_passes_with_named_contracts(clean) -> None:
         for stat in bounds:
             assert f"{path}_vs_fp32.{stat}" in names
     for name in ("logprobs.finite", "topk.repeat_identical", "topk.threads_identical",
-                 "topk.matches_stable_sort", "topk.replay_roundtrip", "topk.device_matches_cpu"):
+                 "topk.matches_stable_sort", "topk.replay_roundtrip", "topk.device_matches_cpu",
+                 "dsa_topk.sharded_merge_identical", "dsa_topk.bf16_vs_fp32.rows_identical_frac",
+                 "dsa_topk.bf16_vs_fp32.jaccard_mean"):
         assert name in names
     assert report.passed, format_table(report)
     assert report.contract("topk.device_matches_cpu").status == "SKIP"
     assert {"bf16", "int8"} <= report.stats.keys()
     assert report.stats["bf16"]["tokens"] == 4 * 63
     assert 0 < report.stats["bf16"]["logratio_abs_mean"] < 0.03
+    assert report.contract("dsa_topk.sharded_merge_identical").value == 1.0
+    dsa = report.stats["dsa_topk_bf16"]
+    assert dsa["rows"] == 512 and 0.6 <= dsa["rows_identical_frac"] < 1.0  # bf16 does move some keys
+    assert 0.9 < dsa["jaccard_min"] <= dsa["jaccard_mean"] < 1.0 and dsa["jaccard_mean"] >= 0.98
 
 
 def test_json_and_plot_written(clean) -> None:
@@ -73,6 +79,8 @@ def test_same_seed_same_numbers(clean) -> None:
         ("logprob_noise", "bf16_vs_fp32.logratio_abs_mean"),
         ("logprob_nan", "logprobs.finite"),
         ("topk_unstable", "topk.repeat_identical"),
+        ("dsa_merge_unstable", "dsa_topk.sharded_merge_identical"),
+        ("dsa_bf16_noise", "dsa_topk.bf16_vs_fp32.jaccard_mean"),
     ],
 )
 def test_injected_fault_is_reported(inject: str, must_fail: str) -> None:
@@ -102,6 +110,15 @@ def test_model_dir_safetensors_only(tmp_path) -> None:
         run_check(model_dir=str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="not a directory"):
         run_check(model_dir=str(tmp_path / "missing"))
+
+
+def test_dsa_threshold_override() -> None:
+    report = run_check(dsa_thresholds={"rows_identical_frac": 0.999}, topk_shape=SMALL_TOPK, dsa_shape=(128, 4, 16, 16))
+    assert report.contract("dsa_topk.bf16_vs_fp32.rows_identical_frac").status == "FAIL"
+    assert report.contract("dsa_topk.bf16_vs_fp32.rows_identical_frac").threshold == ">= 0.999"
+    assert report.contract("dsa_topk.sharded_merge_identical").status == "PASS"
+    with pytest.raises(ValueError, match="unknown statistic"):
+        run_check(dsa_thresholds={"jaccard_max": 1.0})
 
 
 def test_bad_arguments() -> None:
