@@ -197,3 +197,47 @@ def test_index_set_agreement() -> None:
     assert got["jaccard_mean"] == pytest.approx((1 + 1 / 3 + 1) / 3)
     assert got["jaccard_min"] == pytest.approx(1 / 3)
     assert index_set_agreement(a[:0], b[:0])["rows_identical_frac"] == 1.0
+
+
+def _gather_worker(rank: int, world: int, port: int, scores: torch.Tensor, sizes: list[int], k: int, out) -> None:
+    import torch.distributed as dist
+
+    from slime_ascend.algorithms.dsa_topk import all_gather_deterministic_topk
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        # ranks hold the key ranges in reverse order: rank 0 the last range
+        order = list(range(world))[::-1]
+        offset = sum(sizes[: order[rank]])
+        local = scores[..., offset: offset + sizes[order[rank]]]
+        values, idx = all_gather_deterministic_topk(local, k, offset, index_dtype=torch.int32)
+        out.put((rank, values, idx))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_gather_form_over_gloo() -> None:
+    """Two processes (gloo), uneven key ranges in reverse rank order: every rank gets the unsharded top-k."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randint(-3, 3, (4, 23), generator=g).float()
+    scores[1, 5:] = NEG_INF
+    sizes, k = [9, 14], 7
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gather_worker, args=(r, 2, port, scores, sizes, k, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    want = deterministic_topk(scores, k, index_dtype=torch.int32)
+    for _, values, idx in results:
+        assert torch.equal(values, want[0]) and torch.equal(idx, want[1])
