@@ -285,3 +285,44 @@ def test_train_py_opd_topk_mode(models, engines, tmp_path):
         assert 0 < m["train/opd_topk_loss"] < m["train/opd_topk_kl"], m  # mean coef 0.75
         assert m["train/loss"] == pytest.approx(m["train/pg_loss"] + m["train/opd_topk_loss"], rel=1e-4, abs=1e-6), m
         assert math.isfinite(m["train/grad_norm"]) and m["train/grad_norm"] > 0, m
+
+
+def test_train_py_refuses_a_teacher_with_another_vocabulary(models, tmp_path):
+    """Teacher/student compatibility at start: slime's own ``train.py`` with a teacher whose vocabulary differs
+    from the student's stops in the driver (slime's ``parse_args``, before Ray or any rollout) with one line
+    naming the teacher and the field."""
+    import json
+    import shutil
+
+    code = shutil.copytree(models["code"], tmp_path / "teacher-code-bigger-vocab")
+    cfg = json.loads((code / "config.json").read_text())
+    student_vocab = cfg["vocab_size"]
+    cfg["vocab_size"] = student_vocab + 512
+    (code / "config.json").write_text(json.dumps(cfg))
+    nowhere = "http://127.0.0.1:9"  # never reached: the driver refuses first
+    teachers = [
+        {"name": "math", "checkpoint_dir": str(models["math"]), "domains": ["math"], "url": nowhere},
+        {"name": "code", "checkpoint_dir": str(code), "domains": ["code"]},
+    ]
+    config = _write_config(tmp_path, teachers, nowhere, tmp_path / "teacher-stage")
+    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=("math", "code"))
+    # slime's parse_args asks the rollout engine for its server info (external engine discovery) before it
+    # returns, so the student's engine runs; the teachers' are never asked
+    rollout = start_engine(models["student"], tmp_path / "engine-rollout.log")
+    try:
+        flags = slime_flags(models["student"], prompts, [rollout], tmp_path, num_rollout=1)
+        run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config, timeout=300)
+    finally:
+        stop(rollout.proc)
+    print(f"slime train.py refused the teacher in {run.seconds:.1f} s")
+    assert run.returncode == 2, run.log[-4000:]
+    errors = [line for line in run.log.splitlines() if line.startswith("slime-ascend: error:")]
+    assert len(errors) == 1, run.log[-4000:]
+    print(errors[0])
+    assert errors[0].startswith(
+        f"slime-ascend: error: opd teacher 'code': vocab_size {student_vocab + 512} differs from the student's "
+        f"{student_vocab} (--hf-checkpoint"), errors[0]
+    assert "Fix:" in errors[0] and "compat_check: warn" in errors[0]
+    # before any rollout: Ray never started, no engine was asked
+    assert "Started a local Ray instance" not in run.log and "RolloutManager" not in run.log
+    assert not (tmp_path / "teacher-stage").exists()
