@@ -341,10 +341,13 @@ def validate_icepop(args: Any, settings: Any) -> None:
 # its samples' ``weight_versions``, it failed if any sample's status is FAILED or ABORTED. Groups are
 # the rollouts sharing ``group_index`` (none: each rollout alone).
 #
-# Trainer version (our choice [D]): the newest weight version seen so far in this process, i.e. the
-# high-water mark of every ``Sample.weight_versions`` entry that reached this hook. The rollout manager
-# has no direct view of the trainer's counter; an engine reports version v only after the trainer has
-# produced v, so this is a lower bound of the trainer's version, and lags are never over-estimated.
+# Trainer version: the version every rollout engine acknowledged last
+# (:mod:`slime_ascend.weight_sync.served_version`, published by the ``driver.acknowledged_weight_update``
+# patch after it read every engine's version back), or, before any acknowledged switch or where no switch
+# is acknowledged (another transport), the newest weight version seen so far in this process (the
+# high-water mark of every ``Sample.weight_versions`` entry that reached this hook: an engine reports v
+# only after the trainer produced v, so a lower bound); the larger of the two. Each sample's versions are
+# the ones its engine's responses reported (SGLang ``meta_info["weight_version"]``).
 # Lag = trainer_version - min(versions); stale iff lag > ``ascend_staleness_tau``.
 #
 # With ``ascend_staleness_group_rule`` (GLM-5): a rollout is invalid if stale or failed; a group with
@@ -432,7 +435,8 @@ def staleness_post_process(args: Any, samples: list, raw_rewards: list, rewards:
     with _lock:
         newest = max([_state["high_water"]] + [v for vs in versions.values() for v in vs])
         _state["high_water"] = newest
-    trainer_version, tau = newest, s.tau
+    acknowledged = _acknowledged_version()
+    trainer_version, tau = max(newest, acknowledged or 0), s.tau
     lag = {k: (trainer_version - min(v) if v else 0) for k, v in versions.items()}
 
     action: dict[Any, str] = {}
@@ -514,6 +518,7 @@ def staleness_post_process(args: Any, samples: list, raw_rewards: list, rewards:
         "unversioned": unversioned,
         "max_lag": max(lag_hist) if lag_hist else 0,
         "lag_histogram": dict(sorted(lag_hist.items())),
+        "acknowledged_version": acknowledged if acknowledged is not None else -1,
     }
     with _lock:
         _state["report"] = report
@@ -531,7 +536,26 @@ def staleness_post_process(args: Any, samples: list, raw_rewards: list, rewards:
 
 METRIC_PREFIX = "rollout/staleness_"
 METRIC_KEYS = ("rollouts", "kept", "padded", "dropped", "stale", "env_failed", "dropped_groups", "unversioned",
-               "max_lag", "trainer_version")
+               "max_lag", "trainer_version", "acknowledged_version")
+
+
+def _acknowledged_version() -> int | None:
+    """The version every engine acknowledged last in this job (None: no acknowledged switch yet, or not
+    under Ray)."""
+    if "ray" not in sys.modules:
+        return None
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        from ..weight_sync import served_version
+
+        return served_version.acknowledged()
+    except Exception as exc:  # noqa: BLE001 - the high-water mark still bounds the trainer's version
+        logger.warning("staleness: could not read the acknowledged weight version (%s); using the newest seen",
+                       " ".join(str(exc).split())[:200])
+        return None
 
 
 def report_metrics(args: Any, report: dict[str, Any]) -> dict[str, float]:

@@ -16,7 +16,7 @@ Declarations only (cheap to import; no torch). The hook code is :mod:`slime_asce
 
 from __future__ import annotations
 
-from ..plugins.base import Contribution, Plugin
+from ..plugins.base import Contribution, PatchUse, Plugin
 from ..plugins.settings import Setting
 
 _H = "slime_ascend.offpolicy.hooks."
@@ -84,5 +84,8 @@ STALENESS = Plugin(
         Contribution("reward_post_process", _H + "staleness_post_process", order=100,
                      note="marks remove_sample on stale / failed samples and dropped groups"),
     ),
+    # the trainer's version is the one every engine acknowledged (disk weight updates switch all engines or
+    # none, and read their versions back)
+    patches=(PatchUse("driver.acknowledged_weight_update", "import:slime.ray.actor_group"),),
     validate=_H + "validate_staleness",
 )

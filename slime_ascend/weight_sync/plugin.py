@@ -30,6 +30,8 @@ PATCHES = (
     PatchUse("train.quantize_params", "train"),
     PatchUse("train.quant_post_process", "train"),
     PatchUse("train.weight_sync_metrics", "train", when=_W + "funnel.metrics_enabled"),
+    # the end of the sync chain: every engine switches to the new version, acknowledged, or none does
+    PatchUse("driver.acknowledged_weight_update", "import:slime.ray.actor_group"),
 )
 NAMES = ("fp8-sync", "int8-sync", "int4-sync")
 

@@ -98,6 +98,11 @@ def test_train_py_grpo_with_npu_on_the_host_dis_staleness_and_tito(model_dir, en
     versions = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert versions == ["weight_v000001", "weight_v000002", "weight_v000003"], versions
     assert _steps(run, "perf/update_weights_time")
+    # every weight version was switched on the engine and read back before generation resumed, and the
+    # staleness plugin judged with the acknowledged version (1 after slime's first push, 2 after step 0)
+    for version in (1, 2, 3):
+        assert f"weight version {version} acknowledged by every engine (1)" in run.log, version
+    assert [m["rollout/staleness_acknowledged_version"] for m in staleness] == [1, 2], staleness
     # the plugins' numbers reached slime's trackers (TensorBoard here; wandb gets the same calls), not
     # only the log: DIS's masked fraction at each train step, staleness and tito at each rollout step
     tracked = run.tracked()
@@ -158,4 +163,40 @@ def test_train_async_py_fully_async_grpo_with_icepop_staleness_and_tito(model_di
     tracked = run.tracked()
     assert [step for step, _ in tracked["train/icepop_masked"]] == list(range(num_rollout))
     assert [v for _, v in tracked["rollout/staleness_dropped"]] == [0, 0, 2 * n_samples]
+
+
+def test_a_weight_update_one_engine_refuses_leaves_every_engine_on_the_old_version(model_dir, engine, tmp_path):
+    """Two rollout engines; the second serves a model of another shape, so it refuses slime's first weight
+    push. The switch is all or none: the first engine, which loaded version 1, is returned to the version it
+    served before (its start checkpoint), generation resumes, and slime stops with one line naming the
+    engine, instead of training against a fleet that serves two versions."""
+    import json
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM
+
+    from slime_ascend.demo.slime_job import start_engine, stop
+    from slime_ascend.rollout.reference.model import build_byte_tokenizer, save_model, tiny_qwen3_config
+
+    config = tiny_qwen3_config()
+    config.intermediate_size = 96  # another shape: version 1 cannot load into it
+    other = tmp_path / "other-shape"
+    save_model(AutoModelForCausalLM.from_config(config).eval(), other, build_byte_tokenizer())
+    second = start_engine(other, tmp_path / "engine-other.log")
+    try:
+        plugins = ("cpu", "staleness")
+        prompts = make_prompts(tmp_path / "prompts.jsonl")
+        run = run_slime("train.py", slime_flags(model_dir, prompts, [engine, second], tmp_path, num_rollout=1),
+                        tmp_path, plugins, custom_config=_config(tmp_path, *plugins))
+        first_info = json.loads(urllib.request.urlopen(engine.url + "/get_model_info", timeout=10).read())
+    finally:
+        stop(second.proc)
+    assert run.returncode != 0, run.log[-3000:]
+    assert re.search(r"weight version 1 was not taken by every engine \(engine 1: [^\n]*\); every engine is back "
+                     r"on version default\. Fix: look at that engine's log", run.log), run.log[-5000:]
+    # the first engine loaded version 1, then went back to the checkpoint it started on
+    assert first_info["weight_version"] == "default" and first_info["model_path"] == str(model_dir), first_info
+    first_log = engine.log.read_text()
+    assert "loaded weight version 1 from" in first_log and f"loaded weight version default from {model_dir}" in first_log
+    assert "train/step" not in run.log  # nothing trained against a split fleet
 

@@ -1,0 +1,114 @@
+"""slime's disk weight update switches every rollout engine, acknowledged, or none of them.
+
+Target: ``slime.ray.actor_group.RayTrainGroup._reload_rollout_weights_from_disk`` (driver). slime
+pauses the engines, asks each to load the new version and resumes them; it reads the versions back
+only under ``--ci-test``, an engine that fails leaves the others on the new version, and the version
+directory is deleted at once (unless ``--update-weight-disk-keep-files``), so there is nothing to
+return to.
+
+How: the method runs :func:`slime_ascend.weight_sync.acknowledged.switch_all_or_none` on the same
+engines, keeps the last acknowledged version's directory as the roll-back point (deleting it, as slime
+would have, once the next version is acknowledged; never with keep-files), and publishes the
+acknowledged version (:mod:`slime_ascend.weight_sync.served_version`). With
+``--update-weight-local-checkpoint-dir`` (each host pulls into one local directory, overwritten by each
+version) there is no roll-back point: slime's own method runs and the versions are then read back.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
+
+logger = logging.getLogger("slime_ascend.patch")
+ACTOR_GROUP = "slime.ray.actor_group"
+ATTR = "_reload_rollout_weights_from_disk"
+# what the replacement reproduces of slime's method (checked, so a change upstream is noticed)
+EXPECTED_SOURCE = ("get_updatable_engines_and_lock", "pause_generation", "flush_cache", "update_weights_from_disk",
+                   "continue_generation", "update_weight_local_checkpoint_dir", "update_weight_disk_keep_files",
+                   "offload_rollout", "onload_weights")
+
+
+def _inside(path: str, directory: str | None) -> bool:
+    """Whether ``path`` is a version directory slime wrote under ``--update-weight-disk-dir`` (only
+    those are deleted: never the checkpoint the engines started on)."""
+    if not directory:
+        return False
+    return Path(path).resolve().parent == Path(directory).resolve()
+
+
+def _reload(original):
+    def _reload_rollout_weights_from_disk(self, disk_weight_dir, weight_version):
+        import ray
+
+        from ...weight_sync import acknowledged, served_version
+
+        args = self.args
+        if args.update_weight_local_checkpoint_dir:  # one local directory, overwritten: no roll-back point
+            original(self, disk_weight_dir, weight_version)
+            engines, *_ = ray.get(self._rollout_manager.get_updatable_engines_and_lock.remote())
+            wrong = acknowledged._not_serving(engines, ray.get, str(weight_version))
+            if wrong:
+                raise acknowledged.WeightUpdateError(
+                    f"weight version {weight_version} not served by every engine: "
+                    + "; ".join(f"engine {i}: {w}" for i, w in sorted(wrong.items())))
+            served_version.publish(weight_version)
+            return None
+        assert self._rollout_manager is not None, "disk weight update requires a rollout manager."
+        if args.offload_rollout:
+            ray.get(self._rollout_manager.onload_weights.remote())
+        engines, *_ = ray.get(self._rollout_manager.get_updatable_engines_and_lock.remote())
+        if not engines:
+            if not args.update_weight_disk_keep_files:
+                shutil.rmtree(disk_weight_dir, ignore_errors=True)
+            return None
+        previous = getattr(self, "_ascend_served", None)
+        if previous is None:
+            previous = acknowledged.initial_served(engines, ray.get, args.hf_checkpoint)
+        served = acknowledged.switch_all_or_none(engines, ray.get, str(disk_weight_dir), str(weight_version), previous)
+        self._ascend_served = served
+        # the new version is the roll-back point now; the one before goes, as slime would have deleted it
+        if previous is not None and not args.update_weight_disk_keep_files and _inside(
+                previous.model_path, args.update_weight_disk_dir) and previous.model_path != served.model_path:
+            shutil.rmtree(previous.model_path, ignore_errors=True)
+        if str(weight_version).isdigit():
+            served_version.publish(weight_version)
+        return None
+
+    _reload_rollout_weights_from_disk.__wrapped__ = original
+    return _reload_rollout_weights_from_disk
+
+
+class AcknowledgedWeightUpdate(RuntimePatch):
+    def check(self, modules: dict[str, ModuleType]) -> list[str]:
+        group = modules[ACTOR_GROUP]
+        problems = missing_attrs(group, ["RayTrainGroup"])
+        if problems:
+            return problems
+        method = getattr(group.RayTrainGroup, ATTR, None)
+        if method is None:
+            return [f"slime.ray.actor_group.RayTrainGroup.{ATTR} is missing"]
+        return param_mismatch(method, ["self", "disk_weight_dir", "weight_version"]) + missing_source(
+            method, EXPECTED_SOURCE, f"RayTrainGroup.{ATTR}")
+
+    def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
+        group = modules[ACTOR_GROUP].RayTrainGroup
+        self.wrap(group, ATTR, _reload)
+
+
+PATCH = AcknowledgedWeightUpdate(
+    id="driver.acknowledged_weight_update",
+    targets=(f"{ACTOR_GROUP}:RayTrainGroup.{ATTR}",),
+    why="slime's disk weight update assumes every engine switched (it reads the versions back only under "
+    "--ci-test); an engine that fails leaves the others on the new version, and the old version's files are "
+    "already gone.",
+    how="Pause, load on every engine, read every engine's served version back; on any failure return every "
+    "engine to the last acknowledged version (its directory is kept until the next one is acknowledged) and "
+    "fail in one line; resume; publish the acknowledged version for the staleness plugin.",
+    upstream="patches/0012-acknowledged-weight-update.patch",
+    checked_on=("0.3.1",),
+)
