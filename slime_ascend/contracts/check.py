@@ -15,7 +15,7 @@ What it does, in order:
     5. DSA indexer top-k (:mod:`slime_ascend.algorithms.dsa_topk`, what the ``dsa-determinism`` plugin puts
        in slime's indexer): index-set agreement between two numeric paths of a lightning indexer
        (causal, sum over heads of relu(q.k) * w): the key-sharded merge vs the unsharded top-k (must be
-       identical), and bf16 vs fp32 indexer inputs (fraction of query rows with identical index sets and
+       identical), ``device`` vs CPU on the same scores (identical), and bf16 vs fp32 indexer inputs (fraction of query rows with identical index sets and
        mean Jaccard, lower bounds :data:`DSA_TOPK_THRESHOLDS`).
 
 Thresholds (:data:`DEFAULT_THRESHOLDS`) were calibrated on the tiny model (initializer_range 0.1, so
@@ -301,6 +301,18 @@ def _unstable_sharded_topk(scores: torch.Tensor, k: int, sizes: list[int]) -> tu
     return values, torch.where(idx >= 0, length - 1 - idx, idx)
 
 
+def _dsa_device_matches_cpu(device: torch.device, cpu_scores: torch.Tensor, k: int, sizes: list[int]) -> bool:
+    """The DSA top-k (unsharded and merged) of the same scores on ``device`` equals the CPU's: on the scores and
+    on a coarse grid of them with alternate rows negated (ties everywhere, -0.0 next to +0.0)."""
+    sign = torch.where(torch.arange(cpu_scores.shape[0]) % 2 == 0, 1.0, -1.0)[:, None]
+    same = True
+    for scores in (cpu_scores, torch.round(cpu_scores * 2) / 2 * sign):
+        want = deterministic_topk(scores, k)
+        for got in (deterministic_topk(scores.to(device), k), sharded_deterministic_topk(scores.to(device), k, sizes)):
+            same = same and torch.equal(got[1].cpu(), want[1]) and torch.equal(got[0].cpu(), want[0])
+    return same
+
+
 def _dsa_topk_contracts(device: torch.device, seed: int, shape: tuple[int, int, int, int],
                         bounds: Mapping[str, float], inject: str | None,
                         stats: dict[str, dict[str, float]]) -> list[ContractResult]:
@@ -327,7 +339,16 @@ def _dsa_topk_contracts(device: torch.device, seed: int, shape: tuple[int, int, 
     out.append(ContractResult("dsa_topk.sharded_merge_identical", PASS if frac == 1.0 else FAIL, frac,
                               "== 1 (rows identical)", f"shards {sizes} of {n} keys, k={k}, {rows} rows"))
 
-    # 2) bf16 vs fp32 indexer inputs: index-set agreement of the deterministic top-k.
+    # 2) the same scores on ``device`` and on the CPU (incl. ties and ±0 on the grid): identical selection,
+    #    unsharded and merged (a CUDA sort orders float bits, so -0.0 vs +0.0 is where it could differ).
+    if device.type == "cpu":
+        out.append(ContractResult("dsa_topk.device_matches_cpu", SKIP, None, "== CPU result", "device is cpu"))
+    else:
+        same = _dsa_device_matches_cpu(device, _indexer_logits(q, key, w), k, sizes)
+        out.append(ContractResult("dsa_topk.device_matches_cpu", PASS if same else FAIL, same, "== CPU result",
+                                  str(device)))
+
+    # 3) bf16 vs fp32 indexer inputs: index-set agreement of the deterministic top-k.
     bf16 = _indexer_logits(q.to(device, torch.bfloat16), key.to(device, torch.bfloat16), w.to(device, torch.bfloat16))
     if inject == "dsa_bf16_noise":
         bf16 = bf16 + torch.randn(bf16.shape, generator=torch.Generator().manual_seed(seed + 4)).to(device)

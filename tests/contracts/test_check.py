@@ -38,10 +38,11 @@ def test_clean_run_passes_with_named_contracts(clean) -> None:
     for name in ("logprobs.finite", "topk.repeat_identical", "topk.threads_identical",
                  "topk.matches_stable_sort", "topk.replay_roundtrip", "topk.device_matches_cpu",
                  "dsa_topk.sharded_merge_identical", "dsa_topk.bf16_vs_fp32.rows_identical_frac",
-                 "dsa_topk.bf16_vs_fp32.jaccard_mean"):
+                 "dsa_topk.bf16_vs_fp32.jaccard_mean", "dsa_topk.device_matches_cpu"):
         assert name in names
     assert report.passed, format_table(report)
     assert report.contract("topk.device_matches_cpu").status == "SKIP"
+    assert report.contract("dsa_topk.device_matches_cpu").status == "SKIP"
     assert {"bf16", "int8"} <= report.stats.keys()
     assert report.stats["bf16"]["tokens"] == 4 * 63
     assert 0 < report.stats["bf16"]["logratio_abs_mean"] < 0.03
@@ -110,6 +111,18 @@ def test_model_dir_safetensors_only(tmp_path) -> None:
         run_check(model_dir=str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="not a directory"):
         run_check(model_dir=str(tmp_path / "missing"))
+
+
+def test_dsa_device_comparison_runs_on_the_cpu_too() -> None:
+    """The device-vs-CPU DSA comparison (SKIPped on a CPU-only run) itself, with the CPU as the device."""
+    from slime_ascend.contracts.check import _dsa_device_matches_cpu, _indexer_logits
+
+    g = torch.Generator().manual_seed(0)
+    q, k, w = torch.randn(64, 2, 8, generator=g), torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g)
+    scores = _indexer_logits(q, k, w)
+    grid = torch.round(scores * 2) / 2
+    assert (grid[1::2] == 0).any() and torch.isneginf(scores).any()  # zeros (negated: -0.0) and -inf present
+    assert _dsa_device_matches_cpu(torch.device("cpu"), scores, 16, [10, 0, 54])
 
 
 def test_dsa_threshold_override() -> None:
