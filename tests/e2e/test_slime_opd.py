@@ -157,6 +157,14 @@ def test_train_py_opd_two_teachers_url_and_switched(models, engines, tmp_path):
         assert m["rollout/opd_pool/switches"] == 1 and m["rollout/opd_pool/prefetch_started"] == 1, m
         assert m["rollout/opd_pool/prefetch_hits"] + m["rollout/opd_pool/prefetch_late"] == 1, m
         assert m["rollout/opd_pool/cold_loads"] == 0 and m["rollout/opd_pool/failed_teachers"] == 0, m
+    # ... and the same numbers at slime's rollout steps in its trackers (TensorBoard here; wandb gets the same
+    # calls): per-teacher KL, switches, prefetch hits and the switch stall
+    tracked = run.tracked()
+    for tag in ("rollout/opd_kl_k3/math", "rollout/opd_kl_k3/code", "rollout/opd_pool/switches",
+                "rollout/opd_pool/prefetch_hits", "rollout/opd_pool/stall_s"):
+        assert [step for step, _ in tracked.get(tag, [])] == list(range(NUM_ROLLOUT)), (tag, sorted(tracked))
+    assert [v for _, v in tracked["rollout/opd_kl_k3/math"]] == pytest.approx(
+        [m["rollout/opd_kl_k3/math"] for m in opd_steps])
 
     # ---- slime's own dumps: each sample's domain, teacher, teacher log-probs and advantages
     raw_rewards = []
