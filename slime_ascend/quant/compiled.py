@@ -57,6 +57,15 @@ def _int_reciprocal(x: torch.Tensor, inv: torch.Tensor, out: torch.Tensor, qmin:
     out.copy_((x.float() * inv).round().clamp(qmin, qmax).to(torch.int8))
 
 
+def _int_rounded(dtype: torch.dtype, reciprocal: bool) -> Callable:
+    """The int pass with the quotient rounded to `dtype` (bf16 / fp16) before the integer rounding,
+    as a division in that dtype gives it (compressed-tensors' arithmetic)."""
+    def fn(x: torch.Tensor, d: torch.Tensor, out: torch.Tensor, qmin: float, qmax: float) -> None:
+        y = x.float() * d if reciprocal else x.float() / d
+        out.copy_(y.to(dtype).float().round().clamp(qmin, qmax).to(torch.int8))
+    return fn
+
+
 def _e4m3_codes(y: torch.Tensor) -> torch.Tensor:
     """uint8 float8_e4m3fn codes of fp32 `y` (finite, |y| <= 448), round to nearest even: the integer
     arithmetic on the fp32 bits of `native_kernels.c`'s `e4m3`. Inductor's CPU code for the
@@ -90,10 +99,17 @@ def absmax_last(x: torch.Tensor) -> torch.Tensor:
 
 def int_quantize(
     x: torch.Tensor, safe: torch.Tensor, out: torch.Tensor, qmin: float, qmax: float, reciprocal: bool,
+    quotient_dtype: torch.dtype | None = None,
 ) -> None:
-    """out = int8(clamp(round(x / safe))) (x * safe when `reciprocal`: `safe` is then 1/scale)."""
-    fn = _int_reciprocal if reciprocal else _int_divide
-    _compiled(("int", reciprocal, x.device.type), fn)(_plain(x), _plain(safe), _plain(out), qmin, qmax)
+    """out = int8(clamp(round(x / safe))) (x * safe when `reciprocal`: `safe` is then 1/scale); the
+    quotient first rounded to `quotient_dtype` (bf16 / fp16; None or fp32: not rounded)."""
+    if quotient_dtype in (None, torch.float32):
+        fn = _int_reciprocal if reciprocal else _int_divide
+        key = ("int", reciprocal, x.device.type)
+    else:
+        fn = _int_rounded(quotient_dtype, reciprocal)
+        key = ("int", reciprocal, quotient_dtype, x.device.type)
+    _compiled(key, fn)(_plain(x), _plain(safe), _plain(out), qmin, qmax)
 
 
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmax: float) -> None:

@@ -16,7 +16,8 @@ from typing import NamedTuple
 import torch
 
 from ._common import (
-    DEFAULT_CHUNK_ELEMS, check_float_weight, check_out, clamp_is_noop, raise_if_not_finite, rows_per_chunk,
+    DEFAULT_CHUNK_ELEMS, all_finite, check_float_weight, check_out, clamp_is_noop, raise_if_not_finite,
+    rows_per_chunk,
 )
 from . import compiled as _compiled
 from . import fused as _fused
@@ -63,15 +64,26 @@ def quantize_int(
             and (_fused.requested(fused) != "auto" or _faster_than_eager(scheme, weight, kind))):
         try:
             r, ok = _quantize_int(weight, scheme, name, chunk_elems, out, kind)
-            raise_if_not_finite(ok, name)
+            _raise_if_not_finite(ok, weight, scheme, name)
             return r
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - kernel failure: eager from now on
             _fused.disable(_fused_key(scheme, weight, kind), e)
     r, ok = _quantize_int(weight, scheme, name, chunk_elems, out, None)
-    raise_if_not_finite(ok, name)
+    _raise_if_not_finite(ok, weight, scheme, name)
     return r
+
+
+def _raise_if_not_finite(ok: torch.Tensor, weight: torch.Tensor, scheme: IntScheme, name: str) -> None:
+    """A non-finite scale: a NaN/inf weight, or (compressed-tensors arithmetic, asymmetric) max - min
+    beyond the working dtype's range, where the library would write an inf scale."""
+    if (not bool(ok) and not scheme.symmetric and scheme.arithmetic == "compressed-tensors"
+            and all_finite(weight)):
+        work = torch.promote_types(weight.dtype, scheme.scale_round_dtype or weight.dtype)
+        raise ValueError(f"{name}: max - min of a group exceeds the {work} range, so its scale would be inf; "
+                         f"refusing to quantise it (use the symmetric scheme, or a float32 scale dtype)")
+    raise_if_not_finite(ok, name)
 
 
 def _fused_key(scheme: IntScheme, weight: torch.Tensor, kind: str) -> tuple:
@@ -127,6 +139,7 @@ def _quantize_int(
     buf = torch.empty(min(step, m) * k, dtype=torch.float32, device=dev)
     ok = torch.ones((), dtype=torch.bool, device=dev)
     qmin, qmax = float(scheme.qmin), float(scheme.qmax)
+    rq = _rounding(scheme, weight.dtype)
     for r0 in range(0, m, step):
         r1 = min(m, r0 + step)
         rows = r1 - r0
@@ -135,7 +148,12 @@ def _quantize_int(
         mx, mn = y.amax(dim=-1), y.amin(dim=-1)  # (separate reductions vectorise; aminmax does not on CPU)
         if scheme.symmetric:
             amax = torch.maximum(mx.abs_(), mn.abs())
-            raw = amax / scheme.sym_divisor
+            raw = _round(amax / scheme.sym_divisor, rq)
+        elif scheme.arithmetic == "compressed-tensors":
+            mn.clamp_(max=0.0)
+            raw = _round(_round(mx.clamp_(min=0.0).sub_(mn), rq).div_(qmax - qmin), rq)
+            # zero point from the scale before its rounding to the scale dtype and the eps step (0/0 -> 0)
+            z = _round(_round(mn / raw, rq).neg_().add_(qmin), rq).clamp_(qmin, qmax).nan_to_num_(0.0).round_()
         else:
             mn.clamp_(max=0.0)
             raw = mx.clamp_(min=0.0).sub_(mn).div_(qmax - qmin)
@@ -147,15 +165,18 @@ def _quantize_int(
             y.mul_(inv.unsqueeze(-1))
         else:
             y.div_(safe.unsqueeze(-1))
+        _round_(y, rq)
         if scheme.symmetric:
             y.round_()
-            # |x| <= amax and division, multiplication and rounding are monotone: |q| <= round(amax / s),
+            # |x| <= amax and division, multiplication and the roundings are monotone: |q| <= round(amax / s),
             # so when that is inside the range the clamp is a no-op and is skipped
-            tmax = (amax * inv if scheme.reciprocal else amax / safe).round_()
+            tmax = _round(amax * inv if scheme.reciprocal else amax / safe, rq).round_()
             if not clamp_is_noop(tmax, min(qmax, -qmin)):
                 y.clamp_(qmin, qmax)
         else:
-            if scheme.zp_after_round:
+            if scheme.arithmetic == "compressed-tensors":
+                _round_(y.add_(z.unsqueeze(-1)), rq).round_()
+            elif scheme.zp_after_round:
                 z = mn.div_(safe).round_().neg_().add_(qmin).clamp_(qmin, qmax)
                 y.round_().add_(z.unsqueeze(-1))
             else:
@@ -167,10 +188,33 @@ def _quantize_int(
     return IntQuantized(q, scale, zp), ok
 
 
+def _rounding(scheme: IntScheme, weight_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype every step is rounded to for `scheme` (the fp32 work is then that dtype's arithmetic),
+    or None when the steps are plain fp32: the working dtype of arithmetic "compressed-tensors" when it
+    is bf16 or fp16."""
+    if scheme.arithmetic != "compressed-tensors":
+        return None
+    work = torch.promote_types(weight_dtype, scheme.scale_round_dtype or weight_dtype)
+    return work if work in (torch.bfloat16, torch.float16) else None
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """fp32 `t` rounded to `dtype` (round to nearest even, as torch's cast), as fp32; `t` when None."""
+    return t if dtype is None else t.to(dtype).float()
+
+
+def _round_(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """In place: fp32 `t` rounded to `dtype` (None: unchanged)."""
+    return t if dtype is None else t.copy_(t.to(dtype))
+
+
 def _scale(raw: torch.Tensor, scheme: IntScheme, eps: float, round_dtype: torch.dtype):
     """Steps 2-4 of `IntScheme` on the raw fp32 scale: (scale, divisor with zeros made safe)."""
     if scheme.zero_rule == "clamp":
         raw.clamp_(min=eps)
+    if scheme.arithmetic == "compressed-tensors" and scheme.scale_round_dtype is not None:
+        info = torch.finfo(round_dtype)  # the library's `round_to_quantized_type_dtype` (with a scale_dtype only)
+        raw = raw.clamp(info.min, info.max)
     s = raw.to(round_dtype).float()
     if scheme.zero_rule == "eps":
         s = torch.where(s == 0, torch.tensor(eps, dtype=torch.float32, device=raw.device), s)
@@ -187,10 +231,12 @@ def _quantize_sym_native(
     kernels, one sweep each; returns `ok`."""
     if w2.shape[1] > 1 and w2.stride(1) != 1:
         w2 = w2.contiguous()
-    s, safe = _scale(_native.group_absmax(w2, g) / scheme.sym_divisor, scheme, eps, round_dtype)
+    rq = _rounding(scheme, w2.dtype)
+    s, safe = _scale(_round(_native.group_absmax(w2, g) / scheme.sym_divisor, rq), scheme, eps, round_dtype)
     s2.copy_(s)
     div = torch.reciprocal(safe) if scheme.reciprocal else safe
-    _native.int_quantize(w2, div.contiguous(), g, float(scheme.qmin), float(scheme.qmax), scheme.reciprocal, q2)
+    _native.int_quantize(w2, div.contiguous(), g, float(scheme.qmin), float(scheme.qmax), scheme.reciprocal, q2,
+                         quotient_dtype=rq)
     return torch.isfinite(s).all()
 
 
@@ -203,11 +249,12 @@ def _quantize_sym_compiled(
     # per channel: 2-D ([M, K] / [M, 1]); per group: 3-D ([M, G, g] / [M, G, 1])
     x, q = (w2, q2) if g == k else (w2.unflatten(1, (k // g, g)), q2.view(m, k // g, g))
     amax = _compiled.absmax_last(x.unsqueeze(1) if g == k else x)
-    s, safe = _scale(amax / scheme.sym_divisor, scheme, eps, round_dtype)
+    rq = _rounding(scheme, w2.dtype)
+    s, safe = _scale(_round(amax / scheme.sym_divisor, rq), scheme, eps, round_dtype)
     s2.copy_(s)
     div = torch.reciprocal(safe) if scheme.reciprocal else safe
     _compiled.int_quantize(x, div if g == k else div.unsqueeze(-1), q, float(scheme.qmin), float(scheme.qmax),
-                        scheme.reciprocal)
+                           scheme.reciprocal, quotient_dtype=rq)
     return torch.isfinite(s).all()
 
 

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
-ABI_VERSION = 2
+ABI_VERSION = 3
 CACHE_ENV = "SLIME_ASCEND_CACHE_DIR"
 _BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -417,11 +417,17 @@ def fp8_block_quantize(x: torch.Tensor, bn: int, bk: int, amax_floor: float, fma
         raise MemoryError(f"fp8_block_quantize: could not allocate {kb} accumulators per thread")
 
 
+_QUOTIENT_MODE = {None: 0, torch.float32: 0, torch.bfloat16: 2, torch.float16: 4}  # native_kernels.c INT_ROUND_*
+
+
 def int_quantize(x: torch.Tensor, div: torch.Tensor, group: int, qmin: float, qmax: float, reciprocal: bool,
-                 out: torch.Tensor) -> None:
-    """out (int8, x's shape) = clamp(round_half_even(x / div[r, c // group]), qmin, qmax)
-    (x * div when `reciprocal`); -128 <= qmin <= qmax <= 127."""
+                 out: torch.Tensor, quotient_dtype: torch.dtype | None = None) -> None:
+    """out (int8, x's shape) = clamp(round_half_even(y), qmin, qmax), y = x / div[r, c // group]
+    (x * div when `reciprocal`), first rounded to `quotient_dtype` (bf16 / fp16; None or fp32: not
+    rounded) as torch's cast rounds; -128 <= qmin <= qmax <= 127."""
     lib = _lib_or_raise()
+    if quotient_dtype not in _QUOTIENT_MODE:
+        raise ValueError(f"int_quantize: quotient_dtype must be bf16, fp16, fp32 or None, got {quotient_dtype}")
     rows, cols, xs = _check_2d(x, "int_quantize")
     if not -128 <= qmin <= qmax <= 127:
         raise ValueError(f"int_quantize: range [{qmin}, {qmax}] does not fit int8")
@@ -429,5 +435,6 @@ def int_quantize(x: torch.Tensor, div: torch.Tensor, group: int, qmin: float, qm
     ds = _check_out(div, (rows, ng), torch.float32, "int_quantize div")
     qs = _check_out(out, (rows, cols), torch.int8, "int_quantize out")
     if rows and cols:
-        lib.sa_int_quantize(x.data_ptr(), _dt(x), rows, cols, xs, div.data_ptr(), ds, group, int(reciprocal),
-                            float(qmin), float(qmax), out.data_ptr(), qs, torch.get_num_threads())
+        lib.sa_int_quantize(x.data_ptr(), _dt(x), rows, cols, xs, div.data_ptr(), ds, group,
+                            int(reciprocal) | _QUOTIENT_MODE[quotient_dtype], float(qmin), float(qmax),
+                            out.data_ptr(), qs, torch.get_num_threads())

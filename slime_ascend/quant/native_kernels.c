@@ -9,6 +9,8 @@
  *   - |max| is the max over |bits| (for non-negative floats the bit order is the value order, and
  *     NaN/inf sort above every finite value, so a non-finite weight gives a non-finite max);
  *   - y = x / s (or x * s) in fp32, IEEE division, no contraction (built with -ffp-contract=off);
+ *   - integers, optionally: y rounded to bf16 or fp16 first (round to nearest even on the fp32 bits:
+ *     torch's cast; what a division in that dtype gives, for compressed-tensors' arithmetic);
  *   - integers: round half to even by the 1.5 * 2^23 trick on a value first clamped to
  *     [qmin - 1, qmax + 1] (same result as torch.round then clamp), then clamp;
  *   - e4m3fn: clamp to +-fmax (fmax <= 448; a no-op, skipped, when fmax is 448) then the
@@ -29,7 +31,7 @@ typedef int64_t i64;
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
-#define SA_ABI_VERSION 2
+#define SA_ABI_VERSION 3
 int sa_abi_version(void) { return SA_ABI_VERSION; }
 
 int sa_openmp(void) {
@@ -83,6 +85,23 @@ static inline int32_t int_code(float y, float qmin, float qmax) {
     return (int32_t)y;
 }
 
+/* fp32 y rounded to the nearest bf16 / fp16 value (ties to even), as fp32: branch-free bit arithmetic
+ * (vectorises). bf16: exact for every finite y (overflow gives inf, as the cast). fp16: exact for
+ * |y| >= 2^-14 (fp16's normal range; beyond 65504 it gives a value above fp16's max instead of inf);
+ * below that it keeps fp32's finer steps, which changes no integer code: such a |y| rounds to 0 either
+ * way. The callers' y are finite. */
+static inline float round_bf16(float y) {
+    uint32_t b = f32_bits(y);
+    return bits_f32((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+}
+static inline float round_f16(float y) {
+    uint32_t b = f32_bits(y);
+    return bits_f32((b + 0xFFFu + ((b >> 13) & 1u)) & 0xFFFFE000u);
+}
+
+/* sa_int_quantize's `mode`: bit 0 multiply by d (else divide); bits 1-2 the quotient's rounding */
+enum { INT_RECIPROCAL = 1, INT_ROUND_BF16 = 2, INT_ROUND_F16 = 4 };
+
 /* ---- per-span primitives, one set per element type (contiguous spans vectorise) ---------------- */
 
 static inline uint32_t u16_bits(uint16_t v) { return v; }
@@ -94,6 +113,7 @@ static inline float f16_absbits_value(uint32_t m) { return f16_f32((uint16_t)m);
  * narrowing inside the arithmetic loop made gcc demote its operations to 16 and 8 bits part-way, with
  * packs and spills in the vector loop (about 1.5x slower). */
 #define TILE 256
+#define INT_LOOP(Y) for (i64 i = 0; i < m; i++) c[i] = int_code((Y), qmin, qmax)
 
 /* SUF: name suffix; T: storage type; BITS: T -> its bits; ABSMASK: all but the sign bit;
  * TO_F32: T -> float (exact); ABSVAL: a max |bits| -> its float value */
@@ -126,16 +146,20 @@ static inline float f16_absbits_value(uint32_t m) { return f16_f32((uint16_t)m);
             for (i64 i = 0; i < m; i++) o[i0 + i] = (uint8_t)c[i];                                    \
         }                                                                                             \
     }                                                                                                 \
-    static void int_span_##SUF(const T *restrict p, i64 n, float d, int reciprocal, float qmin,       \
-                               float qmax, int8_t *restrict o) {                                      \
+    static void int_span_##SUF(const T *restrict p, i64 n, float d, int mode, float qmin, float qmax,      \
+                               int8_t *restrict o) {                                                  \
         int32_t c[TILE];                                                                              \
         for (i64 i0 = 0; i0 < n; i0 += TILE) {                                                        \
             const i64 m = n - i0 < TILE ? n - i0 : TILE;                                              \
             const T *restrict pi = p + i0;                                                            \
-            if (reciprocal)                                                                           \
-                for (i64 i = 0; i < m; i++) c[i] = int_code(TO_F32(pi[i]) * d, qmin, qmax);           \
-            else                                                                                      \
-                for (i64 i = 0; i < m; i++) c[i] = int_code(TO_F32(pi[i]) / d, qmin, qmax);           \
+            switch (mode) {                                                                           \
+            case INT_RECIPROCAL: INT_LOOP(TO_F32(pi[i]) * d); break;                                  \
+            case INT_ROUND_BF16: INT_LOOP(round_bf16(TO_F32(pi[i]) / d)); break;                      \
+            case INT_ROUND_BF16 | INT_RECIPROCAL: INT_LOOP(round_bf16(TO_F32(pi[i]) * d)); break;     \
+            case INT_ROUND_F16: INT_LOOP(round_f16(TO_F32(pi[i]) / d)); break;                        \
+            case INT_ROUND_F16 | INT_RECIPROCAL: INT_LOOP(round_f16(TO_F32(pi[i]) * d)); break;       \
+            default: INT_LOOP(TO_F32(pi[i]) / d); break;                                              \
+            }                                                                                         \
             for (i64 i = 0; i < m; i++) o[i0 + i] = (int8_t)c[i];                                     \
         }                                                                                             \
     }
@@ -162,11 +186,11 @@ static void fp8_span(const void *x, int dt, i64 off, i64 n, float s, float fmax,
     else fp8_span_f16((const uint16_t *)x + off, n, s, fmax, clamp, o);
 }
 
-static void int_span(const void *x, int dt, i64 off, i64 n, float d, int reciprocal, float qmin, float qmax,
+static void int_span(const void *x, int dt, i64 off, i64 n, float d, int mode, float qmin, float qmax,
                      int8_t *o) {
-    if (dt == DT_F32) int_span_f32((const float *)x + off, n, d, reciprocal, qmin, qmax, o);
-    else if (dt == DT_BF16) int_span_bf16((const uint16_t *)x + off, n, d, reciprocal, qmin, qmax, o);
-    else int_span_f16((const uint16_t *)x + off, n, d, reciprocal, qmin, qmax, o);
+    if (dt == DT_F32) int_span_f32((const float *)x + off, n, d, mode, qmin, qmax, o);
+    else if (dt == DT_BF16) int_span_bf16((const uint16_t *)x + off, n, d, mode, qmin, qmax, o);
+    else int_span_f16((const uint16_t *)x + off, n, d, mode, qmin, qmax, o);
 }
 
 /* ---- entry points ------------------------------------------------------------------------------ */
@@ -239,14 +263,15 @@ int sa_fp8_block_quantize(const void *x, int dt, i64 rows, i64 cols, i64 xs, i64
     return failed ? -1 : 0;
 }
 
-/* q[r, c] = clamp(round_half_even(x[r, c] / d[r, c / group]), qmin, qmax) (x * d when `reciprocal`);
+/* q[r, c] = clamp(round_half_even(y), qmin, qmax), y = x[r, c] / d[r, c / group] (x * d when `mode` has
+ * INT_RECIPROCAL), first rounded to bf16 / fp16 when `mode` has INT_ROUND_BF16 / INT_ROUND_F16;
  * requires -128 <= qmin <= qmax <= 127 */
 void sa_int_quantize(const void *x, int dt, i64 rows, i64 cols, i64 xs, const float *d, i64 ds, i64 group,
-                     int reciprocal, float qmin, float qmax, int8_t *q, i64 qs, int nt) {
+                     int mode, float qmin, float qmax, int8_t *q, i64 qs, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (i64 r = 0; r < rows; r++)
         for (i64 c0 = 0, j = 0; c0 < cols; c0 += group, j++) {
             i64 len = c0 + group < cols ? group : cols - c0;
-            int_span(x, dt, r * xs + c0, len, d[r * ds + j], reciprocal, qmin, qmax, q + r * qs + c0);
+            int_span(x, dt, r * xs + c0, len, d[r * ds + j], mode, qmin, qmax, q + r * qs + c0);
         }
 }

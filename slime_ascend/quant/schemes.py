@@ -17,6 +17,7 @@ import torch
 from .names import FORMATS, FP8_BLOCK, INT4_GROUP, INT4_NUMERICS, INT8_CT, INT8_W8A8  # noqa: E402,F401
 
 ZeroRule = Literal["eps", "zero", "clamp"]
+Arithmetic = Literal["fp32", "compressed-tensors"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class FP8BlockScheme:
 class IntScheme:
     """Symmetric or asymmetric integer quantisation per output channel or per group.
 
-    Steps (all arithmetic in fp32 on a row chunk):
+    `arithmetic` "fp32" (vllm-ascend W8A8, torchao, slime numerics). Steps, all arithmetic in fp32
+    on a row chunk:
       1. per group: mn, mx = min, max of the weight.
          symmetric:  raw = max(|mn|, |mx|) / sym_divisor
          asymmetric: raw = (max(mx, 0) - min(mn, 0)) / (qmax - qmin)
@@ -56,6 +58,22 @@ class IntScheme:
       6. t = x / scale (or x * (1 / scale) when `reciprocal`);
          q = clamp(round(t + zp), qmin, qmax), or clamp(round(t) + zp, ...) when
          `zp_after_round`. `round` is half-to-even.
+
+    `arithmetic` "compressed-tensors": the library's own `calculate_qparams` + `quantize` (0.20.1),
+    run on the weight in the working dtype W = promote(weight dtype, scale dtype), where the scale
+    dtype R is `scale_round_dtype` (None: the weight's dtype, so W is the model's bf16/fp16): every
+    step below is rounded to W, as torch's W-typed ops do (fp32 math, one rounding to W).
+      1. mn = min(min(x), 0), mx = max(max(x), 0) per group (exact).
+         symmetric:  s0 = W(max(|mn|, |mx|) / sym_divisor); zp = 0
+         asymmetric: s0 = W(W(mx - mn) / (qmax - qmin));
+                     zp = round(clamp(W(qmin - W(mn / s0)), qmin, qmax)) from the scale before its
+                     rounding to R and before the eps step; 0/0 (an all-zero group) is NaN, which
+                     the library's int8 cast makes 0.
+      2. scale = s0 rounded to R (clamped to R's finite range first, when `scale_round_dtype` is
+         given: the library's `scale_dtype`); scale == 0 -> eps (finfo(R).eps).
+      3. q = round(clamp(W(W(x / scale) + zp), qmin, qmax)), half-to-even.
+    `zero_rule` must be "eps", `reciprocal` and `zp_after_round` False.
+
     The scale is stored as `scale_store_dtype` (None: the rounding dtype).
     """
 
@@ -71,6 +89,7 @@ class IntScheme:
     zp_after_round: bool = False
     scale_round_dtype: torch.dtype | None = None
     scale_store_dtype: torch.dtype | None = None
+    arithmetic: Arithmetic = "fp32"
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -81,6 +100,12 @@ class IntScheme:
             raise ValueError(f"group_size must be a positive int or None, got {self.group_size}")
         if self.zero_rule not in ("eps", "zero", "clamp"):
             raise ValueError(f"zero_rule must be 'eps', 'zero' or 'clamp', got {self.zero_rule!r}")
+        if self.arithmetic not in ("fp32", "compressed-tensors"):
+            raise ValueError(f"arithmetic must be 'fp32' or 'compressed-tensors', got {self.arithmetic!r}")
+        if self.arithmetic == "compressed-tensors" and (self.zero_rule != "eps" or self.reciprocal
+                                                        or self.zp_after_round):
+            raise ValueError("arithmetic 'compressed-tensors' is the library's rule: zero_rule 'eps', x / scale, "
+                             "zero point added before rounding")
 
 
 # vllm-ascend online W8A8 rule (`quantization/online/weight_ops.py`): amax/127, +-127,
@@ -89,9 +114,10 @@ class IntScheme:
 INT8_ASCEND_SCHEME = IntScheme(
     bits=8, qmin=-127, qmax=127, sym_divisor=127.0, zero_rule="zero", scale_store_dtype=torch.float32
 )
-# compressed-tensors `calculate_qparams`: amax/127.5, [-128, 127], scale in the model
-# dtype, zero scale -> finfo(scale dtype).eps, q = round(clamp(x / s)).
-INT8_CT_SCHEME = IntScheme(bits=8, qmin=-128, qmax=127, sym_divisor=127.5, zero_rule="eps")
+# compressed-tensors `calculate_qparams` + `quantize`: amax/127.5, [-128, 127], zero scale ->
+# finfo(scale dtype).eps, q = round(clamp(x / s)), every step in the model dtype as the library does.
+INT8_CT_SCHEME = IntScheme(bits=8, qmin=-128, qmax=127, sym_divisor=127.5, zero_rule="eps",
+                           arithmetic="compressed-tensors")
 
 
 def int4_scheme(
@@ -100,17 +126,20 @@ def int4_scheme(
     """INT4 group scheme. `numerics` picks whose formula is reproduced:
 
     - "compressed-tensors": amax/7.5 (sym) or (max-min)/15, range [-8, 7], x / s,
-      zero scale -> eps; the values the compressed-tensors library computes.
+      zero scale -> eps, every step in the model dtype: the bytes the compressed-tensors library
+      writes (see `IntScheme`, arithmetic "compressed-tensors").
     - "torchao": torchao `IntxFakeQuantizer` ranges: amax/7.5 (sym, range [-8, 7]) with
       scale >= finfo(weight dtype).smallest_normal, or (max-min)/15 with scale >= 1e-6 (asym,
       INT zero-point domain, shifted by -8 into the signed layout); q = round(x * (1/s)) + zp.
     - "slime": slime's `fake_int4_quant_cuda`: amax/7 (sym) or (max-min)/15, scale >= 1e-5,
       q = rint(x / s) + zp.
     The scale is rounded to the model dtype first in every case (pass a spec with
-    scale dtype float32 to reproduce torchao's fp32 scales exactly).
+    scale dtype float32 to reproduce torchao's fp32 scales exactly; for "compressed-tensors" the
+    scale dtype is the library's `scale_dtype`).
     """
     if numerics == "compressed-tensors":
-        return IntScheme(bits=4, qmin=-8, qmax=7, sym_divisor=7.5, symmetric=symmetric, group_size=group_size)
+        return IntScheme(bits=4, qmin=-8, qmax=7, sym_divisor=7.5, symmetric=symmetric, group_size=group_size,
+                         arithmetic="compressed-tensors")
     if numerics == "torchao":
         return IntScheme(
             bits=4, qmin=-8, qmax=7, sym_divisor=7.5, symmetric=symmetric, group_size=group_size,
@@ -167,7 +196,9 @@ def make_spec(
     """Build the spec of a format name in `FORMATS`.
 
     `scale_dtype` overrides the dtype the INT scale is rounded to (default: the weight's
-    dtype, which is the dtype the serving engine keeps it in).
+    dtype, which is the dtype the serving engine keeps it in). For the compressed-tensors
+    numerics (`int8-ct`, `int4-group` "compressed-tensors") it is the library's `scale_dtype`:
+    the work is then done in promote(weight dtype, scale_dtype) (see `IntScheme`).
     """
     extra = tuple(extra_ignore)
     ign = None if ignore is None else tuple(ignore)

@@ -5,7 +5,9 @@
  *
  *   absmax DT ROWS COLS GROUP NT                     stdin x; stdout fp32 [ROWS, ceil(COLS/GROUP)]
  *   fp8 DT ROWS COLS BN BK FLOOR FMAX NT             stdin x; stdout fp32 scale [nb, kb], then q bytes
- *   int DT ROWS COLS GROUP RECIPROCAL QMIN QMAX NT   stdin x, then fp32 div [ROWS, ngroups]; stdout int8 q
+ *   int DT ROWS COLS GROUP MODE QMIN QMAX NT         stdin x, then fp32 div [ROWS, ngroups]; stdout int8 q
+ *                                                    (MODE: sa_int_quantize's, 1 reciprocal | 2 bf16 / 4 fp16
+ *                                                    quotient rounding)
  *   sweep START STOP STEP SIGN WIDTH NT              the fp32 bit patterns START, START + STEP, ... below
  *                                                    STOP (STOP <= 448's + 1) with sign bit SIGN, as rows
  *                                                    of WIDTH values plus a 448 (so every block's scale
@@ -24,7 +26,7 @@ void sa_group_absmax(const void *x, int dt, int64_t rows, int64_t cols, int64_t 
 int sa_fp8_block_quantize(const void *x, int dt, int64_t rows, int64_t cols, int64_t xs, int64_t bn, int64_t bk,
                           float floor_, float fmax, float *scale, int64_t ss, uint8_t *q, int64_t qs, int nt);
 void sa_int_quantize(const void *x, int dt, int64_t rows, int64_t cols, int64_t xs, const float *d, int64_t ds,
-                     int64_t group, int reciprocal, float qmin, float qmax, int8_t *q, int64_t qs, int nt);
+                     int64_t group, int mode, float qmin, float qmax, int8_t *q, int64_t qs, int nt);
 
 static void die(const char *why) {
     fprintf(stderr, "native_kernels_driver: %s\n", why);
@@ -49,7 +51,7 @@ static size_t elem(int dt) { return dt == 0 ? 4 : 2; }
 
 int main(int argc, char **argv) {
     if (argc < 2) die("usage: absmax|fp8|int|sweep ARGS (see the source)");
-    if (sa_abi_version() != 2 || !sa_openmp()) die("unexpected ABI version or no OpenMP");
+    if (sa_abi_version() != 3 || !sa_openmp()) die("unexpected ABI version or no OpenMP");
     const char *cmd = argv[1];
     if (!strcmp(cmd, "absmax") && argc == 7) {
         int dt = atoi(argv[2]), nt = atoi(argv[6]);
@@ -72,7 +74,7 @@ int main(int argc, char **argv) {
         write_all(s, (size_t)(nb * kb) * 4);
         write_all(q, (size_t)(rows * cols));
     } else if (!strcmp(cmd, "int") && argc == 10) {
-        int dt = atoi(argv[2]), reciprocal = atoi(argv[6]), nt = atoi(argv[9]);
+        int dt = atoi(argv[2]), mode = atoi(argv[6]), nt = atoi(argv[9]);
         int64_t rows = atoll(argv[3]), cols = atoll(argv[4]), group = atoll(argv[5]), ng = (cols + group - 1) / group;
         float qmin = strtof(argv[7], NULL), qmax = strtof(argv[8], NULL);
         void *x = xmalloc((size_t)(rows * cols) * elem(dt));
@@ -80,7 +82,7 @@ int main(int argc, char **argv) {
         int8_t *q = xmalloc((size_t)(rows * cols));
         read_all(x, (size_t)(rows * cols) * elem(dt));
         read_all(d, (size_t)(rows * ng) * 4);
-        sa_int_quantize(x, dt, rows, cols, cols, d, ng, group, reciprocal, qmin, qmax, q, cols, nt);
+        sa_int_quantize(x, dt, rows, cols, cols, d, ng, group, mode, qmin, qmax, q, cols, nt);
         write_all(q, (size_t)(rows * cols));
     } else if (!strcmp(cmd, "sweep") && argc == 8) {
         uint64_t start = strtoull(argv[2], NULL, 0), stop = strtoull(argv[3], NULL, 0), step = strtoull(argv[4], NULL, 0);

@@ -33,8 +33,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def int8_sym_reference(w: torch.Tensor, divisor: float, qmin: int, qmax: int, zero_rule: str):
-    """Row by row: s = round_bf16(amax/divisor) (0 -> eps or 'quantise to 0'), q = clamp(round(x/s))."""
+def int8_sym_reference(w: torch.Tensor, divisor: float, qmin: int, qmax: int, zero_rule: str, in_dtype: bool):
+    """Row by row: s = round_bf16(amax/divisor) (0 -> eps or 'quantise to 0'), q = clamp(round(x/s)),
+    x / s in fp32, or in the weight's dtype (`in_dtype`: compressed-tensors' arithmetic)."""
     rows = w.reshape(-1, w.shape[-1])
     q = torch.empty(rows.shape, dtype=torch.int8)
     s = torch.empty(rows.shape[0], 1, dtype=torch.float32)
@@ -44,7 +45,9 @@ def int8_sym_reference(w: torch.Tensor, divisor: float, qmin: int, qmax: int, ze
         if sc == 0:
             sc = torch.tensor(torch.finfo(w.dtype).eps).to(w.dtype).float() if zero_rule == "eps" else sc
         s[i] = sc
-        q[i] = torch.round(x / (sc if sc != 0 else 1.0)).clamp(qmin, qmax).to(torch.int8)
+        d = sc if sc != 0 else torch.tensor(1.0)
+        t = (rows[i] / d.to(w.dtype)).float() if in_dtype else x / d
+        q[i] = torch.round(t).clamp(qmin, qmax).to(torch.int8)
     return q.view(w.shape), s
 
 
@@ -95,7 +98,8 @@ def test_int8_fused_equals_eager_and_reference(kind, w, name):
     fast = quantize_int(w, scheme, fused=kind)
     assert torch.equal(bits(fast.q), bits(eager.q))
     assert torch.equal(bits(fast.scale), bits(eager.scale))
-    ref_q, ref_s = int8_sym_reference(w, scheme.sym_divisor, scheme.qmin, scheme.qmax, scheme.zero_rule)
+    ref_q, ref_s = int8_sym_reference(w, scheme.sym_divisor, scheme.qmin, scheme.qmax, scheme.zero_rule,
+                                      in_dtype=scheme.arithmetic == "compressed-tensors")
     assert torch.equal(eager.q, ref_q)
     assert torch.equal(bits(eager.scale.float().reshape(-1, 1)), bits(ref_s))
 
@@ -150,7 +154,7 @@ def test_nan_and_inf_still_refused_on_the_fused_path(kind, bad):
         quantize_fp8_block(w, FP8_SMALL, fused=kind)
 
 
-def _reciprocal_int(x, safe, out, qmin, qmax, reciprocal):  # a plausible but wrong compiled kernel
+def _reciprocal_int(x, safe, out, qmin, qmax, reciprocal, quotient_dtype=None):  # a plausible but wrong kernel
     out.copy_((x.float() * torch.reciprocal(safe)).round().clamp(qmin, qmax).to(torch.int8))
 
 
@@ -158,7 +162,7 @@ def _reciprocal_fp8(x, scale, out, fmax):
     out.copy_((x.float() * torch.reciprocal(scale)).clamp(-fmax, fmax).to(FP8))
 
 
-def _native_reciprocal_int(x, div, group, qmin, qmax, reciprocal, out):  # the same mistake, native signature
+def _native_reciprocal_int(x, div, group, qmin, qmax, reciprocal, out, quotient_dtype=None):  # native signature
     d = expand_blocks(div, *x.shape, 1, group)
     out.copy_((x.float() * (d if reciprocal else torch.reciprocal(d))).round().clamp(qmin, qmax).to(torch.int8))
 

@@ -23,11 +23,13 @@ INT8_ASCEND = make_spec("int8-w8a8").int_scheme
 
 
 def ct_library(w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool, scale_dtype):
-    """compressed-tensors' own qparams + compressor on the fp32 upcast of `w`."""
+    """compressed-tensors' own qparams + compressor on `w` in the working dtype of our arithmetic:
+    promote(w.dtype, scale_dtype), i.e. the weight's own dtype when the scale dtype is the weight's
+    (tests/quant/test_quant_ct_interop.py holds every path to the library byte for byte)."""
     strategy = "channel" if group_size is None else "group"
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size,
                             scale_dtype=scale_dtype)
-    x = w.float()
+    x = w.to(w.dtype if scale_dtype is None else torch.promote_types(w.dtype, scale_dtype))
     g = x.shape[-1] if group_size is None else group_size
     xg = x.reshape(*x.shape[:-1], -1, g)
     scale, zp = calculate_qparams(xg.amin(-1), xg.amax(-1), args)
@@ -154,13 +156,12 @@ def test_int_bad_arguments():
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("shape,group", [((16, 256), 128), ((5, 96), 32), ((13, 72), 8), ((1, 128), 128)])
 def test_int4_equals_compressed_tensors_library(symmetric, shape, group):
-    """Layout and values identical to compressed-tensors (fp32 scales so the library's rounding order
-    of zero point vs scale cannot differ)."""
+    """Layout and values identical to compressed-tensors (fp32 scales: the library on the fp32 upcast)."""
     torch.manual_seed(shape[1])
     w = (torch.randn(shape) * 0.05 + (0.0 if symmetric else 0.02)).bfloat16()
     spec = make_spec("int4-group", group_size=group, symmetric=symmetric, scale_dtype=torch.float32)
     out = dict(quantize_param("x.weight", w, spec))
-    lib, lib_scale, _ = ct_library(w, 4, group, symmetric, None)
+    lib, lib_scale, _ = ct_library(w, 4, group, symmetric, torch.float32)
     assert torch.equal(out["x.weight_packed"], lib["weight_packed"])
     assert torch.equal(out["x.weight_scale"], lib_scale)
     assert out["x.weight_shape"].dtype == lib["weight_shape"].dtype
@@ -304,7 +305,7 @@ def test_property_int4_ct_values(n, groups, sym, mag, seed):
     w = (torch.randn(n, 32 * groups, generator=g) * mag).bfloat16()
     spec = make_spec("int4-group", group_size=32, symmetric=sym, scale_dtype=torch.float32)
     out = dict(quantize_param("x.weight", w, spec))
-    lib, lib_scale, _ = ct_library(w, 4, 32, sym, None)
+    lib, lib_scale, _ = ct_library(w, 4, 32, sym, torch.float32)
     assert torch.equal(out["x.weight_packed"], lib["weight_packed"])
     assert torch.equal(out["x.weight_scale"], lib_scale)
 

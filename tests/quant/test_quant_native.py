@@ -124,16 +124,36 @@ def test_e4m3_rounding_matches_torch_across_the_range():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reciprocal", [False, True])
-def test_int_kernel(dtype, reciprocal):
+@pytest.mark.parametrize("quotient", [None, torch.bfloat16, torch.float16])
+def test_int_kernel(dtype, reciprocal, quotient):
     w = _weight(dtype)
     d = (N.group_absmax(w, 32) / 7.0).to(torch.bfloat16).float()
     d[d == 0] = 1.0
     div = torch.reciprocal(d) if reciprocal else d
     q = torch.empty(w.shape, dtype=torch.int8)
-    N.int_quantize(w, div, 32, -8, 7, reciprocal, q)
+    N.int_quantize(w, div, 32, -8, 7, reciprocal, q, quotient_dtype=quotient)
     full = expand_blocks(div, *w.shape, 1, 32)
-    ref = (w.float() * full if reciprocal else w.float() / full).round().clamp(-8, 7).to(torch.int8)
+    y = w.float() * full if reciprocal else w.float() / full
+    ref = (y if quotient is None else y.to(quotient).float()).round().clamp(-8, 7).to(torch.int8)
     assert torch.equal(q, ref)
+
+
+@pytest.mark.parametrize("quotient", [torch.bfloat16, torch.float16])
+def test_int_kernel_quotient_rounding_is_torchs_cast(quotient):
+    """Quotients (scale 1) over every binade up to the int8 range, every 251st fp32 bit pattern, and each
+    bf16 / fp16 midpoint with its fp32 neighbours: rounded to the dtype, then to an int8 code, as torch's
+    cast and round give them."""
+    top = int(torch.tensor(130.0).view(torch.int32))
+    pats = torch.arange(0, top, 251, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    grid = torch.arange(1 << 15, dtype=torch.int32).to(torch.int16).view(quotient).float()
+    grid = grid[torch.isfinite(grid) & (grid <= 130)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2  # exact in fp32
+    near = torch.cat([(mids.view(torch.int32) + k).view(torch.float32) for k in (-1, 0, 1)])
+    y = torch.cat([pats, near, grid])
+    y = torch.cat([y, -y]).reshape(-1, 1)
+    q = torch.empty(y.shape, dtype=torch.int8)
+    N.int_quantize(y, torch.ones(y.shape[0], 1), 1, -128, 127, False, q, quotient_dtype=quotient)
+    assert torch.equal(q, y.to(quotient).float().round().clamp(-128, 127).to(torch.int8))
 
 
 def test_int_kernel_rounds_ties_to_even_and_clamps():

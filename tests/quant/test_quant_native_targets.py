@@ -99,9 +99,10 @@ class Build:
         return q, s
 
     def int_q(self, x: torch.Tensor, div: torch.Tensor, group: int, qmin: int, qmax: int, reciprocal: bool,
-              nt: int = 2) -> torch.Tensor:
+              nt: int = 2, quotient_dtype: torch.dtype | None = None) -> torch.Tensor:
         rows, cols = x.shape
-        out = self.run("int", DT[x.dtype], rows, cols, group, int(reciprocal), qmin, qmax, nt,
+        mode = int(reciprocal) | N._QUOTIENT_MODE[quotient_dtype]
+        out = self.run("int", DT[x.dtype], rows, cols, group, mode, qmin, qmax, nt,
                        data=_bytes(x) + _bytes(div.float()))
         return torch.frombuffer(bytearray(out), dtype=torch.int8).view(rows, cols)
 
@@ -195,16 +196,31 @@ def test_e4m3_midpoints_and_neighbours(build):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reciprocal", [False, True])
-def test_int_kernel(build, dtype, reciprocal):
+@pytest.mark.parametrize("quotient", [None, torch.bfloat16, torch.float16])
+def test_int_kernel(build, dtype, reciprocal, quotient):
     w = _weight(dtype)
     assert torch.equal(build.group_absmax(w, 64), N.group_absmax(w, 64))  # this host's build agrees
     d = (w.float().abs().view(150, -1, 11).amax(-1) / 7.0).to(torch.bfloat16).float()  # 517 = 47 * 11
     d[d == 0] = 1.0
     div = torch.reciprocal(d) if reciprocal else d
-    q = build.int_q(w, div, 11, -8, 7, reciprocal)
+    q = build.int_q(w, div, 11, -8, 7, reciprocal, quotient_dtype=quotient)
     full = expand_blocks(div, *w.shape, 1, 11)
-    ref = (w.float() * full if reciprocal else w.float() / full).round().clamp(-8, 7).to(torch.int8)
+    y = w.float() * full if reciprocal else w.float() / full
+    ref = (y if quotient is None else y.to(quotient).float()).round().clamp(-8, 7).to(torch.int8)
     assert torch.equal(q, ref)
+
+
+@pytest.mark.parametrize("quotient", [torch.bfloat16, torch.float16])
+def test_int_kernel_quotient_rounding(build, quotient):
+    """Each bf16 / fp16 midpoint up to 130 with its fp32 neighbours, as quotients (scale 1): rounded to the
+    dtype, then to an int8 code, as torch's cast and round give them."""
+    grid = torch.arange(1 << 15, dtype=torch.int32).to(torch.int16).view(quotient).float()
+    grid = grid[torch.isfinite(grid) & (grid <= 130)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    y = torch.cat([grid, *[(mids.view(torch.int32) + k).view(torch.float32) for k in (-1, 0, 1)]])
+    y = torch.cat([y, -y]).reshape(-1, 1)
+    q = build.int_q(y, torch.ones(y.shape[0], 1), 1, -128, 127, False, quotient_dtype=quotient)
+    assert torch.equal(q, y.to(quotient).float().round().clamp(-128, 127).to(torch.int8))
 
 
 def test_int_kernel_rounds_ties_to_even_and_clamps(build):
