@@ -1,0 +1,165 @@
+"""slime's side of ``reward-mix``: the reward model, the failure rule and the metrics.
+
+* ``reward`` (reward_model slot, slime's ``--custom-rm-path`` through our dispatcher): every declared term
+  of one sample, concurrently; ``Sample.metadata["reward_mix"]`` (and ``train_metadata``, forwarded to
+  training by ``rollout.forward_metadata``) keeps ``components``, ``penalties``, ``total``, ``failure`` and
+  the sample's ``weight_versions``. A sample whose term failed gets a placeholder 0.0 and the reason.
+* ``fail_unscored`` (reward_post_process, order 50): a failed sample is an environment failure, not a low
+  reward: its status becomes FAILED and ``remove_sample`` (slime trains nothing on it), and its reward
+  is the mean of its group's scored members, so the group baseline is theirs (with ``staleness``' group
+  rule, order 100, FAILED samples are padded by a valid member instead). Then one ``reward_mix
+  <rollout_id>: {...}`` report: each term's mean over scored samples, the total, failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import inspect
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .mix import MixError, Term, combine, parse_terms
+
+logger = logging.getLogger("slime_ascend.reward_mix")
+META = "reward_mix"
+_lock = threading.Lock()
+_parsed: dict[int, tuple[tuple[Term, ...], tuple[Term, ...]]] = {}
+_rule_args: dict[tuple[int, str], Any] = {}
+_functions: dict[str, Any] = {}
+
+
+def terms(args: Any) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
+    """(components, penalties) of ``args``, parsed once per ``args``."""
+    with _lock:
+        cached = _parsed.get(id(args))
+    if cached is None:
+        from ..plugins import runtime
+
+        s = runtime.settings(args, "reward-mix")
+        cached = (parse_terms(s.components, "ascend_reward_components"),
+                  parse_terms(s.penalties, "ascend_reward_penalties", penalty=True))
+        with _lock:
+            _parsed[id(args)] = cached
+    return cached
+
+
+def validate(args: Any, settings: Any) -> None:
+    """Start-up check (the plugin runtime passes this plugin's settings view)."""
+    if not parse_terms(settings.components, "ascend_reward_components"):
+        raise MixError("ascend_reward_components is empty. Fix: declare at least one component, e.g. "
+                       "[{name: correctness, rm_type: math}]")
+
+
+def _function(path: str):
+    fn = _functions.get(path)
+    if fn is None:
+        module, _, name = path.rpartition(".")
+        fn = _functions[path] = getattr(importlib.import_module(module), name)
+    return fn
+
+
+def _args_with_rm_type(args: Any, rm_type: str) -> Any:
+    """A shallow copy of ``args`` whose ``--rm-type`` is the term's and whose custom path is cleared (slime's
+    ``async_rm`` would otherwise call our dispatcher back)."""
+    key = (id(args), rm_type)
+    with _lock:
+        base = _rule_args.get(key)
+        if base is None:
+            base = _rule_args[key] = copy.copy(args)
+            base.custom_rm_path = None
+            base.rm_type = rm_type
+    return base
+
+
+async def _value(args: Any, term: Term, sample: Any) -> Any:
+    kwargs = dict(term.kwargs)
+    if term.rm_type is not None:
+        from slime.rollout.rm_hub import async_rm
+
+        return await async_rm(_args_with_rm_type(args, term.rm_type), sample, **kwargs)
+    out = _function(term.path)(args, sample, **kwargs)
+    return await out if inspect.isawaitable(out) else out
+
+
+async def reward(args: Any, sample: Any, **_: Any) -> float:
+    components, penalties = terms(args)
+    everything = components + penalties
+    got = await asyncio.gather(*(_value(args, t, sample) for t in everything), return_exceptions=True)
+    values = {t.name: v for t, v in zip(everything, got)}
+    total, failure = combine(components, penalties, values)
+
+    def shown(term_list):
+        return {t.name: (None if isinstance(values[t.name], BaseException) else values[t.name]) for t in term_list}
+
+    record = {"components": shown(components), "penalties": shown(penalties), "total": total, "failure": failure,
+              "weight_versions": list(getattr(sample, "weight_versions", None) or [])}
+    if getattr(sample, "metadata", None) is None:
+        sample.metadata = {}
+    sample.metadata[META] = record
+    sample.train_metadata = {**(getattr(sample, "train_metadata", None) or {}), META: record}
+    if failure is not None:
+        logger.warning("reward_mix: sample index=%s not scored (%s)", getattr(sample, "index", None), failure)
+    return 0.0 if total is None else total
+
+
+def _failed(sample: Any) -> bool:
+    record = (getattr(sample, "metadata", None) or {}).get(META)
+    return bool(record and record.get("failure"))
+
+
+def fail_unscored(args: Any, samples: Sequence[Any], raw_rewards: list, rewards: list) -> tuple[list, list]:
+    raw_out, out = list(raw_rewards), list(rewards)
+    groups: dict[Any, list[int]] = {}
+    for i, sample in enumerate(samples):
+        groups.setdefault(getattr(sample, "group_index", None) if getattr(sample, "group_index", None) is not None
+                          else ("alone", i), []).append(i)
+    failed = 0
+    for members in groups.values():
+        scored = [i for i in members if not _failed(samples[i])]
+        for i in members:
+            if i in scored:
+                continue
+            failed += 1
+            sample = samples[i]
+            sample.remove_sample = True
+            status = getattr(type(sample), "Status", None)
+            if status is not None:
+                sample.status = status.FAILED
+            if scored:
+                raw_out[i] = sum(raw_out[j] for j in scored) / len(scored)
+                out[i] = sum(out[j] for j in scored) / len(scored)
+    from ..plugins.rollout_metrics import report
+
+    report(args, logger, "reward_mix", metrics(args, samples, failed))
+    return raw_out, out
+
+
+def metrics(args: Any, samples: Sequence[Any], failed: int) -> dict[str, float]:
+    components, penalties = terms(args)
+    records = [s.metadata[META] for s in samples if (getattr(s, "metadata", None) or {}).get(META)
+               and not s.metadata[META].get("failure")]
+    out: dict[str, float] = {}
+    for prefix, key, term_list in (("", "components", components), ("penalty_", "penalties", penalties)):
+        for term in term_list:
+            from .mix import as_number
+
+            values = [as_number(r[key].get(term.name)) for r in records]
+            values = [v for v in values if v is not None]
+            out[f"rollout/reward_mix_{prefix}{term.name}"] = sum(values) / len(values) if values else 0.0
+    totals = [r["total"] for r in records if r.get("total") is not None]
+    out["rollout/reward_mix_total"] = sum(totals) / len(totals) if totals else 0.0
+    out["rollout/reward_mix_scored"] = float(len(records))
+    out["rollout/reward_mix_failed"] = float(failed)
+    return out
+
+
+def reset() -> None:
+    """Forget parsed settings and cached functions (tests)."""
+    with _lock:
+        _parsed.clear()
+        _rule_args.clear()
+        _functions.clear()
