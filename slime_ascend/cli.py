@@ -136,6 +136,9 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
                      "check online-synced tensors against the offline converter's file, bit for bit"),
     "tito-fingerprint": ("slime_ascend.tito.hooks:main",
                          "print a checkpoint's tokenizer/chat-template revision (for ascend_tito_tokenizer_revision)"),
+    "memory": ("slime_ascend.memory.cli:main",
+               "peak memory per role (actor, critic, reference, rollout, teachers), object by object, for a config "
+               "and layout"),
     "demo": ("slime_ascend.demo.cli:main",
              "the embedded closed loop on this machine (Ray, reference engine, tiny policy, every plugin)"),
 }

@@ -1,0 +1,182 @@
+"""``slime-ascend memory``: the memory ledger of a slime job, per role, from a model config and a layout.
+
+    slime-ascend memory --config CONFIG_JSON_OR_HF_DIR [--tp N --pp N --cp N --ep N --dp N]
+        [--max-tokens-per-gpu N | --micro-batch-size N --seq-length N] [--recompute full|selective|none]
+        [--kv-cache-tokens N | --mem-fraction F --device-gib G] [--teachers N --teacher-config C]
+        [--sync-format none|fp8-block|int8-w8a8|int4-group] [--slime-args "..."] [--json]
+
+``--slime-args`` takes the layout from a slime command line (the flags slime and Megatron use); flags given
+here as well win. No torch is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import fields, replace
+
+from ..cli import ArgumentParser
+from .ledger import RECOMPUTE, SYNC_FORMATS, Layout
+
+# slime / Megatron flag -> Layout field (value flags)
+SLIME_FLAGS: dict[str, str] = {
+    "--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size": "pp",
+    "--context-parallel-size": "cp", "--expert-model-parallel-size": "ep",
+    "--max-tokens-per-gpu": "max_tokens_per_gpu", "--micro-batch-size": "micro_batch_size",
+    "--seq-length": "seq_length", "--recompute-granularity": "recompute",
+    "--rollout-num-gpus-per-engine": "rollout_tp", "--sglang-mem-fraction-static": "mem_fraction",
+    "--update-weight-buffer-size": "sync_bucket_bytes", "--sglang-chunked-prefill-size": "chunked_prefill_tokens",
+}
+
+
+def _layout_from_slime(text: str) -> tuple[dict, str | None]:
+    """Layout fields (and ``--hf-checkpoint``) from a slime command line; DP = actor GPUs / (TP*PP*CP)."""
+    try:
+        tokens = shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"--slime-args is not a valid shell command line ({exc}). Fix: quote it as one string") from None
+    out: dict = {}
+    hf = None
+    nodes, gpus = 1, None
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        flag, _, inline = tok.partition("=")
+        val = inline if inline else (tokens[i + 1] if i + 1 < len(tokens) else "")
+        step = 1 if inline else 2
+        if flag in SLIME_FLAGS:
+            key = SLIME_FLAGS[flag]
+            try:
+                out[key] = val if key == "recompute" else (float(val) if key == "mem_fraction" else int(val))
+            except ValueError:
+                raise ValueError(f"--slime-args: {flag} {val!r} is not a number. Fix: correct it in the slime "
+                                 f"command line") from None
+            i += step
+        elif flag == "--hf-checkpoint":
+            hf, i = val, i + step
+        elif flag == "--actor-num-nodes":
+            nodes, i = int(val), i + step
+        elif flag == "--actor-num-gpus-per-node":
+            gpus, i = int(val), i + step
+        elif flag in ("--fp16",):
+            out["param_dtype"], i = "fp16", i + 1
+        elif flag == "--grad-reduce-in-bf16":
+            out["grad_dtype"], i = "bf16", i + 1
+        elif flag == "--no-sequence-parallel":
+            out["sequence_parallel"], i = False, i + 1
+        elif flag == "--use-critic" or (flag == "--advantage-estimator" and val == "ppo"):
+            out["critic"] = True
+            i += 1 if flag == "--use-critic" else step
+        else:
+            i += 1
+    if gpus is not None:
+        world = nodes * gpus
+        split = out.get("tp", 1) * out.get("pp", 1) * out.get("cp", 1)
+        if world % split:
+            raise ValueError(f"--slime-args: actor GPUs {world} are not a multiple of TP*PP*CP = {split}. Fix: correct "
+                             f"--actor-num-gpus-per-node or the parallel sizes")
+        out["dp"] = world // split
+    if out.get("recompute") not in (None, *RECOMPUTE):
+        raise ValueError(f"--slime-args: --recompute-granularity {out['recompute']!r} is not known. Fix: use full or "
+                         f"selective")
+    return out, hf
+
+
+def _read_config(path: str) -> dict:
+    p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(p):
+        raise ValueError(f"--config {path!r}: {p} does not exist. Fix: pass an HF config.json or the checkpoint "
+                         f"directory that holds one")
+    try:
+        with open(p, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--config {p}: not readable JSON ({exc}). Fix: pass an HF config.json") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--config {p}: not a JSON object. Fix: pass an HF config.json")
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="slime-ascend memory",
+                       description="Peak memory of each role of a slime job (actor, critic, reference, rollout, "
+                                   "teachers), object by object, for a model config and a parallel layout.")
+    p.add_argument("--config", help="HF config.json, or a checkpoint directory holding one (or --hf-checkpoint in "
+                                    "--slime-args)")
+    p.add_argument("--slime-args", metavar="CMDLINE",
+                   help="a slime command line to take the layout from (--tensor-model-parallel-size, "
+                        "--max-tokens-per-gpu, --recompute-granularity, --actor-num-gpus-per-node, ...)")
+    for flag, help_ in (("--tp", "tensor parallel size"), ("--pp", "pipeline parallel size"),
+                        ("--cp", "context parallel size"), ("--ep", "expert parallel size"),
+                        ("--dp", "data parallel size"), ("--max-tokens-per-gpu", "tokens per micro-batch per GPU"),
+                        ("--micro-batch-size", "sequences per micro-batch (without --max-tokens-per-gpu)"),
+                        ("--seq-length", "longest sequence"), ("--num-microbatches", "micro-batches per step"),
+                        ("--rollout-tp", "rollout engine TP (--rollout-num-gpus-per-engine)"),
+                        ("--kv-cache-tokens", "KV pool tokens per engine (default: from --mem-fraction)"),
+                        ("--teachers", "OPD teacher engines"), ("--teacher-tp", "teacher engine TP"),
+                        ("--sync-bucket-bytes", "--update-weight-buffer-size (default 512 MiB)"),
+                        ("--chunked-prefill-tokens", "SGLang chunked prefill size (default 8192)"),
+                        ("--running-requests", "SGLang decode batch (default 256)")):
+        p.add_argument(flag, type=int, default=None, help=help_)
+    p.add_argument("--recompute", default=None, help="full|selective|none (default none)")
+    p.add_argument("--sync-format", default=None, help=f"weight-sync quantisation: {'|'.join(SYNC_FORMATS)}")
+    p.add_argument("--param-dtype", default=None, help="bf16|fp16|fp32 (default bf16)")
+    p.add_argument("--grad-dtype", default=None, help="fp32|bf16 (default fp32 main_grad)")
+    p.add_argument("--kv-dtype", default=None, help="bf16|fp8|fp32 (default bf16)")
+    p.add_argument("--attention", default=None, help="flash|eager (default flash)")
+    p.add_argument("--mem-fraction", type=float, default=None, help="SGLang mem fraction static (default 0.8)")
+    p.add_argument("--device-gib", type=float, default=None, help="device memory in GiB (default 64)")
+    p.add_argument("--margin", type=float, default=None, help="allocator margin, fraction of the peak (default 0.1)")
+    p.add_argument("--teacher-config", help="the teachers' HF config (default: the model's)")
+    p.add_argument("--critic", action="store_true", help="a PPO critic")
+    p.add_argument("--no-reference", action="store_true", help="no reference model")
+    p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument("--no-sequence-parallel", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the ledger as JSON")
+    return p
+
+
+def layout_from_args(ns: argparse.Namespace) -> tuple[Layout, str | None]:
+    values: dict = {}
+    hf = None
+    if ns.slime_args:
+        values, hf = _layout_from_slime(ns.slime_args)
+    names = {f.name for f in fields(Layout)}
+    for key, val in vars(ns).items():
+        if key in names and val is not None:
+            values[key] = val
+    if ns.critic:
+        values["critic"] = True
+    if ns.no_reference:
+        values["reference"] = False
+    if ns.no_distributed_optimizer:
+        values["distributed_optimizer"] = False
+    if ns.no_sequence_parallel:
+        values["sequence_parallel"] = False
+    return replace(Layout(), **values), hf
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from ..cli import run_command
+
+    return run_command(_run, ns)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from .ledger import build_ledger, format_table
+
+    layout, hf = layout_from_args(ns)
+    path = ns.config or hf
+    if not path:
+        raise ValueError("no model config. Fix: pass --config CONFIG_JSON_OR_HF_DIR (or --hf-checkpoint in "
+                         "--slime-args)")
+    cfg = _read_config(path)
+    teacher = _read_config(ns.teacher_config) if ns.teacher_config else None
+    led = build_ledger(cfg, layout, teacher)
+    print(json.dumps(led.to_dict(), indent=2) if ns.json else format_table(led))
+    return 0
