@@ -180,7 +180,8 @@ def _quantize_2d_compiled(
     w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, scheme: FP8BlockScheme, chunk_elems: int,
     ok: torch.Tensor,
 ) -> torch.Tensor:
-    """`_quantize_2d` on the whole matrix with the compiled |max| and divide/clamp/cast passes."""
+    """`_quantize_2d` on the whole matrix with the compiled |max| and divide/clamp/cast passes (the cast
+    is inductor's own under AVX-512, else integer rounding in torch ops: `compiled.fp8_formulation`)."""
     bn, bk = scheme.block_size
     n, k = w.shape
     if n == 0 or k == 0:

@@ -260,3 +260,23 @@ def test_asymmetric_schemes_stay_eager(monkeypatch, kind):
         monkeypatch.setattr(mod, name, lambda *a: (_ for _ in ()).throw(AssertionError("fused used")))
     w = torch.randn(3, 64, dtype=torch.bfloat16)
     quantize_int(w, int4_scheme(32, symmetric=False), fused=kind)
+
+
+@pytest.mark.parametrize("formulation", ["cast", "codes"])
+def test_compiled_fp8_pass_rounds_like_torch_across_the_range(formulation):
+    """Both compiled e4m3 roundings (`compiled.fp8_formulation` picks one per machine) are torch's
+    float8_e4m3fn cast on every 97th fp32 bit pattern in [-448, 448] (all binades, e4m3 and fp32
+    subnormals, ±0) and every e4m3 midpoint and its neighbours, through the compiled kernel."""
+    pos = torch.arange(0, 0x43E00001, 97, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    allv = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    allv = allv[torch.isfinite(allv)].unique()
+    mids = (allv[1:] + allv[:-1]) / 2
+    near = torch.cat([(mids.view(torch.int32) + d).view(torch.float32) for d in (-1, 0, 1)])
+    v = torch.cat([pos, near[near.abs() <= 448], torch.tensor([448.0, 0.0, -0.0])])
+    v = torch.cat([v, -v])
+    cols = 128
+    v = torch.cat([v, v.new_zeros(-v.numel() % cols)]).view(-1, 1, cols)
+    out = torch.empty(v.shape, dtype=FP8)
+    C.fp8_quantize(v, torch.ones(v.shape[0], 1, 1), out, 448.0, formulation=formulation)
+    assert torch.equal(bits(out), bits(v.to(FP8)))
+    assert C.fp8_formulation("cpu") in ("cast", "codes") and C.fp8_formulation("cuda") == "codes"
