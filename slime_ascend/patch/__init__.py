@@ -28,6 +28,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.cpu_tensor_type | Tensor.type() of a CPU tensor reads torch.cuda.*Tensor | megatron/megatron-device-neutral-placement.md |
 | driver.acknowledged_weight_update | RayTrainGroup._reload_rollout_weights_from_disk: every engine switched and read back, or all returned to the last acknowledged version | 0012-acknowledged-weight-update |
 | train.dsa_deterministic_topk | glm5 ops.indexer.pytorch_topk_with_invalid_padding: deterministic DSA indexer top-k | 0013-dsa-indexer-deterministic-topk |
+| train.reset_optimizer_on_push | MegatronTrainRayActor.update_weights: the optimizer reset after each weight push (GLM-5 cadence) | 0014-reset-optimizer-on-weight-push |
 | engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
 
 Plugins declare the patches they need and when (:class:`slime_ascend.plugins.base.PatchUse`); the
@@ -54,6 +55,7 @@ LEDGER: dict[str, str] = {
     "train.loss_batch_metadata": "slime_ascend.patch.train.loss_batch_metadata",
     "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",
     "driver.acknowledged_weight_update": "slime_ascend.patch.driver.acknowledged_weight_update",
+    "train.reset_optimizer_on_push": "slime_ascend.patch.train.reset_optimizer_on_push",
     "driver.ray_cpu_resources": "slime_ascend.patch.driver.ray_cpu_resources",
     "train.cpu_current_device": "slime_ascend.patch.train.cpu_current_device",
     "train.cpu_streams": "slime_ascend.patch.train.cpu_streams",

@@ -1,0 +1,104 @@
+"""sync-cadence: the optimizer reset (same operations as slime's), the patch on slime's real actor class."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from slime_ascend import patch
+from slime_ascend.sync_cadence.optimizer import reset_optimizer_states
+
+
+def _trained_adam():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p], lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        (p * torch.arange(3.0)).sum().backward()
+        opt.step()
+    return p, opt
+
+
+def test_reset_zeroes_step_and_moments_in_place():
+    p, opt = _trained_adam()
+    state = opt.state[p]
+    exp_avg = state["exp_avg"]
+    assert float(state["step"]) == 2 and exp_avg.abs().sum() > 0
+    assert reset_optimizer_states(opt) == 1
+    assert float(state["step"]) == 0 and state["exp_avg"] is exp_avg  # same buffer
+    assert exp_avg.abs().sum() == 0 and state["exp_avg_sq"].abs().sum() == 0
+    # after a reset the next step is Adam's first step again: the update is lr * sign(grad) where grad != 0
+    before = p.detach().clone()
+    opt.zero_grad()
+    (p * torch.arange(3.0)).sum().backward()
+    opt.step()
+    assert torch.allclose(before - p.detach(), torch.tensor([0.0, 0.1, 0.1]), atol=1e-6)
+
+
+def test_reset_walks_megatrons_chained_optimizers_and_counts_nothing_before_training():
+    p, opt = _trained_adam()
+    empty = torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])
+    chained = types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=opt),
+                                                        types.SimpleNamespace(optimizer=empty)])
+    assert reset_optimizer_states(chained) == 1
+    assert float(opt.state[p]["step"]) == 0
+    assert reset_optimizer_states(types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=empty)])) == 0
+
+
+@pytest.mark.slime
+def test_patch_resets_before_the_first_train_call_after_a_push():
+    actor_mod = pytest.importorskip("slime.backends.megatron_utils.actor")
+    from slime.backends.megatron_utils.update_weight import update_weight_from_disk
+
+    from slime_ascend.patch.train import reset_optimizer_on_push as mod
+
+    p = patch.get("train.reset_optimizer_on_push")
+    modules = {name: __import__(name, fromlist=["_"]) for name in p.target_modules}
+    assert p.check(modules) == []
+    original_train, original_update = actor_mod.train, update_weight_from_disk.UpdateWeightFromDisk.update_weights
+    seen = []
+    p.install(modules=modules)
+    try:
+        mod.reset_state()
+        assert actor_mod.train.__wrapped__ is original_train
+        # slime's functions stubbed below the wrappers (the real ones need Megatron and engines)
+        train = mod._wrap_train(lambda rollout_id, model, optimizer, scheduler: seen.append(
+            [float(st["step"]) for st in optimizer.state.values()]))
+        push = mod._wrap_update(lambda self: None)
+        param, opt = _trained_adam()
+        train(0, None, opt, None)
+        assert seen[-1] == [2.0]  # no push yet: untouched
+        push(object())
+        train(1, None, opt, None)
+        assert seen[-1] == [0.0]  # reset before the first training after the push
+        param2, opt2 = _trained_adam()
+        train(2, None, opt2, None)
+        assert seen[-1] == [2.0]  # only once per push
+    finally:
+        p.remove()
+    assert actor_mod.train is original_train
+    assert update_weight_from_disk.UpdateWeightFromDisk.update_weights is original_update
+
+
+def test_a_changed_target_is_refused():
+    p = patch.get("train.reset_optimizer_on_push")
+
+    def train(rollout_id, model):  # lost its optimizer argument
+        return None
+
+    fake_actor = types.SimpleNamespace(__name__="slime.backends.megatron_utils.actor", train=train)
+    modules = {name: types.SimpleNamespace(__name__=name) for name in p.target_modules}
+    modules["slime.backends.megatron_utils.actor"] = fake_actor
+    problems = p.check(modules)
+    assert any("optimizer" in problem for problem in problems), problems
+    assert any("UpdateWeightFromDisk.update_weights is missing" in problem for problem in problems), problems
+
+
+def test_plugin_refuses_slimes_per_rollout_reset_alongside():
+    from slime_ascend.sync_cadence.plugin import validate
+
+    with pytest.raises(ValueError, match="Fix: drop --reset-optimizer-states"):
+        validate(types.SimpleNamespace(reset_optimizer_states=True),
+                 types.SimpleNamespace(reset_optimizer_on_push=True))
