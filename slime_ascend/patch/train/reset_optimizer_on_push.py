@@ -19,23 +19,16 @@ each call.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import threading
 from types import ModuleType
 from typing import Any
 
 from ..base import RuntimePatch, missing_attrs, param_mismatch
+from ._updaters import UPDATERS, updater_classes
 
 logger = logging.getLogger("slime_ascend.sync_cadence")
 ACTOR = "slime.backends.megatron_utils.actor"
-_U = "slime.backends.megatron_utils.update_weight."
-UPDATERS = {
-    _U + "update_weight_from_distributed": "UpdateWeightFromDistributed",
-    _U + "update_weight_from_tensor": "UpdateWeightFromTensor",
-    _U + "update_weight_from_disk": "UpdateWeightFromDisk",
-}
-OPTIONAL = {_U + "update_weight_from_disk_delta": "UpdateWeightFromDiskDelta"}  # needs zstd etc.
 
 _lock = threading.Lock()
 _state = {"pushes": 0, "pending": False}
@@ -81,13 +74,7 @@ class ResetOptimizerOnPush(RuntimePatch):
         return problems
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
-        classes = [getattr(modules[m], c) for m, c in UPDATERS.items()]
-        for module_name, cls_name in OPTIONAL.items():
-            try:
-                classes.append(getattr(importlib.import_module(module_name), cls_name))
-            except (ImportError, AttributeError):
-                pass
-        for cls in classes:
+        for cls in updater_classes(modules):
             if "update_weights" in vars(cls):
                 self.wrap(cls, "update_weights", _wrap_update)
         self.wrap(modules[ACTOR], "train", _wrap_train)

@@ -14,19 +14,11 @@ Upstream: the quantizer hook proposal lets a hook return metrics with its tensor
 from __future__ import annotations
 
 import functools
-import importlib
 from types import ModuleType
 from typing import Any
 
 from ..base import RuntimePatch, missing_attrs
-
-_U = "slime.backends.megatron_utils.update_weight."
-UPDATERS = {
-    _U + "update_weight_from_distributed": "UpdateWeightFromDistributed",
-    _U + "update_weight_from_tensor": "UpdateWeightFromTensor",
-    _U + "update_weight_from_disk": "UpdateWeightFromDisk",
-}
-OPTIONAL = {_U + "update_weight_from_disk_delta": "UpdateWeightFromDiskDelta"}  # needs zstd etc.
+from ._updaters import UPDATERS, updater_classes
 
 
 def _wrap_update(original):
@@ -60,13 +52,7 @@ class WeightSyncMetrics(RuntimePatch):
         return problems
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
-        classes = [getattr(modules[m], c) for m, c in UPDATERS.items()]
-        for module_name, cls_name in OPTIONAL.items():
-            try:
-                classes.append(getattr(importlib.import_module(module_name), cls_name))
-            except (ImportError, AttributeError):
-                pass
-        for cls in classes:
+        for cls in updater_classes(modules):
             if "update_weights" in vars(cls):
                 self.wrap(cls, "update_weights", _wrap_update)
             if "pop_metrics" in vars(cls):
