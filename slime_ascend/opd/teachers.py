@@ -19,7 +19,6 @@ student (vocabulary size, special tokens, tokenizer, chat template; :mod:`.compa
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ __all__ = [
     "TeacherMismatchError",
     "parse_teachers",
     "load_teachers_yaml",
-    "read_vocab_size",
     "tokenizer_fingerprint",
     "check_teacher_compatible",
     "NAME_RE",
@@ -190,19 +188,6 @@ def load_teachers_yaml(path: str | Path) -> list[TeacherSpec]:
     with open(path, encoding="utf-8") as f:
         data = yaml.safe_load(f)
     return parse_teachers(data)
-
-
-def read_vocab_size(model_dir: str | Path) -> int | None:
-    """``vocab_size`` from ``model_dir/config.json`` (or its ``text_config``); None if absent."""
-    cfg_path = Path(model_dir) / "config.json"
-    if not cfg_path.is_file():
-        return None
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    vocab = cfg.get("vocab_size")
-    if vocab is None and isinstance(cfg.get("text_config"), Mapping):
-        vocab = cfg["text_config"].get("vocab_size")
-    return int(vocab) if vocab is not None else None
 
 
 def tokenizer_fingerprint(model_dir: str | Path) -> str | None:
