@@ -79,6 +79,20 @@ def _write_config(tmp_path: Path, teachers: list[dict], switch_url: str, stage: 
     return out
 
 
+def _run_train_py(models, engines, tmp_path: Path, config: Path):
+    """slime's train.py on the student with ``config``, prompts alternating math/code, slime's rollout and
+    train dumps kept; returns (run, dump folder)."""
+    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=("math", "code"))
+    dumps = tmp_path / "dumps"
+    flags = slime_flags(models["student"], prompts, [engines["rollout"]], tmp_path, num_rollout=NUM_ROLLOUT,
+                        batch=4, n_samples=2)
+    flags += ["--save-debug-rollout-data", str(dumps / "rollout_{rollout_id}.pt"),
+              "--save-debug-train-data", str(dumps / "train_{rollout_id}.pt")]
+    run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config)
+    assert run.returncode == 0, run.log[-6000:]
+    return run, dumps
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     pytest.importorskip("megatron.training", reason="megatron-core with megatron.training is not installed")
@@ -117,14 +131,7 @@ def test_train_py_opd_two_teachers_url_and_switched(models, engines, tmp_path):
         {"name": "code", "checkpoint_dir": str(models["code"]), "domains": ["code"], "coef": COEFS["code"]},
     ]
     config = _write_config(tmp_path, teachers, engines["switch"].url, stage)
-    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=("math", "code"))
-    dumps = tmp_path / "dumps"
-    flags = slime_flags(models["student"], prompts, [engines["rollout"]], tmp_path, num_rollout=NUM_ROLLOUT,
-                        batch=4, n_samples=2)
-    flags += ["--save-debug-rollout-data", str(dumps / "rollout_{rollout_id}.pt"),
-              "--save-debug-train-data", str(dumps / "train_{rollout_id}.pt")]
-    run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config)
-    assert run.returncode == 0, run.log[-6000:]
+    run, dumps = _run_train_py(models, engines, tmp_path, config)
     print(f"slime train.py with cpu+opd: {run.seconds:.1f} s")
 
     # both roles ran the plugins; the per-teacher coefficients reach the trainer through the ledger patch
@@ -251,14 +258,7 @@ def test_train_py_opd_topk_mode(models, engines, tmp_path):
     assert cfg["loss_type"] == "custom_loss" and cfg["custom_loss_function_path"] == "slime_ascend.hooks.loss_function"
     cfg.update({"ascend_opd_mode": "topk", "ascend_opd_topk": TOPK, "ascend_opd_switch_engine_urls": []})
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=("math", "code"))
-    dumps = tmp_path / "dumps"
-    flags = slime_flags(models["student"], prompts, [engines["rollout"]], tmp_path, num_rollout=NUM_ROLLOUT,
-                        batch=4, n_samples=2)
-    flags += ["--save-debug-rollout-data", str(dumps / "rollout_{rollout_id}.pt"),
-              "--save-debug-train-data", str(dumps / "train_{rollout_id}.pt")]
-    run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config)
-    assert run.returncode == 0, run.log[-6000:]
+    run, dumps = _run_train_py(models, engines, tmp_path, config)
     print(f"slime train.py with cpu+opd (topk): {run.seconds:.1f} s")
     for patch_id in ("rollout.forward_metadata", "train.rollout_log_metadata", "train.loss_batch_metadata"):
         assert f"applied runtime patch {patch_id}" in run.log, patch_id
