@@ -57,9 +57,9 @@ def indexer_bwd_interface(index_q, weights, index_k, topk_indices, grad_scores):
     return q.grad.to(index_q.dtype), w.grad, k.grad
 
 
-@pytest.fixture
-def indexer(monkeypatch):
-    """slime's real indexer module, imported fresh with the tilelang kernel modules stubbed; unpatched after."""
+def _stub_tilelang_kernels(monkeypatch):
+    """slime's tilelang kernel modules replaced by the plain-torch stand-ins; slime's indexer module
+    forgotten, so its next import is fresh."""
     fwd = types.ModuleType(f"{OPS}.tilelang_indexer_fwd")
     fwd.indexer_fwd_interface = indexer_fwd_interface
     bwd = types.ModuleType(f"{OPS}.tilelang_indexer_bwd")
@@ -67,6 +67,12 @@ def indexer(monkeypatch):
     monkeypatch.setitem(sys.modules, fwd.__name__, fwd)
     monkeypatch.setitem(sys.modules, bwd.__name__, bwd)
     monkeypatch.delitem(sys.modules, INDEXER, raising=False)
+
+
+@pytest.fixture
+def indexer(monkeypatch):
+    """slime's real indexer module, imported fresh with the tilelang kernel modules stubbed; unpatched after."""
+    _stub_tilelang_kernels(monkeypatch)
     monkeypatch.delenv("MEGATRON_USE_SGLANG_FP8_INDEXER", raising=False)
     module = importlib.import_module(INDEXER)
     assert module.indexer_fwd_interface is indexer_fwd_interface  # slime's module, our kernel stand-ins
@@ -225,13 +231,7 @@ def test_plugin_installs_it_when_slimes_indexer_is_imported(monkeypatch):
     from slime_ascend.dsa.plugin import PLUGIN
     from slime_ascend.plugins import patch_plan
 
-    fwd = types.ModuleType(f"{OPS}.tilelang_indexer_fwd")
-    fwd.indexer_fwd_interface = indexer_fwd_interface
-    bwd = types.ModuleType(f"{OPS}.tilelang_indexer_bwd")
-    bwd.indexer_bwd_interface = indexer_bwd_interface
-    monkeypatch.setitem(sys.modules, fwd.__name__, fwd)
-    monkeypatch.setitem(sys.modules, bwd.__name__, bwd)
-    monkeypatch.delitem(sys.modules, INDEXER, raising=False)
+    _stub_tilelang_kernels(monkeypatch)
     try:
         assert patch_plan.install_at_process_start([PLUGIN]) == [PATCH_ID]
         module = importlib.import_module(INDEXER)
