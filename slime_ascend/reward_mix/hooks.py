@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import inspect
 import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .mix import MixError, Term, combine, parse_terms
+from ..plugins.base import resolve
+from .mix import MixError, Term, as_number, combine, parse_terms
 
 logger = logging.getLogger("slime_ascend.reward_mix")
 META = "reward_mix"
@@ -57,8 +57,7 @@ def validate(args: Any, settings: Any) -> None:
 def _function(path: str):
     fn = _functions.get(path)
     if fn is None:
-        module, _, name = path.rpartition(".")
-        fn = _functions[path] = getattr(importlib.import_module(module), name)
+        fn = _functions[path] = resolve(path)
     return fn
 
 
@@ -145,8 +144,6 @@ def metrics(args: Any, samples: Sequence[Any], failed: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for prefix, key, term_list in (("", "components", components), ("penalty_", "penalties", penalties)):
         for term in term_list:
-            from .mix import as_number
-
             values = [as_number(r[key].get(term.name)) for r in records]
             values = [v for v in values if v is not None]
             out[f"rollout/reward_mix_{prefix}{term.name}"] = sum(values) / len(values) if values else 0.0

@@ -89,6 +89,14 @@ def _not_serving(engines: Sequence[Any], get: Callable, version: str) -> dict[in
     return out
 
 
+def require_serving(engines: Sequence[Any], get: Callable, version: str) -> None:
+    """Raise :class:`WeightUpdateError` unless every engine reports serving ``version``."""
+    wrong = _not_serving(engines, get, str(version))
+    if wrong:
+        raise WeightUpdateError(f"weight version {version} not served by every engine: "
+                                + "; ".join(f"engine {i}: {w}" for i, w in sorted(wrong.items())))
+
+
 def switch_all_or_none(
     engines: Sequence[Any], get: Callable, model_path: str, version: str, previous: Served | None,
 ) -> Served:

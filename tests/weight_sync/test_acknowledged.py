@@ -125,3 +125,11 @@ def test_an_engines_failure_is_its_own_one_line_cause():
 
     assert _one_line(RayTaskError()) == "HTTP 400: config.json of /w/v1 differs: intermediate_size 128 vs 96"
     assert _one_line(RuntimeError("a\n  b")) == "a b"
+
+
+def test_require_serving_names_each_engine_on_another_version():
+    from slime_ascend.weight_sync.acknowledged import require_serving
+
+    require_serving([Engine(version="4"), Engine(version="4")], get, 4)
+    with pytest.raises(WeightUpdateError, match=r"not served by every engine: engine 1: serves version 3$"):
+        require_serving([Engine(version="4"), Engine(version="3")], get, "4")

@@ -51,11 +51,7 @@ def _reload(original):
         if args.update_weight_local_checkpoint_dir:  # one local directory, overwritten: no roll-back point
             original(self, disk_weight_dir, weight_version)
             engines, *_ = ray.get(self._rollout_manager.get_updatable_engines_and_lock.remote())
-            wrong = acknowledged._not_serving(engines, ray.get, str(weight_version))
-            if wrong:
-                raise acknowledged.WeightUpdateError(
-                    f"weight version {weight_version} not served by every engine: "
-                    + "; ".join(f"engine {i}: {w}" for i, w in sorted(wrong.items())))
+            acknowledged.require_serving(engines, ray.get, weight_version)
             served_version.publish(weight_version)
             return None
         assert self._rollout_manager is not None, "disk weight update requires a rollout manager."
