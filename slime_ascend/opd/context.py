@@ -116,7 +116,7 @@ def _student_info(args: Any) -> dict[str, Any]:
     student_dir = getattr(args, "hf_checkpoint", None)
     info: dict[str, Any] = {}
     vocab = getattr(args, "vocab_size", None)
-    if isinstance(vocab, int) and vocab > 0:
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
         info["student_vocab_size"] = vocab
     if isinstance(student_dir, str) and student_dir:
         from pathlib import Path
@@ -153,25 +153,20 @@ def get_context(args: Any, *, rollout_side: bool = False) -> OPDContext:
     key = id(args)
     with _CONTEXTS_LOCK:
         ctx = _CONTEXTS.get(key)
-    if ctx is not None:
-        if rollout_side and ctx.switcher is None and ctx.settings["ascend_opd_switch_engine_urls"]:
-            ctx.switcher = _make_switcher(args, ctx)
-        return ctx
-    settings = runtime.settings(args, PLUGIN_NAME)
-    teachers = _teachers(settings)
-    router = DomainRouter(
-        teachers,
-        domain_key=settings["ascend_opd_domain_key"],
-        default_teacher=settings["ascend_opd_default_teacher"],
-        default_coef=settings["ascend_opd_coef"],
-    )
-    coefs = {t.name: router.coef_for(t.name) for t in teachers}
-    ctx = OPDContext(settings, teachers, router, coefs)
-    if rollout_side:
-        if settings["ascend_opd_switch_engine_urls"]:
-            ctx.switcher = _make_switcher(args, ctx)
-    with _CONTEXTS_LOCK:
-        ctx = _CONTEXTS.setdefault(key, ctx)
+    if ctx is None:
+        settings = runtime.settings(args, PLUGIN_NAME)
+        teachers = _teachers(settings)
+        router = DomainRouter(
+            teachers,
+            domain_key=settings["ascend_opd_domain_key"],
+            default_teacher=settings["ascend_opd_default_teacher"],
+            default_coef=settings["ascend_opd_coef"],
+        )
+        coefs = {t.name: router.coef_for(t.name) for t in teachers}
+        with _CONTEXTS_LOCK:
+            ctx = _CONTEXTS.setdefault(key, OPDContext(settings, teachers, router, coefs))
+    if rollout_side and ctx.switcher is None and ctx.settings["ascend_opd_switch_engine_urls"]:
+        ctx.switcher = _make_switcher(args, ctx)
     return ctx
 
 def _make_switcher(args: Any, ctx: OPDContext) -> _PoolSwitcher | None:

@@ -32,10 +32,10 @@ from ..plugins import roles
 from ..plugins.settings import SettingsError
 from .context import (  # noqa: F401  (coefs_differ, needs_metadata, topk_mode, opd_stats, reset_state: declared and public paths)
     FORWARD_METADATA_PATCH, LOSS_BATCH_PATCH, META_LOG_PROBS, META_TEACHER, META_TOPK, TRAIN_META_COEF,
-    TRAIN_META_TOPK, OPDContext, _teachers, coefs_differ, get_context, logger, needs_metadata, opd_stats,
-    reset_state, rule_args, topk_mode,
+    TRAIN_META_TOPK, OPDContext, _student_info, _teachers, coefs_differ, get_context, logger, needs_metadata,
+    opd_stats, reset_state, rule_args, topk_mode,
 )
-from .scoring import _score, _task_reward, response_teacher_log_probs
+from .scoring import _score, _task_reward, meta_info, response_teacher_log_probs
 
 
 def validate(args: Any, settings: Mapping[str, Any]) -> None:
@@ -87,11 +87,9 @@ def _validate_compat(args: Any, settings: Mapping[str, Any], teachers: Sequence[
     from .compat import check_teachers
     from .teachers import TeacherMismatchError
 
-    vocab = getattr(args, "vocab_size", None)
-    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
     try:
         check_teachers(teachers, getattr(args, "hf_checkpoint", None), mode=settings["ascend_opd_compat_check"],
-                       student_vocab_size=vocab, log=logger)
+                       student_vocab_size=_student_info(args).get("student_vocab_size"), log=logger)
     except TeacherMismatchError as e:
         raise SettingsError(str(e)) from None
 
@@ -150,13 +148,8 @@ async def _reward_one(args: Any, ctx: OPDContext, sample: Any, **kwargs: Any) ->
     if ctx.settings["ascend_opd_mode"] == "topk":
         from ..algorithms.opd import topk_payload_from_sglang
 
-        try:
-            top = scored["meta_info"]["input_top_logprobs"]
-        except (KeyError, TypeError):
-            raise ValueError(
-                f"teacher {spec.name!r}: reply has no meta_info.input_top_logprobs; in ascend_opd_mode topk the "
-                "endpoint must be an SGLang /generate that honours top_logprobs_num with return_logprob"
-            ) from None
+        top = meta_info(scored, "input_top_logprobs", spec.name, "in ascend_opd_mode topk the endpoint must be an "
+                        "SGLang /generate that honours top_logprobs_num with return_logprob")
         sample.metadata[META_TOPK] = topk_payload_from_sglang(top, sample.response_length, ctx.settings["ascend_opd_topk"])
     return reward
 
@@ -228,7 +221,7 @@ def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any]
 
     report(args, logger, "opd", rollout_step_metrics(ctx, counts, per_teacher_kl))
     if first and ctx.settings["ascend_opd_same_origin_check"]:
-        _same_origin_once(ctx, kl_sum, kl_tokens)
+        _same_origin_once(ctx, per_teacher_kl, kl_tokens)
     return raw_rewards, rewards
 
 def _topk_payload(ctx: OPDContext, sample: Any, payload: Any, i: int) -> dict[str, Any]:
@@ -271,7 +264,7 @@ def rollout_step_metrics(ctx: OPDContext, counts: Mapping[str, int], kl: Mapping
                     for k in _POOL_KEYS if k in pool})
     return out
 
-def _same_origin_once(ctx: OPDContext, kl_sum: Mapping[str, float], kl_tokens: Mapping[str, int]) -> None:
+def _same_origin_once(ctx: OPDContext, kl: Mapping[str, float], kl_tokens: Mapping[str, int]) -> None:
     from .same_origin import report_from_kls
 
     if not kl_tokens:
@@ -279,7 +272,7 @@ def _same_origin_once(ctx: OPDContext, kl_sum: Mapping[str, float], kl_tokens: M
         return
     s = ctx.settings
     report = report_from_kls(
-        {n: kl_sum[n] / kl_tokens[n] for n in kl_tokens if kl_tokens[n] > 0},
+        kl,
         dict(kl_tokens),
         threshold_ratio=s["ascend_opd_same_origin_ratio"],
         max_kl=s["ascend_opd_same_origin_max_kl"],

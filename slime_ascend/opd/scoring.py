@@ -38,18 +38,20 @@ def build_score_payload(args: Any, sample: Any, top_k: int | None = None) -> dic
         payload["image_data"] = [encode_image_for_rollout_engine(image) for image in mm["images"]]
     return payload
 
+def meta_info(response: Mapping[str, Any], key: str, teacher: str, need: str) -> Any:
+    """``response["meta_info"][key]``, else a ValueError naming the teacher and what its endpoint must honour."""
+    try:
+        return response["meta_info"][key]
+    except (KeyError, TypeError):
+        raise ValueError(f"teacher {teacher!r}: reply has no meta_info.{key}; {need}") from None
+
 def response_teacher_log_probs(response: Mapping[str, Any], response_length: int, teacher: str = "?") -> list[float]:
     """``meta_info.input_token_logprobs[1:]`` (first element of each entry), last ``response_length``.
 
     This is exactly what slime's ``post_process_rewards`` keeps.
     """
-    try:
-        entries = response["meta_info"]["input_token_logprobs"]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"teacher {teacher!r}: reply has no meta_info.input_token_logprobs; the endpoint must be an SGLang "
-            "/generate that honours return_logprob and logprob_start_len=0"
-        ) from None
+    entries = meta_info(response, "input_token_logprobs", teacher, "the endpoint must be an SGLang /generate that "
+                        "honours return_logprob and logprob_start_len=0")
     values = [item[0] for item in entries[1:]]
     if response_length > len(values):
         raise ValueError(
