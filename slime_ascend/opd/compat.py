@@ -60,9 +60,12 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from .teachers import COMPAT_MODES as MODES
+from .teachers import TeacherMismatchError
 
 __all__ = [
     "MODES",
@@ -83,7 +86,6 @@ __all__ = [
 
 logger = logging.getLogger("slime_ascend.opd")
 
-MODES = ("strict", "warn", "off")
 SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 #: the compared fields, in the order they are reported
 FIELDS = ("vocab_size", "tokenizer_len", *SPECIAL_ROLES, "special_tokens", "tokenizer", "chat_template",
@@ -342,13 +344,9 @@ def fingerprint_from_engine(url: str, *, timeout_s: float = 5.0,
     for key in ("tokenizer_path", "model_path"):
         path = info.get(key)
         if isinstance(path, str) and path and os.path.isdir(path):
-            fp = fingerprint_dir(path)
+            fp = replace(fingerprint_dir(path), source=f"{url} ({key} {path})")
             vocab = info.get("vocab_size")
-            unknown = dict(fp.unknown)
-            if fp.vocab_size is None and isinstance(vocab, int):
-                unknown.pop("vocab_size", None)
-                return _replace(fp, source=f"{url} ({key} {path})", vocab_size=vocab, unknown=unknown)
-            return _replace(fp, source=f"{url} ({key} {path})")
+            return _with_vocab(fp, vocab) if fp.vocab_size is None and isinstance(vocab, int) else fp
     vocab = info.get("vocab_size")
     vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
     path = info.get("tokenizer_path") or info.get("model_path")
@@ -360,10 +358,9 @@ def fingerprint_from_engine(url: str, *, timeout_s: float = 5.0,
     return Fingerprint(source=url, vocab_size=vocab, unknown=unknown)
 
 
-def _replace(fp: Fingerprint, **changes: Any) -> Fingerprint:
-    import dataclasses
-
-    return dataclasses.replace(fp, **changes)
+def _with_vocab(fp: Fingerprint, vocab: int) -> Fingerprint:
+    """``fp`` with a ``vocab_size`` known from elsewhere (no longer listed as unknown)."""
+    return replace(fp, vocab_size=vocab, unknown={k: v for k, v in fp.unknown.items() if k != "vocab_size"})
 
 
 # ---- comparison -------------------------------------------------------------------------------------
@@ -478,7 +475,7 @@ def teacher_fingerprint(spec: Any, *, probe: bool = True, timeout_s: float = 5.0
     if spec.url and probe:
         fp = fingerprint_from_engine(spec.url, timeout_s=timeout_s, get=get)
         unknown = {k: f"checkpoint_dir {ckpt} is not a directory here and {v}" for k, v in fp.unknown.items()}
-        return _replace(fp, unknown=unknown)
+        return replace(fp, unknown=unknown)
     why = f"checkpoint_dir {ckpt} is not a directory here" + ("" if spec.url else " and the teacher has no url")
     return Fingerprint(source=f"checkpoint_dir {ckpt}", unknown={name: why for name in FIELDS})
 
@@ -502,8 +499,6 @@ def check_teachers(teachers: Sequence[Any], student_dir: str | Path | None, *, m
     the Fix); ``warn`` teachers' mismatches are logged; ``off`` teachers are skipped (nothing is read).
     Fields that could not be compared are logged once per process, naming the teacher and why.
     ``student_vocab_size`` stands in when the student's config.json has none. Returns the reports."""
-    from .teachers import TeacherMismatchError
-
     if mode not in MODES:
         raise ValueError(f"compat_check mode must be one of {MODES}, got {mode!r}")
     active = [t for t in teachers if teacher_mode(t, mode) != "off"]
@@ -517,9 +512,7 @@ def check_teachers(teachers: Sequence[Any], student_dir: str | Path | None, *, m
                else f"the student's {student_flag} is not set")
         student = Fingerprint(source=str(student_dir), unknown={name: why for name in FIELDS})
     if student.vocab_size is None and student_vocab_size is not None:
-        unknown = dict(student.unknown)
-        unknown.pop("vocab_size", None)
-        student = _replace(student, vocab_size=int(student_vocab_size), unknown=unknown)
+        student = _with_vocab(student, int(student_vocab_size))
     if not student_ok and student.vocab_size is None:
         _log_once(log, f"opd teacher compatibility not checked: {student.unknown['vocab_size']}")
         return []
