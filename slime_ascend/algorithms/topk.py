@@ -26,6 +26,8 @@ returned *values* are trusted, never its tie order. Host syncs: the NaN check an
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
@@ -69,9 +71,7 @@ def deterministic_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError("scores contain NaN; replace them (e.g. with -inf for masked keys) before top-k")
 
     kk = min(k, length)
-    rows = 1
-    for n in batch_shape:
-        rows *= n
+    rows = math.prod(batch_shape)
     if kk == 0 or rows == 0:
         return torch.full((*batch_shape, k), -1, dtype=torch.long, device=device)
 

@@ -28,6 +28,7 @@ Checkpoints are read with ``safetensors`` only (never pickle).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import threading
 import time
@@ -112,10 +113,7 @@ def validate_safetensors_dir(ckpt_dir: Path | str) -> int:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for k in sf.keys():
                     sl = sf.get_slice(k)
-                    n = 1
-                    for s in sl.get_shape():
-                        n *= s
-                    total += n * _dtype_size(sl.get_dtype())
+                    total += math.prod(sl.get_shape()) * _DTYPE_BYTES.get(sl.get_dtype(), 4)
         except Exception as e:  # SafetensorError is not exported as a stable type
             raise ValueError(f"corrupt safetensors file {f}: {e}") from e
     return total
@@ -123,10 +121,6 @@ def validate_safetensors_dir(ckpt_dir: Path | str) -> int:
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
                 "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def _dtype_size(code: str) -> int:
-    return _DTYPE_BYTES.get(code, 4)
 
 
 def read_safetensors_dir(
@@ -617,7 +611,7 @@ class TeacherPool:
 
     def _stage_bg(self, spec: TeacherSpec) -> Staged:
         staged = self._stage_with_retry(spec)
-        self._add_staged_bytes(staged.host_bytes)
+        self._host_bytes(staged.host_bytes)
         return staged
 
     def _stage_with_retry(self, spec: TeacherSpec) -> Staged:
@@ -641,22 +635,19 @@ class TeacherPool:
             staged = slot.future.result()
         except Exception:
             return
-        self._add_staged_bytes(-staged.host_bytes)
+        self._host_bytes(-staged.host_bytes)
         self.loader.discard(staged)
 
     def _count(self, key: str, delta: float = 1) -> None:
         with self._count_lock:
             self.counters[key] += delta
 
-    def _add_staged_bytes(self, delta: int) -> None:
+    def _host_bytes(self, staged_delta: int = 0, resident: int | None = None) -> None:
+        """Add ``staged_delta`` to the staged bytes or set the resident bytes, keeping the peak of their sum."""
         with self._count_lock:
-            self._staged_host_bytes += delta
-            now = self._resident_host_bytes + self._staged_host_bytes
-            self.counters["peak_host_bytes"] = max(self.counters["peak_host_bytes"], now)
-
-    def _set_resident_bytes(self, nbytes: int) -> None:
-        with self._count_lock:
-            self._resident_host_bytes = nbytes
+            self._staged_host_bytes += staged_delta
+            if resident is not None:
+                self._resident_host_bytes = resident
             now = self._resident_host_bytes + self._staged_host_bytes
             self.counters["peak_host_bytes"] = max(self.counters["peak_host_bytes"], now)
 
@@ -695,30 +686,29 @@ class TeacherPool:
                     self._discard_slot()  # keep the bound: resident + the one being loaded
                     staged = self._stage_with_retry(spec)
                     self._count("cold_loads")
-                    self._add_staged_bytes(staged.host_bytes)
+                    self._host_bytes(staged.host_bytes)
             except TeacherLoadError as e:
                 self._errors[name] = e.reason
                 self._count("prefetch_misses")
                 raise
             # the staged bytes move to "resident" (or are freed) by the activation below
-            self._add_staged_bytes(-staged.host_bytes)
+            self._host_bytes(-staged.host_bytes)
             try:
                 resident_bytes = self.loader.activate(spec, staged)
             except Exception as e:
                 self._errors[name] = f"activation failed: {e}"
                 self._active = None  # the previous teacher's weights may be partly overwritten
-                self._set_resident_bytes(0)
+                self._host_bytes(resident=0)
+                raise TeacherLoadError(name, spec.checkpoint_dir, f"activation failed: {e}") from e
+            finally:
                 if prev is not None:
                     self.loader.release(self.specs[prev])
-                raise TeacherLoadError(name, spec.checkpoint_dir, f"activation failed: {e}") from e
-            if prev is not None:
-                self.loader.release(self.specs[prev])
             garbage = self.loader.take_garbage()
             if garbage is not None:
                 self._executor.submit(_drop, garbage)  # runs before the next prefetch (one worker)
                 del garbage
             self._active = name
-            self._set_resident_bytes(resident_bytes)
+            self._host_bytes(resident=resident_bytes)
             stall = time.perf_counter() - t0
             with self._count_lock:
                 c = self.counters
