@@ -83,7 +83,7 @@ class TeacherLoadError(RuntimeError):
 
 
 class TeacherUnavailableError(TeacherLoadError):
-    """The teacher was marked failed earlier; the pool refuses it until :meth:`TeacherPool.reset`."""
+    """The teacher was marked failed earlier; the pool refuses it."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -567,15 +567,6 @@ class TeacherPool:
             m["failed_teachers"] = len(self._errors)
             return m
 
-    def usable(self) -> list[str]:
-        """Teachers not marked failed."""
-        return [n for n in self.specs if n not in self._errors]
-
-    def reset(self, name: str) -> None:
-        """Clear a teacher's failed state (e.g. after its checkpoint was repaired)."""
-        with self._lock:
-            self._errors.pop(self._spec(name).name, None)
-
     # ---------------------------------------------------------------- scheduling / prefetch
     def set_schedule(self, names: Sequence[str]) -> None:
         """Declare the upcoming teacher order; prefetches the first one that is not active."""
@@ -723,34 +714,6 @@ class TeacherPool:
         if name in self._schedule:
             del self._schedule[: self._schedule.index(name) + 1]
         self._prefetch_next()
-
-    def score_groups(
-        self,
-        groups: Sequence[tuple[str, Any]],
-        score_fn: Callable[[str, Any], Any],
-        *,
-        on_error: str = "raise",
-    ) -> list[Any]:
-        """Score ``[(teacher, items), ...]`` in order, switching once per group.
-
-        The schedule is set from the group order so each next teacher is prefetched while the
-        current one scores. With ``on_error="skip"``, a group whose teacher cannot be loaded
-        yields ``None`` (see :meth:`state`) and the remaining groups still run.
-        """
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        self.set_schedule([n for n, _ in groups])
-        results: list[Any] = []
-        for name, items in groups:
-            try:
-                self.activate(name)
-            except TeacherLoadError:
-                if on_error == "raise":
-                    raise
-                results.append(None)
-                continue
-            results.append(score_fn(name, items))
-        return results
 
     def close(self) -> None:
         """Stop the background thread and drop any prefetched teacher."""
