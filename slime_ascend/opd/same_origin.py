@@ -2,8 +2,9 @@
 
 MOPD teachers should be domain-RL experts grown from the student's own SFT checkpoint; a
 "foreign" teacher (stronger but differently distributed) raised the initial per-token KL about
-5x and caused entropy contraction / top-k collapse. This module measures the KL on a few
-student-sampled sequences and flags teachers whose KL is far above the others'.
+5x and caused entropy contraction / top-k collapse. This module estimates the per-token KL and flags
+teachers whose KL is far above the others' (the opd plugin measures it on the first rollout's samples,
+each teacher on the samples routed to it).
 
 KL(S || T) is estimated on the student's sampled tokens from the two log-probs of each token,
 with ``r = pi_T / pi_S``: ``k1 = log pi_S - log pi_T`` (unbiased, can be negative per token) or
@@ -15,16 +16,14 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["TeacherKL", "SameOriginReport", "per_token_kl", "check_same_origin", "report_from_kls"]
+__all__ = ["TeacherKL", "SameOriginReport", "per_token_kl", "report_from_kls"]
 
 logger = logging.getLogger(__name__)
-
-TeacherScorer = Callable[[Sequence[Sequence[int]]], Sequence[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -72,65 +71,6 @@ def per_token_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tenso
     raise ValueError(f"estimator must be 'k1' or 'k3', got {estimator!r}")
 
 
-def check_same_origin(
-    teacher_scorers: Mapping[str, TeacherScorer],
-    sequences: Sequence[Sequence[int]],
-    student_log_probs: Sequence[torch.Tensor],
-    loss_masks: Sequence[torch.Tensor] | None = None,
-    *,
-    threshold_ratio: float = 3.0,
-    max_kl: float | None = None,
-    estimator: str = "k3",
-    warn: bool = True,
-) -> SameOriginReport:
-    """Measure each teacher's initial per-token KL to the student and flag outliers.
-
-    Args:
-        teacher_scorers: per teacher, a callable taking the token sequences and returning, per
-            sequence, the teacher's log-probs of the same tokens the student log-probs cover.
-            (With a :class:`~slime_ascend.opd.pool.TeacherPool`, call ``pool.activate(name)``
-            inside the scorer.)
-        sequences: token id sequences sampled from the student.
-        student_log_probs: per sequence, the student's log-probs of those tokens.
-        loss_masks: optional per-sequence 0/1 masks over the same positions.
-        threshold_ratio: flag a teacher whose KL exceeds this multiple of the median KL of the
-            other teachers (leave-one-out, so two teachers can flag each other's outlier).
-        max_kl: optional absolute KL above which a teacher is flagged regardless of the others.
-        estimator: ``"k3"`` (default) or ``"k1"``.
-        warn: log a warning per flagged teacher.
-    """
-    if threshold_ratio <= 1.0:
-        raise ValueError(f"threshold_ratio must be > 1, got {threshold_ratio}")
-    if not teacher_scorers:
-        raise ValueError("teacher_scorers is empty")
-    if len(student_log_probs) != len(sequences):
-        raise ValueError(f"{len(student_log_probs)} student_log_probs for {len(sequences)} sequences")
-    if loss_masks is not None and len(loss_masks) != len(sequences):
-        raise ValueError(f"{len(loss_masks)} loss_masks for {len(sequences)} sequences")
-    kls: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for name, scorer in teacher_scorers.items():
-        teacher_lps = list(scorer(sequences))
-        if len(teacher_lps) != len(sequences):
-            raise ValueError(f"teacher {name!r} scorer returned {len(teacher_lps)} results for {len(sequences)} sequences")
-        total, n = 0.0, 0
-        for i, (s_lp, t_lp) in enumerate(zip(student_log_probs, teacher_lps)):
-            t_lp = torch.as_tensor(t_lp)
-            if t_lp.shape != s_lp.shape:
-                raise ValueError(
-                    f"teacher {name!r}, sequence {i}: {tuple(t_lp.shape)} log-probs vs student {tuple(s_lp.shape)}"
-                )
-            kl = per_token_kl(s_lp, t_lp, estimator)
-            mask = torch.ones_like(kl) if loss_masks is None else loss_masks[i].to(kl.device, kl.dtype)
-            total += float((kl * mask).sum())
-            n += int(mask.sum())
-        kls[name] = total / max(n, 1)
-        counts[name] = n
-    return report_from_kls(
-        kls, counts, threshold_ratio=threshold_ratio, max_kl=max_kl, estimator=estimator, warn=warn
-    )
-
-
 def report_from_kls(
     kls: Mapping[str, float],
     tokens: Mapping[str, int] | None = None,
@@ -141,7 +81,8 @@ def report_from_kls(
     warn: bool = True,
 ) -> SameOriginReport:
     """Flag outliers among per-teacher mean KLs already measured (e.g. each teacher on its own
-    routed samples): ratio to the median of the *other* teachers, and optional ``max_kl``."""
+    routed samples): ratio to the median of the *other* teachers (leave-one-out, so two teachers can
+    flag each other's outlier), and optional ``max_kl``."""
     if threshold_ratio <= 1.0:
         raise ValueError(f"threshold_ratio must be > 1, got {threshold_ratio}")
     report = SameOriginReport({}, threshold_ratio, estimator)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,6 @@ __all__ = [
     "TeacherConfigError",
     "TeacherMismatchError",
     "parse_teachers",
-    "load_teachers_yaml",
-    "tokenizer_fingerprint",
     "check_teacher_compatible",
     "NAME_RE",
 ]
@@ -63,7 +61,6 @@ class TeacherSpec:
     vocab_size: int | None = None
     url: str | None = None
     compat_check: str | None = None  # strict | warn | off; None: ascend_opd_compat_check
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def effective_coef(self, default: float = 1.0) -> float:
         """``coef`` if set, else ``default``."""
@@ -179,29 +176,6 @@ def parse_teachers(raw: Sequence[Mapping[str, Any] | TeacherSpec] | Mapping[str,
                 raise _err(i, s.name, "domains", f"domain {d!r} is already routed to teacher {owner[d]!r}")
             owner[d] = s.name
     return specs
-
-
-def load_teachers_yaml(path: str | Path) -> list[TeacherSpec]:
-    """Read a YAML file holding a ``teachers`` list (or a mapping with that key)."""
-    import yaml  # lazy: only config loading needs it
-
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f)
-    return parse_teachers(data)
-
-
-def tokenizer_fingerprint(model_dir: str | Path) -> str | None:
-    """The tokenizer/chat-template revision of ``model_dir`` (the one ``slime-ascend tito-fingerprint``
-    prints); None when it is not a directory holding tokenizer files."""
-    from ..tito.hooks import TitoError
-    from ..tito.hooks import tokenizer_fingerprint as fingerprint
-
-    if not Path(model_dir).is_dir():
-        return None
-    try:
-        return fingerprint(str(model_dir))["revision"]
-    except TitoError:
-        return None
 
 
 def check_teacher_compatible(
