@@ -18,8 +18,8 @@ an average of teachers):
   is **not** renormalised over the top-k set. The ``- P_S + P_T`` correction makes this the
   unnormalised KL: d l_t / d P_S(v) = log P_S(v) - log P_T(v), so the kept support is stationary
   exactly at ``P_S = P_T``. An entry with ``P_S(v) = 0`` (a ``-inf`` student logit) contributes
-  ``P_T(v)`` (``0 * log 0 = 0``), with a zero gradient, masked or not. The sequence loss is ``(1/B) sum_b (1/L_b) sum_t M_bt l_bt``
-  (:func:`per_sample_mean`).
+  ``P_T(v)`` (``0 * log 0 = 0``), with a zero gradient, masked or not. The opd plugin reduces ``l_t`` to
+  the sequence loss with slime's ``sum_of_sample_mean``.
 
 Payload helpers move only the teacher's top-k ids and log-probs between processes, never
 full-vocabulary logits. Nothing here imports slime, ray or megatron; every function runs on the
@@ -39,7 +39,6 @@ __all__ = [
     "topk_reverse_kl",
     "topk_reverse_kl_gathered",
     "topk_student_log_probs",
-    "per_sample_mean",
     "pack_topk_payload",
     "unpack_topk_payload",
     "topk_payload_from_sglang",
@@ -294,39 +293,6 @@ def _topk_terms(
             "valid_topk": (valid.float().sum(-1) * mask).sum() / denom,
         }
     return per_token, metrics
-
-
-def per_sample_mean(
-    per_token: torch.Tensor,
-    loss_mask: torch.Tensor,
-    sample_lengths: Sequence[int] | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``(1/B) sum_b (1/L_b) sum_t M_bt x_bt`` with ``L_b = sum_t M_bt`` (clamped to >= 1).
-
-    ``per_token``/``loss_mask`` are ``[B, T]``, or packed ``[N]`` with ``sample_lengths``
-    (summing to ``N``) giving each sample's span.
-    """
-    if per_token.shape != loss_mask.shape:
-        raise ValueError(f"per_token shape {tuple(per_token.shape)} != loss_mask shape {tuple(loss_mask.shape)}")
-    mask = loss_mask.to(device=per_token.device, dtype=per_token.dtype)
-    if sample_lengths is None:
-        if per_token.dim() != 2:
-            raise ValueError("per_sample_mean needs [B, T] inputs, or packed [N] inputs with sample_lengths")
-        sums = (per_token * mask).sum(-1)
-        counts = mask.sum(-1)
-    else:
-        if per_token.dim() != 1:
-            raise ValueError("with sample_lengths, per_token must be packed 1-D [N]")
-        lengths = torch.as_tensor(sample_lengths, device=per_token.device, dtype=torch.long)
-        if int(lengths.sum()) != per_token.numel():
-            raise ValueError(f"sample_lengths sum to {int(lengths.sum())}, but per_token has {per_token.numel()}")
-        seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=per_token.device), lengths)
-        sums = torch.zeros(lengths.numel(), device=per_token.device, dtype=per_token.dtype)
-        sums = sums.index_add(0, seg, per_token * mask)
-        counts = torch.zeros_like(sums).index_add(0, seg, mask)
-    if sums.numel() == 0:
-        raise ValueError("per_sample_mean got zero samples")
-    return (sums / counts.clamp(min=1.0)).mean()
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,8 +33,6 @@ import torch
 __all__ = [
     "deterministic_topk_indices",
     "replay_topk_indices",
-    "topk_indices_to_mask",
-    "topk_overlap",
 ]
 
 
@@ -180,25 +178,3 @@ def replay_topk_indices(
         )
     return torch.where(key == length, torch.full_like(key, -1), key)
 
-
-def topk_indices_to_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
-    """Boolean mask [..., length] that is True at every non-negative index in ``indices`` [..., k]."""
-    if indices.is_floating_point() or indices.dtype == torch.bool:
-        raise TypeError(f"indices must be an integer tensor, got dtype {indices.dtype}")
-    mask = torch.zeros((*indices.shape[:-1], length + 1), dtype=torch.bool, device=indices.device)
-    slot = torch.where(indices < 0, torch.full_like(indices, length), indices).long()
-    mask.scatter_(-1, slot, True)
-    return mask[..., :length]
-
-
-def topk_overlap(a: torch.Tensor, b: torch.Tensor, length: int) -> torch.Tensor:
-    """Per-row |A ∩ B| / max(|A|, |B|) of two index sets [..., k] (-1 ignored); 1.0 for two empty rows.
-
-    Use it as a metric of how far trainer-recomputed indices drift from the rollout's recorded ones.
-    """
-    if a.shape[:-1] != b.shape[:-1]:
-        raise ValueError(f"a and b must share leading dims, got {tuple(a.shape)} and {tuple(b.shape)}")
-    ma, mb = topk_indices_to_mask(a, length), topk_indices_to_mask(b, length)
-    inter = (ma & mb).sum(-1).double()
-    denom = torch.maximum(ma.sum(-1), mb.sum(-1)).double()
-    return torch.where(denom > 0, inter / denom.clamp(min=1), torch.ones_like(inter))

@@ -13,7 +13,6 @@ from slime_ascend.algorithms.opd import (
     opd_advantages,
     opd_advantages_per_sample,
     pack_topk_payload,
-    per_sample_mean,
     topk_payload_from_sglang,
     topk_reverse_kl,
     topk_reverse_kl_gathered,
@@ -259,18 +258,6 @@ def test_topk_loss_input_errors():
         topk_reverse_kl(logits[:3], ids, t_lp)
     with pytest.raises(ValueError, match="loss_mask"):
         topk_reverse_kl(logits, ids, t_lp, mask[:2])
-
-
-def test_per_sample_mean_padded_and_packed():
-    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    expect = ((1 + 2) / 2 + (4 + 5 + 0) / 3) / 2
-    assert float(per_sample_mean(per_token, mask)) == pytest.approx(expect)
-    packed = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
-    pmask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])
-    assert float(per_sample_mean(packed, pmask, [2, 3])) == pytest.approx((1 / 1 + 12 / 3) / 2)
-    with pytest.raises(ValueError, match="sum to"):
-        per_sample_mean(packed, pmask, [2, 2])
 
 
 # ------------------------------------------------------------------ sampled-token advantage

@@ -9,12 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_ascend.algorithms.topk import (
-    deterministic_topk_indices,
-    replay_topk_indices,
-    topk_indices_to_mask,
-    topk_overlap,
-)
+from slime_ascend.algorithms.topk import deterministic_topk_indices, replay_topk_indices
 
 
 def reference_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -140,13 +135,6 @@ def test_replay_roundtrip_and_validation() -> None:
         replay_topk_indices(torch.tensor([[1, 2, 3]]), 3, 4, batch_shape=(2,))
     with pytest.raises(TypeError):
         replay_topk_indices(torch.tensor([[1.0, 2.0, 3.0]]), 3, 4)
-
-
-def test_mask_and_overlap() -> None:
-    a = torch.tensor([[0, 2, -1], [-1, -1, -1]])
-    b = torch.tensor([[2, 3, -1], [-1, -1, -1]])
-    assert topk_indices_to_mask(a, 4).tolist() == [[True, False, True, False], [False] * 4]
-    assert topk_overlap(a, b, 4).tolist() == [0.5, 1.0]
 
 
 def test_non_contiguous_batched_input() -> None:
