@@ -206,10 +206,12 @@ class TeacherLoader(ABC):
         staged.payload = None
 
 
-def _resolve_pin(pin_memory: bool | None, device: torch.device) -> bool:
+def _placement(first: torch.Tensor | None, pin_memory: bool | None) -> tuple[torch.device, bool]:
+    """The live weights' device (CPU when there are none) and whether staged tensors are pinned."""
+    device = first.device if first is not None else torch.device("cpu")
     if pin_memory is None:
-        return device.type != "cpu" and accelerator_available()
-    return bool(pin_memory) and accelerator_available()
+        return device, device.type != "cpu" and accelerator_available()
+    return device, bool(pin_memory) and accelerator_available()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -245,10 +247,8 @@ class TorchModuleLoader(TeacherLoader):
         if mode not in ("auto", "assign", "copy"):
             raise ValueError(f"mode must be 'auto', 'assign' or 'copy', got {mode!r}")
         self.model = model
-        first = next(iter(model.parameters()), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self.device, self.pin = _placement(next(iter(model.parameters()), None), pin_memory)
         self.mode = ("assign" if self.device.type == "cpu" else "copy") if mode == "auto" else mode
-        self.pin = _resolve_pin(pin_memory, self.device)
         self.key_map = key_map
         self.strict = strict
 
@@ -292,10 +292,7 @@ class WeightDictLoader(TeacherLoader):
         key_map: Callable[[str], str | None] | None = None,
     ) -> None:
         self._targets = targets
-        live = self.targets()
-        first = next(iter(live.values()), None)
-        self.device = first.device if first is not None else torch.device("cpu")
-        self.pin = _resolve_pin(pin_memory, self.device)
+        self.device, self.pin = _placement(next(iter(self.targets().values()), None), pin_memory)
         self.key_map = key_map
 
     def targets(self) -> Mapping[str, torch.Tensor]:

@@ -87,6 +87,6 @@ class DomainRouter:
         return self.teachers[name].effective_coef(self.default_coef)
 
     def stats(self) -> dict[str, Any]:
-        """Per-teacher counts and number of defaulted routes since the last reset."""
+        """Per-teacher counts and number of defaulted routes so far."""
         return {"counts": dict(self.counts), "defaulted": self.defaulted_count, "total": sum(self.counts.values())}
 

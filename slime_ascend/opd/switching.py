@@ -9,7 +9,6 @@ that loads a teacher with ``/update_weights_from_disk``.
 
 from __future__ import annotations
 
-import logging
 import asyncio
 import contextlib
 import functools
@@ -20,8 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import Any
 
 from .teachers import TeacherSpec
-
-logger = logging.getLogger("slime_ascend.opd")
 
 class SwitchGate:
     """Serialise access to one engine that holds one teacher at a time.
