@@ -25,7 +25,7 @@ def _case(seed=0, n=4, L=20, V=12):
     return [s.tolist() for s in seqs], list(s_lp), scorer_for
 
 
-def check_same_origin(scorers, seqs, s_lp, masks=None, **kw):
+def same_origin_report(scorers, seqs, s_lp, masks=None, **kw):
     """Each teacher's masked mean k3 KL over the sequences (as the opd hooks measure it), then the report."""
     kls, tokens = {}, {}
     for name, scorer in scorers.items():
@@ -54,7 +54,7 @@ def test_foreign_teacher_flagged(caplog):
     seqs, s_lp, scorer_for = _case()
     scorers = {"math": scorer_for(0.3), "code": scorer_for(0.35), "chat": scorer_for(0.3), "foreign": scorer_for(1.5)}
     with caplog.at_level(logging.WARNING):
-        rep = check_same_origin(scorers, seqs, s_lp)
+        rep = same_origin_report(scorers, seqs, s_lp)
     assert rep.flagged == ["foreign"]
     assert rep.teachers["foreign"].ratio > 3 and rep.teachers["math"].ratio < 3
     assert "foreign" in caplog.text and rep.to_dict()["flagged"] == ["foreign"]
@@ -63,14 +63,14 @@ def test_foreign_teacher_flagged(caplog):
 def test_two_teachers_and_threshold_and_masks():
     seqs, s_lp, scorer_for = _case(1)
     scorers = {"a": scorer_for(0.3), "b": scorer_for(1.5)}
-    rep = check_same_origin(scorers, seqs, s_lp, warn=False)
+    rep = same_origin_report(scorers, seqs, s_lp, warn=False)
     assert rep.flagged == ["b"]
-    rep = check_same_origin(scorers, seqs, s_lp, threshold_ratio=1e6, warn=False)
+    rep = same_origin_report(scorers, seqs, s_lp, threshold_ratio=1e6, warn=False)
     assert rep.flagged == []
     masks = [torch.zeros(len(s)) for s in seqs]
-    rep = check_same_origin({"a": scorer_for(0.3)}, seqs, s_lp, masks, max_kl=0.1, warn=False)
+    rep = same_origin_report({"a": scorer_for(0.3)}, seqs, s_lp, masks, max_kl=0.1, warn=False)
     assert rep.teachers["a"].tokens == 0 and rep.teachers["a"].ratio is None and not rep.flagged
-    rep = check_same_origin({"a": scorer_for(2.0)}, seqs, s_lp, max_kl=0.01, warn=False)
+    rep = same_origin_report({"a": scorer_for(2.0)}, seqs, s_lp, max_kl=0.01, warn=False)
     assert rep.flagged == ["a"]
     with pytest.raises(ValueError, match="threshold_ratio must be > 1"):
         report_from_kls({"a": 0.1}, threshold_ratio=1.0)
