@@ -42,8 +42,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-__all__ = ["RequestError", "SGLangEngine", "check_generate_keys", "make_server", "serve_reference",
-           "serve_until_interrupted"]
+__all__ = ["ONE_SERVER_INFO", "RequestError", "SGLangEngine", "abort_matches", "check_generate_keys",
+           "check_positive_ints", "make_server", "next_weight_version", "serve_reference", "serve_until_interrupted"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,31 @@ class RequestError(ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+# /server_info fields of an engine that is one unsharded server (slime's external-engine discovery reads them)
+ONE_SERVER_INFO = {"pp_size": 1, "dp_size": 1, "ep_size": 1, "enable_memory_saver": False,
+                   "disaggregation_mode": "null"}
+
+
+def check_positive_ints(**values: Any) -> None:
+    """ValueError naming the first of ``values`` that is not a positive integer (a bool is not one)."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def next_weight_version(current: str, requested: Any = None) -> str:
+    """The version after a weight update: ``requested`` when given, else ``current`` + 1 when it is a
+    number, else ``"1"`` (SGLang keeps the old version; both engines here count instead)."""
+    if requested is not None:
+        return str(requested)
+    return str(int(current) + 1) if current.isdigit() else "1"
+
+
+def abort_matches(candidate: str, rid: str | None, abort_all: bool) -> bool:
+    """SGLang's ``/abort_request`` match: every request, or ``rid`` and its batch's ids ``rid_<i>``."""
+    return abort_all or (rid is not None and (candidate == rid or candidate.startswith(f"{rid}_")))
 
 
 class SGLangEngine(Protocol):
@@ -395,9 +420,7 @@ def make_server(
     """
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
-    for name, value in (("backlog", backlog), ("max_connections", max_connections), ("max_body_bytes", max_body_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_positive_ints(backlog=backlog, max_connections=max_connections, max_body_bytes=max_body_bytes)
     handler = type(
         "SGLangSurfaceHandler",
         (_Handler,),

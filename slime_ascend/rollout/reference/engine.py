@@ -58,7 +58,8 @@ from typing import Any
 import torch
 
 from slime_ascend.rollout.reference import model as reference_model
-from slime_ascend.rollout.http_api import RequestError, check_generate_keys
+from slime_ascend.rollout.http_api import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
+                                           check_positive_ints, make_server, next_weight_version)
 
 __all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
 
@@ -337,13 +338,8 @@ class ReferenceEngine:
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
     ) -> None:
-        for name, value in (
-            ("max_batch_size", max_batch_size),
-            ("max_prompt_tokens", max_prompt_tokens),
-            ("max_new_tokens", max_new_tokens),
-        ):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
+                            max_new_tokens=max_new_tokens)
         self.max_batch_size = max_batch_size
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens
@@ -407,11 +403,7 @@ class ReferenceEngine:
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
             "tp_size": 1,
-            "pp_size": 1,
-            "dp_size": 1,
-            "ep_size": 1,
-            "enable_memory_saver": False,
-            "disaggregation_mode": "null",
+            **ONE_SERVER_INFO,
             "skip_tokenizer_init": self.tokenizer is None,
             "paused": self._paused is not None,
             "num_running_reqs": running,
@@ -467,12 +459,7 @@ class ReferenceEngine:
         """SGLang ``/abort_request``: abort one request id (prefix match for batch ids) or all, running
         or queued behind the running prompt of a batch."""
         with self._state:
-            hits = [
-                r
-                for r in self._live.values()
-                if r.abort_message is None
-                and (abort_all or (rid is not None and (r.rid == rid or r.rid.startswith(f"{rid}_"))))
-            ]
+            hits = [r for r in self._live.values() if r.abort_message is None and abort_matches(r.rid, rid, abort_all)]
             for req in hits:
                 req.abort_message = "Aborted by abort_request"
             self._state.notify_all()
@@ -526,12 +513,7 @@ class ReferenceEngine:
                     reference_model.apply_state_dict(self.model, state, source=model_path)
                     self.model_path = model_path
                     self.quantization = quantization
-                    if weight_version is not None:
-                        self.weight_version = str(weight_version)
-                    elif self.weight_version.isdigit():
-                        self.weight_version = str(int(self.weight_version) + 1)
-                    else:
-                        self.weight_version = "1"
+                    self.weight_version = next_weight_version(self.weight_version, weight_version)
             finally:
                 with self._state:
                     self._updating = False
@@ -839,8 +821,6 @@ class ReferenceEngine:
 
         ``server_kwargs`` go to :func:`slime_ascend.rollout.http_api.make_server` (timeout, backlog, ...).
         """
-        from slime_ascend.rollout.http_api import make_server
-
         server = make_server(self, host=host, port=port, **server_kwargs)
         thread = threading.Thread(target=server.serve_forever, name="reference-engine-http", daemon=True)
         thread.start()
