@@ -122,10 +122,10 @@ def checkpoint_quantization(model_dir: str | os.PathLike | None) -> str | None:
     checkpoint is unquantised (or there is none: the tiny random model)."""
     if model_dir is None or not reference_model.is_quantized_checkpoint(model_dir):
         return None
-    from slime_ascend.quant.hf_config import format_from_quantization_config, read_checkpoint_quant_config
+    from slime_ascend.quant.hf_config import format_from_checkpoint
 
     try:
-        fmt = format_from_quantization_config(read_checkpoint_quant_config(model_dir))
+        fmt = format_from_checkpoint(model_dir)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"{str(model_dir)!r}: cannot read its quantization config: {exc}") from exc
     return fmt or "unknown"
@@ -702,8 +702,10 @@ class ReferenceEngine:
         seq.next_logits = logits[-1]
         return logits
 
-    def _token_text(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
+    def _entries(self, values: list[Any], ids: list[int], req: _Request) -> list[list[Any]]:
+        """SGLang's log-prob entries ``[logprob, token_id, text]`` (text with ``return_text_in_logprobs``)."""
+        text = req.return_text_in_logprobs and self.tokenizer is not None
+        return [[v, t, self.tokenizer.decode([t]) if text else None] for v, t in zip(values, ids, strict=True)]
 
     def _run(self, req: _Request) -> dict[str, Any]:
         started = time.perf_counter()
@@ -734,16 +736,11 @@ class ReferenceEngine:
                 if req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids):
                     start = req.logprob_start_len
                     targets = torch.tensor(req.input_ids[start + 1 :], dtype=torch.long)
-                    lps = torch.log_softmax(logits[start:-1], dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-                    values: list[float | None] = [None] + lps.tolist()
-                    input_lps = [
-                        [v, t, self._token_text(t) if req.return_text_in_logprobs else None]
-                        for v, t in zip(values, req.input_ids[start:], strict=True)
-                    ]
+                    rows = torch.log_softmax(logits[start:-1], dim=-1)
+                    lps = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                    input_lps = self._entries([None] + lps.tolist(), req.input_ids[start:], req)
                     if req.top_logprobs_num:
-                        input_top = [None] + [
-                            self._top_entries(row, req) for row in torch.log_softmax(logits[start:-1], dim=-1)
-                        ]
+                        input_top = [None] + [self._top_entries(row, req) for row in rows]
             for step in range(max_new):
                 abort = abort or self._check_step(req)
                 if abort is not None:
@@ -791,10 +788,7 @@ class ReferenceEngine:
         }
         if req.return_logprob:
             meta["input_token_logprobs"] = input_lps or []
-            meta["output_token_logprobs"] = [
-                [lp, t, self._token_text(t) if req.return_text_in_logprobs else None]
-                for lp, t in zip(out_lps, out_ids, strict=True)
-            ]
+            meta["output_token_logprobs"] = self._entries(out_lps, out_ids, req)
             if req.top_logprobs_num:
                 meta["input_top_logprobs"] = input_top or []
                 meta["output_top_logprobs"] = out_top
@@ -806,8 +800,7 @@ class ReferenceEngine:
     def _top_entries(self, log_probs: torch.Tensor, req: _Request) -> list[list[Any]]:
         """The ``top_logprobs_num`` largest of one position's log-probs ``[V]``, ``[logprob, id, text]`` each."""
         values, ids = torch.topk(log_probs, req.top_logprobs_num)
-        return [[v, t, self._token_text(t) if req.return_text_in_logprobs else None]
-                for v, t in zip(values.tolist(), ids.tolist(), strict=True)]
+        return self._entries(values.tolist(), ids.tolist(), req)
 
     def _decode(self, ids: list[int], cfg: SamplingConfig) -> str:
         if self.tokenizer is None or not ids:
