@@ -93,13 +93,6 @@ class EngineClient:
         self.max_retries = max_retries
         self._post = post
 
-    @classmethod
-    def from_args(cls, args: Any, *, url: str | None = None, post: PostFn | None = None) -> EngineClient:
-        """Client for slime's router (``args.sglang_router_ip/port``) unless ``url`` or ``post`` is given."""
-        if url is None and post is None:
-            url = generate_url_from_args(args)
-        return cls(url, post=post)
-
     async def generate(
         self,
         input_ids: Sequence[int],

@@ -42,8 +42,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-__all__ = ["RequestError", "SGLangEngine", "check_generate_keys", "make_server", "serve_reference",
-           "serve_until_interrupted"]
+__all__ = ["ONE_SERVER_INFO", "RequestError", "SGLangEngine", "abort_matches", "check_generate_keys",
+           "check_positive_ints", "make_server", "next_weight_version", "serve_reference", "serve_until_interrupted"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,31 @@ class RequestError(ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+# /server_info fields of an engine that is one unsharded server (slime's external-engine discovery reads them)
+ONE_SERVER_INFO = {"pp_size": 1, "dp_size": 1, "ep_size": 1, "enable_memory_saver": False,
+                   "disaggregation_mode": "null"}
+
+
+def check_positive_ints(**values: Any) -> None:
+    """ValueError naming the first of ``values`` that is not a positive integer (a bool is not one)."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def next_weight_version(current: str, requested: Any = None) -> str:
+    """The version after a weight update: ``requested`` when given, else ``current`` + 1 when it is a
+    number, else ``"1"`` (SGLang keeps the old version; both engines here count instead)."""
+    if requested is not None:
+        return str(requested)
+    return str(int(current) + 1) if current.isdigit() else "1"
+
+
+def abort_matches(candidate: str, rid: str | None, abort_all: bool) -> bool:
+    """SGLang's ``/abort_request`` match: every request, or ``rid`` and its batch's ids ``rid_<i>``."""
+    return abort_all or (rid is not None and (candidate == rid or candidate.startswith(f"{rid}_")))
 
 
 class SGLangEngine(Protocol):
@@ -273,7 +298,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
         return body
 
-    def _dispatch(self, method: str) -> None:
+    def _dispatch(self) -> None:
+        method = self.command
         path = urlsplit(self.path).path.rstrip("/") or "/"
         try:
             try:
@@ -302,17 +328,8 @@ class _Handler(BaseHTTPRequestHandler):
             logger.exception("reference engine failed on %s %s", method, path)
             self._send(500, {"error": f"{type(exc).__name__}: {exc}", "success": False})
 
-    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802 - stdlib naming
-        self._dispatch("POST")
-
-    def do_PUT(self) -> None:  # noqa: N802 - stdlib naming
-        self._dispatch("PUT")
-
-    def do_DELETE(self) -> None:  # noqa: N802 - stdlib naming
-        self._dispatch("DELETE")
+    # the stdlib calls do_<METHOD>; each goes through the route table (405 where a path has no such method)
+    do_GET = do_POST = do_PUT = do_DELETE = _dispatch
 
 
 # connections past --max-connections that serve every endpoint but the ones below (control calls)
@@ -395,9 +412,7 @@ def make_server(
     """
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
-    for name, value in (("backlog", backlog), ("max_connections", max_connections), ("max_body_bytes", max_body_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_positive_ints(backlog=backlog, max_connections=max_connections, max_body_bytes=max_body_bytes)
     handler = type(
         "SGLangSurfaceHandler",
         (_Handler,),
@@ -449,24 +464,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _positive(convert: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert(text)`` when it is above 0 and finite, else an error naming ``what``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = 0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+_positive_int = _positive(int, "integer")
+_positive_float = _positive(float, "number of seconds")
 
 
 def serve_reference(argv: list[str] | None = None) -> int:

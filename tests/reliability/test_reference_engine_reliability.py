@@ -28,20 +28,12 @@ from slime_ascend.rollout.http_api import CONTROL_CONNECTIONS, make_server
 from slime_ascend.rollout.reference.engine import ReferenceEngine
 from slime_ascend.rollout.reference.model import save_model
 
+import reference_engine_fixtures
+from reference_engine_fixtures import PROMPT
+
 HTTP = httpx.Client(timeout=30, trust_env=False)
-PROMPT = [1, 17, 250, 3, 999, 42]
+engine, url = reference_engine_fixtures.engine, reference_engine_fixtures.url  # pytest fixtures
 GREEDY = {"temperature": 0, "max_new_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return ReferenceEngine(return_original_logprob=False)
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with engine.start_in_thread() as base:
-        yield base
 
 
 @pytest.fixture(scope="module")

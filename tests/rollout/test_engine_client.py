@@ -40,7 +40,7 @@ def test_url_from_args_and_injected_transport():
         seen.append(payload)
         return sglang_response([9], [-0.1])
 
-    client = EngineClient.from_args(SimpleNamespace(), post=fake_post)
+    client = EngineClient(post=fake_post)
     out = asyncio.run(client.generate([1, 2], {"max_new_tokens": 4}))
     assert out.token_ids == [9]
     assert seen == [{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}]
@@ -64,7 +64,8 @@ def test_http_transport_against_local_server():
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        client = EngineClient.from_args(SimpleNamespace(sglang_router_ip="127.0.0.1", sglang_router_port=port))
+        router = SimpleNamespace(sglang_router_ip="127.0.0.1", sglang_router_port=port)
+        client = EngineClient(generate_url_from_args(router))
         try:
             return await client.generate([3, 4, 5], {"max_new_tokens": 3, "temperature": 0.0})
         finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -18,19 +17,11 @@ from slime_ascend.rollout.http_api import build_parser, make_server
 from slime_ascend.rollout.reference.engine import ReferenceEngine
 from slime_ascend.rollout.reference.model import load_model, save_model, score_tokens
 
-PROMPT = [1, 17, 250, 3, 999, 42]
+import reference_engine_fixtures
+from reference_engine_fixtures import PROMPT, post_in_thread
+
 HTTP = httpx.Client(timeout=300, trust_env=False)  # thread-safe; no proxies for loopback
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return ReferenceEngine(return_original_logprob=False)
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with engine.start_in_thread() as base:
-        yield base
+engine, url = reference_engine_fixtures.engine, reference_engine_fixtures.url  # pytest fixtures
 
 
 def gen(url: str, **payload) -> dict:
@@ -324,17 +315,6 @@ def test_update_weights_rejects_other_architecture_and_keeps_model(tmp_path):
 # ---------------------------------------------------------------- pause / abort
 
 
-def _post_in_thread(url: str, payload: dict) -> tuple[threading.Thread, dict]:
-    box: dict = {}
-
-    def run() -> None:
-        box["response"] = HTTP.post(f"{url}/generate", json=payload, timeout=300).json()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, box
-
-
 def _wait_running(url: str, n: int) -> None:
     for _ in range(20000):
         loads = HTTP.get(f"{url}/v1/loads?include=core").json()["loads"][0]
@@ -350,7 +330,7 @@ LONG = {"input_ids": [1, 2], "sampling_params": {"temperature": 1.0, "max_new_to
 def test_pause_aborts_inflight_and_holds_new_requests():
     engine = ReferenceEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
-        running, running_box = _post_in_thread(url, LONG)
+        running, running_box = post_in_thread(url, LONG)
         _wait_running(url, 1)
         assert HTTP.post(f"{url}/pause_generation", json={}).status_code == 200
         running.join(timeout=120)
@@ -359,7 +339,7 @@ def test_pause_aborts_inflight_and_holds_new_requests():
         n = out["meta_info"]["completion_tokens"]
         assert n < 4000 and len(out["output_ids"]) == len(out["meta_info"]["output_token_logprobs"]) == n
 
-        waiting, waiting_box = _post_in_thread(url, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
+        waiting, waiting_box = post_in_thread(url, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
         waiting.join(timeout=0.5)
         assert waiting.is_alive() and "response" not in waiting_box  # held while paused
         assert HTTP.get(f"{url}/health_generate").status_code == 200  # health is not blocked by pause
@@ -372,7 +352,7 @@ def test_in_place_pause_parks_then_resumes(tmp_path):
     engine = ReferenceEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         payload = {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 800}}
-        running, box = _post_in_thread(url, payload)
+        running, box = post_in_thread(url, payload)
         _wait_running(url, 1)
         assert HTTP.post(f"{url}/pause_generation", json={"mode": "in_place"}).status_code == 200
         running.join(timeout=0.5)
@@ -392,7 +372,7 @@ def test_in_place_pause_parks_then_resumes(tmp_path):
 def test_abort_request_all():
     engine = ReferenceEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
-        running, box = _post_in_thread(url, LONG)
+        running, box = post_in_thread(url, LONG)
         _wait_running(url, 1)
         assert HTTP.post(f"{url}/abort_request", json={"abort_all": True}).json()["num_aborted"] == 1
         running.join(timeout=120)
@@ -629,7 +609,7 @@ def test_concurrent_requests_match_sequential(url):
         for i in range(4)
     ]
     sequential = [HTTP.post(f"{url}/generate", json=p, timeout=120).json() for p in payloads]
-    threads = [_post_in_thread(url, p) for p in payloads]
+    threads = [post_in_thread(url, p) for p in payloads]
     for thread, _ in threads:
         thread.join(timeout=120)
     for (_, box), seq in zip(threads, sequential, strict=True):

@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -19,22 +18,14 @@ from slime_ascend.rollout.http_api import build_parser
 from slime_ascend.rollout.reference.engine import ReferenceEngine
 from slime_ascend.rollout.reference.model import load_model, save_model, score_tokens
 
+import reference_engine_fixtures
+from reference_engine_fixtures import PROMPT, post_in_thread
+
 HTTP = httpx.Client(timeout=120, trust_env=False)
-PROMPT = [1, 17, 250, 3, 999, 42]
+engine, url = reference_engine_fixtures.engine, reference_engine_fixtures.url  # pytest fixtures
 # what slime's sglang router adds to every /generate body it forwards (sglang-router 0.3)
 ROUTER_KEYS = {"background": False, "model": None, "no_logs": False, "return_bytes": False,
                "return_entropy": False, "log_metrics": True}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return ReferenceEngine(return_original_logprob=False)
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with engine.start_in_thread() as base:
-        yield base
 
 
 def test_router_keys_at_neutral_values_are_accepted_and_change_nothing(url):
@@ -122,17 +113,6 @@ def test_limits_are_constructor_args_and_cli_flags():
 # ---------------------------------------------------------------- abort and drain
 
 
-def _post_in_thread(url: str, payload: dict) -> tuple[threading.Thread, dict]:
-    box: dict = {}
-
-    def run() -> None:
-        box["response"] = HTTP.post(f"{url}/generate", json=payload, timeout=300).json()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, box
-
-
 def _wait_running(url: str, n: int) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -147,7 +127,7 @@ def test_abort_all_aborts_the_queued_prompts_of_a_batch():
     with engine.start_in_thread() as base:
         batch = {"input_ids": [[1, 2], [3, 4], [5, 6]],
                  "sampling_params": {"temperature": 1.0, "max_new_tokens": 4000, "ignore_eos": True}}
-        thread, box = _post_in_thread(base, batch)
+        thread, box = post_in_thread(base, batch)
         _wait_running(base, 1)
         loads = HTTP.get(f"{base}/v1/loads").json()["loads"][0]
         assert loads["num_waiting_reqs"] == 2  # the queued prompts are visible
@@ -163,7 +143,7 @@ def test_abort_by_rid_reaches_a_queued_batch_prompt():
     engine = ReferenceEngine(return_original_logprob=False)
     with engine.start_in_thread() as base:
         sp = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}
-        thread, box = _post_in_thread(base, {"input_ids": [[1, 2], [3, 4]], "sampling_params": sp, "rid": ["a", "b"]})
+        thread, box = post_in_thread(base, {"input_ids": [[1, 2], [3, 4]], "sampling_params": sp, "rid": ["a", "b"]})
         _wait_running(base, 1)
         assert HTTP.post(f"{base}/abort_request", json={"rid": "b"}).json()["num_aborted"] == 1
         thread.join(120)
@@ -180,7 +160,7 @@ def test_weight_update_waits_for_in_flight_generation(tmp_path):
     new_dir = save_model(load_model(None, seed=7), tmp_path / "new")
     with engine.start_in_thread() as base:
         sp = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
-        thread, box = _post_in_thread(base, {"input_ids": PROMPT, "sampling_params": sp, "return_logprob": True})
+        thread, box = post_in_thread(base, {"input_ids": PROMPT, "sampling_params": sp, "return_logprob": True})
         _wait_running(base, 1)
         r = HTTP.post(f"{base}/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "2"})
         assert r.status_code == 200

@@ -90,10 +90,6 @@ BACKEND = SGLangNPUBackend()
 
 
 # -- the real SGLang package ------------------------------------------------------------------
-def sglang_importable() -> bool:
-    return importlib.util.find_spec("sglang") is not None
-
-
 def _server_args_class():
     from sglang.srt.server_args import ServerArgs
 
@@ -129,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cli_choices() -> dict[str, Any] | None:
-    if not sglang_importable():
+    if importlib.util.find_spec("sglang") is None:
         return None
     try:
         parser = _parser()

@@ -38,7 +38,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..http_api import RequestError, check_generate_keys, make_server, serve_until_interrupted
+from ..http_api import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys, make_server,
+                        next_weight_version, serve_until_interrupted)
 from . import RolloutBackend
 
 logger = logging.getLogger("slime_ascend.rollout")
@@ -251,7 +252,7 @@ class VLLMAdapter:
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict[str, Any]:
         with self._state:
-            rids = [r for r in self._inflight if abort_all or (rid is not None and (r == rid or r.startswith(f"{rid}_")))]
+            rids = [r for r in self._inflight if abort_matches(r, rid, abort_all)]
         return {"success": True, "num_aborted": self._abort(rids)}
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **_: Any) -> dict[str, Any]:
@@ -261,12 +262,8 @@ class VLLMAdapter:
                                                "args": [{"model_config": {"model": model_path}}]})
         self._call("POST", "/collective_rpc", {"method": "reload_weights"})
         self._call("POST", "/reset_prefix_cache")
-        self.weight_version = str(weight_version) if weight_version is not None else self._bump(self.weight_version)
+        self.weight_version = next_weight_version(self.weight_version, weight_version)
         return {"success": True, "message": f"reloaded {model_path}", "weight_version": self.weight_version}
-
-    @staticmethod
-    def _bump(version: str) -> str:
-        return str(int(version) + 1) if version.isdigit() else "1"
 
     def release_memory_occupation(self) -> dict[str, Any]:
         self._call("POST", f"/sleep?level={self.sleep_level}")
@@ -307,11 +304,7 @@ class VLLMAdapter:
             "served_model_name": self.model,
             "weight_version": self.weight_version,
             "tp_size": self.tp_size,
-            "pp_size": 1,
-            "dp_size": 1,
-            "ep_size": 1,
-            "enable_memory_saver": False,
-            "disaggregation_mode": "null",
+            **ONE_SERVER_INFO,
             "paused": self._paused,
         }
 

@@ -58,7 +58,8 @@ from typing import Any
 import torch
 
 from slime_ascend.rollout.reference import model as reference_model
-from slime_ascend.rollout.http_api import RequestError, check_generate_keys
+from slime_ascend.rollout.http_api import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
+                                           check_positive_ints, make_server, next_weight_version)
 
 __all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
 
@@ -121,10 +122,10 @@ def checkpoint_quantization(model_dir: str | os.PathLike | None) -> str | None:
     checkpoint is unquantised (or there is none: the tiny random model)."""
     if model_dir is None or not reference_model.is_quantized_checkpoint(model_dir):
         return None
-    from slime_ascend.quant.hf_config import format_from_quantization_config, read_checkpoint_quant_config
+    from slime_ascend.quant.hf_config import format_from_checkpoint
 
     try:
-        fmt = format_from_quantization_config(read_checkpoint_quant_config(model_dir))
+        fmt = format_from_checkpoint(model_dir)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"{str(model_dir)!r}: cannot read its quantization config: {exc}") from exc
     return fmt or "unknown"
@@ -337,13 +338,8 @@ class ReferenceEngine:
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
     ) -> None:
-        for name, value in (
-            ("max_batch_size", max_batch_size),
-            ("max_prompt_tokens", max_prompt_tokens),
-            ("max_new_tokens", max_new_tokens),
-        ):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
+                            max_new_tokens=max_new_tokens)
         self.max_batch_size = max_batch_size
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens
@@ -407,11 +403,7 @@ class ReferenceEngine:
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
             "tp_size": 1,
-            "pp_size": 1,
-            "dp_size": 1,
-            "ep_size": 1,
-            "enable_memory_saver": False,
-            "disaggregation_mode": "null",
+            **ONE_SERVER_INFO,
             "skip_tokenizer_init": self.tokenizer is None,
             "paused": self._paused is not None,
             "num_running_reqs": running,
@@ -467,12 +459,7 @@ class ReferenceEngine:
         """SGLang ``/abort_request``: abort one request id (prefix match for batch ids) or all, running
         or queued behind the running prompt of a batch."""
         with self._state:
-            hits = [
-                r
-                for r in self._live.values()
-                if r.abort_message is None
-                and (abort_all or (rid is not None and (r.rid == rid or r.rid.startswith(f"{rid}_"))))
-            ]
+            hits = [r for r in self._live.values() if r.abort_message is None and abort_matches(r.rid, rid, abort_all)]
             for req in hits:
                 req.abort_message = "Aborted by abort_request"
             self._state.notify_all()
@@ -526,12 +513,7 @@ class ReferenceEngine:
                     reference_model.apply_state_dict(self.model, state, source=model_path)
                     self.model_path = model_path
                     self.quantization = quantization
-                    if weight_version is not None:
-                        self.weight_version = str(weight_version)
-                    elif self.weight_version.isdigit():
-                        self.weight_version = str(int(self.weight_version) + 1)
-                    else:
-                        self.weight_version = "1"
+                    self.weight_version = next_weight_version(self.weight_version, weight_version)
             finally:
                 with self._state:
                     self._updating = False
@@ -720,8 +702,10 @@ class ReferenceEngine:
         seq.next_logits = logits[-1]
         return logits
 
-    def _token_text(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
+    def _entries(self, values: list[Any], ids: list[int], req: _Request) -> list[list[Any]]:
+        """SGLang's log-prob entries ``[logprob, token_id, text]`` (text with ``return_text_in_logprobs``)."""
+        text = req.return_text_in_logprobs and self.tokenizer is not None
+        return [[v, t, self.tokenizer.decode([t]) if text else None] for v, t in zip(values, ids, strict=True)]
 
     def _run(self, req: _Request) -> dict[str, Any]:
         started = time.perf_counter()
@@ -752,16 +736,11 @@ class ReferenceEngine:
                 if req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids):
                     start = req.logprob_start_len
                     targets = torch.tensor(req.input_ids[start + 1 :], dtype=torch.long)
-                    lps = torch.log_softmax(logits[start:-1], dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-                    values: list[float | None] = [None] + lps.tolist()
-                    input_lps = [
-                        [v, t, self._token_text(t) if req.return_text_in_logprobs else None]
-                        for v, t in zip(values, req.input_ids[start:], strict=True)
-                    ]
+                    rows = torch.log_softmax(logits[start:-1], dim=-1)
+                    lps = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                    input_lps = self._entries([None] + lps.tolist(), req.input_ids[start:], req)
                     if req.top_logprobs_num:
-                        input_top = [None] + [
-                            self._top_entries(row, req) for row in torch.log_softmax(logits[start:-1], dim=-1)
-                        ]
+                        input_top = [None] + [self._top_entries(row, req) for row in rows]
             for step in range(max_new):
                 abort = abort or self._check_step(req)
                 if abort is not None:
@@ -809,10 +788,7 @@ class ReferenceEngine:
         }
         if req.return_logprob:
             meta["input_token_logprobs"] = input_lps or []
-            meta["output_token_logprobs"] = [
-                [lp, t, self._token_text(t) if req.return_text_in_logprobs else None]
-                for lp, t in zip(out_lps, out_ids, strict=True)
-            ]
+            meta["output_token_logprobs"] = self._entries(out_lps, out_ids, req)
             if req.top_logprobs_num:
                 meta["input_top_logprobs"] = input_top or []
                 meta["output_top_logprobs"] = out_top
@@ -824,8 +800,7 @@ class ReferenceEngine:
     def _top_entries(self, log_probs: torch.Tensor, req: _Request) -> list[list[Any]]:
         """The ``top_logprobs_num`` largest of one position's log-probs ``[V]``, ``[logprob, id, text]`` each."""
         values, ids = torch.topk(log_probs, req.top_logprobs_num)
-        return [[v, t, self._token_text(t) if req.return_text_in_logprobs else None]
-                for v, t in zip(values.tolist(), ids.tolist(), strict=True)]
+        return self._entries(values.tolist(), ids.tolist(), req)
 
     def _decode(self, ids: list[int], cfg: SamplingConfig) -> str:
         if self.tokenizer is None or not ids:
@@ -839,8 +814,6 @@ class ReferenceEngine:
 
         ``server_kwargs`` go to :func:`slime_ascend.rollout.http_api.make_server` (timeout, backlog, ...).
         """
-        from slime_ascend.rollout.http_api import make_server
-
         server = make_server(self, host=host, port=port, **server_kwargs)
         thread = threading.Thread(target=server.serve_forever, name="reference-engine-http", daemon=True)
         thread.start()

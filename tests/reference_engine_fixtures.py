@@ -1,0 +1,39 @@
+"""What the reference engine's tests (tests/rollout, tests/reliability) share: module-scoped ``engine``
+and ``url`` fixtures (a ReferenceEngine served on 127.0.0.1 from a thread; bind them in a test module as
+``engine, url = reference_engine_fixtures.engine, reference_engine_fixtures.url``), the prompt they send,
+and a ``/generate`` posted from a background thread."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from slime_ascend.rollout.reference.engine import ReferenceEngine
+
+PROMPT = [1, 17, 250, 3, 999, 42]
+HTTP = httpx.Client(trust_env=False)  # thread-safe; no proxies for loopback
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ReferenceEngine(return_original_logprob=False)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with engine.start_in_thread() as base:
+        yield base
+
+
+def post_in_thread(url: str, payload: dict) -> tuple[threading.Thread, dict]:
+    """POST ``payload`` to ``url``/generate from a daemon thread; its JSON answer lands in ``box["response"]``."""
+    box: dict = {}
+
+    def run() -> None:
+        box["response"] = HTTP.post(f"{url}/generate", json=payload, timeout=300).json()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
