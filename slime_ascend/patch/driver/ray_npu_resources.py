@@ -1,15 +1,9 @@
 """Ray asks for ``NPU`` where slime asks for ``GPU``.
 
-slime hard-codes Ray's ``GPU`` resource: placement-group bundles, ``num_gpus=`` on the train,
-rollout and info actors, and ``ray.get_gpu_ids()`` for the local device id. On Ascend, Ray
-exposes NPUs as the ``NPU`` resource and sets ``ASCEND_RT_VISIBLE_DEVICES`` for NPU workers.
-
-How: each target module's global ``ray`` (and ``placement_group`` where imported by name) is
-replaced with :class:`NPURay`, a thin view of the ray module whose ``remote``/``options``
-translate ``num_gpus=x`` into ``resources={"NPU": x}``, whose ``get_gpu_ids`` returns the NPU
-ids, and whose ``placement_group`` rewrites ``GPU`` bundles. ``InfoActor``, decorated when
-``placement_group.py`` was imported, is re-decorated through the same view. Everything else on
-the ray module passes through untouched, and removing the patch restores the originals.
+On Ascend, Ray sets ``ASCEND_RT_VISIBLE_DEVICES`` for NPU workers. Each target module's global ``ray`` (and
+``placement_group`` where imported by name) becomes a :class:`DeviceRay` view; ``InfoActor``, decorated when
+``placement_group.py`` was imported, is re-declared through it. Everything else on the ray module passes
+through untouched, and removing the patch restores the originals.
 """
 
 from __future__ import annotations

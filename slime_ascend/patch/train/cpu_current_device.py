@@ -1,12 +1,10 @@
 """Megatron's device placement is a no-op on the host.
 
-Megatron-core allocates on ``torch.cuda.current_device()``, moves modules with ``.cuda()``, and
-calls ``torch.cuda.synchronize()`` / ``set_device`` / ``empty_cache`` (``tensor_parallel/layers.py``,
-``training.py``, the DDP buffers, the optimizer), saves ``torch.cuda.get_rng_state()`` in each
-checkpoint, and reads ``torch.cuda.random.get_rng_state()`` as activation recompute starts
-(``tensor_parallel/random.py`` ``_get_all_rng_states``: ``--recompute-granularity full``). On a host without CUDA each raises. With the ``cpu`` plugin the host is the device:
-``current_device()`` is 0 (which ``train.cpu_device_map`` maps to ``cpu``), ``.cuda()`` is the
-identity, the device RNG state is the host generator's, and the rest do nothing.
+Megatron-core allocates on ``torch.cuda.current_device()``, moves modules with ``.cuda()``, calls
+``synchronize`` / ``set_device`` / ``empty_cache`` (``tensor_parallel/layers.py``, ``training.py``, the DDP
+buffers, the optimizer), saves ``torch.cuda.get_rng_state()`` in each checkpoint, and reads
+``torch.cuda.random.get_rng_state()`` as activation recompute starts (``tensor_parallel/random.py``
+``_get_all_rng_states``: ``--recompute-granularity full``).
 """
 
 from __future__ import annotations

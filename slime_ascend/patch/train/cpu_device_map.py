@@ -1,12 +1,10 @@
 """``cuda`` devices mean the host in tensor factories and ``.to()``.
 
 Megatron-core writes ``torch.tensor(..., device="cuda")``, ``torch.empty(..., device=
-torch.cuda.current_device())`` and ``x.to("cuda")`` (``optimizer/optimizer.py``, ``tensor_parallel``,
-the DDP buffers). This is what torch_npu's ``transfer_to_npu`` does for NPU, here for the host:
-each torch factory that takes ``device=`` and ``Tensor.to`` / ``Module.to`` / ``Tensor.new_*`` read a
-CUDA device (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)``, a bare int) as ``cpu``. Any
-other device passes through untouched. Pinned host memory (``pin_memory=True``, ``Tensor.pin_memory()``)
-needs a CUDA driver and buys nothing without a device, so it is plain host memory.
+torch.cuda.current_device())`` and ``x.to("cuda")`` (``optimizer/optimizer.py``, ``tensor_parallel``, the DDP
+buffers). A CUDA device is ``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)`` or a bare int; any other device
+passes through untouched. Pinned host memory (``pin_memory=True``, ``Tensor.pin_memory()``) needs a CUDA driver
+and buys nothing without a device.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Megatron's CUDA streams and events are host stand-ins.
 
-Megatron-core builds ``torch.cuda.Stream``s and ``Event``s for overlapped gradient reduction and
-parameter gathering (``distributed/``, ``training.py``) and enters ``torch.cuda.stream(...)``
-contexts. On the host all work is synchronous: a stream is torch's ``torch.cpu.Stream``, an event is
-complete when recorded (with wall-clock ``elapsed_time``), and a stream context does nothing.
+Megatron-core builds them for overlapped gradient reduction and parameter gathering (``distributed/``,
+``training.py``) and enters ``torch.cuda.stream(...)`` contexts. On the host all work is synchronous: an event
+has a wall-clock ``elapsed_time``, and a stream context does nothing.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """A host tensor's ``type()`` string reads as its CUDA twin.
 
-Megatron-core's distributed optimizer and gradient clipping check
-``param.type() in ("torch.cuda.FloatTensor", "torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor")``
-and raise for anything else. With the ``cpu`` plugin the host is the device, so ``Tensor.type()``
-without an argument reports ``torch.cuda.<Kind>Tensor`` for a CPU tensor; with an argument it
-converts exactly as before.
+Megatron-core checks ``param.type() in ("torch.cuda.FloatTensor", "torch.cuda.HalfTensor",
+"torch.cuda.BFloat16Tensor")`` and raises for anything else.
 """
 
 from __future__ import annotations
