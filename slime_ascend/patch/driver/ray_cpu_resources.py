@@ -9,7 +9,7 @@ and ``npu`` together (``npu`` on the host) the ``cpu`` plugin leaves Ray to ``dr
 
 from __future__ import annotations
 
-from .ray_npu_resources import EXPECTED_SOURCE, DeviceRay, RayDeviceResources
+from .ray_npu_resources import TARGETS, DeviceRay, RayDeviceResources
 
 
 class CPURay(DeviceRay):
@@ -24,8 +24,7 @@ class RayCPUResources(RayDeviceResources):
 
 PATCH = RayCPUResources(
     id="driver.ray_cpu_resources",
-    targets=tuple(f"{m}:ray" for m in EXPECTED_SOURCE) + ("slime.ray.placement_group:placement_group",
-                                                          "slime.ray.placement_group:InfoActor"),
+    targets=TARGETS,
     why="slime requests Ray's GPU resource and reads ray.get_gpu_ids(); a CPU-only host has neither, so the "
     "placement group waits for ever.",
     how="Each target module's `ray` becomes a view that drops num_gpus (keeping the CPU share), drops GPU from "

@@ -185,6 +185,8 @@ EXPECTED_SOURCE = {
     "slime.ray.rollout": ("ray.remote(SGLangEngine)", "num_gpus=num_gpus"),
     "slime.ray.train_actor": ("ray.get_gpu_ids()[0]",),
 }
+TARGETS = tuple(f"{m}:ray" for m in EXPECTED_SOURCE) + ("slime.ray.placement_group:placement_group",
+                                                        "slime.ray.placement_group:InfoActor")
 
 
 class RayDeviceResources(RuntimePatch):
@@ -211,14 +213,9 @@ class RayDeviceResources(RuntimePatch):
                 self.wrap(module, "InfoActor", lambda actor_class: _DeviceDefaults(actor_class, 1, resource))
 
 
-class RayNPUResources(RayDeviceResources):
-    VIEW = NPURay
-
-
-PATCH = RayNPUResources(
+PATCH = RayDeviceResources(
     id="driver.ray_npu_resources",
-    targets=tuple(f"{m}:ray" for m in EXPECTED_SOURCE) + ("slime.ray.placement_group:placement_group",
-                                                          "slime.ray.placement_group:InfoActor"),
+    targets=TARGETS,
     why="slime requests Ray's GPU resource and reads ray.get_gpu_ids(); Ascend NPUs are Ray's NPU resource.",
     how="Each target module's `ray` becomes a view that maps num_gpus to resources={'NPU': n}, GPU bundles to "
     "NPU bundles, and get_gpu_ids to the NPU accelerator ids; InfoActor is re-declared through it.",
