@@ -22,7 +22,7 @@ from typing import Any
 from . import registry
 from .base import resolve
 from .registry import PluginError, Selection
-from .settings import PREFIX, SettingsError, SettingsView, coerce
+from .settings import PREFIX, SettingsError, SettingsView, read
 
 logger = logging.getLogger("slime_ascend")
 
@@ -73,7 +73,7 @@ def enabled_names(args: Any = None) -> list[str]:
 
 
 def settings_values(plugin, args: Any) -> dict[str, Any]:
-    return {s.key: coerce(s, getattr(args, s.key, s.default)) for s in plugin.settings}
+    return {s.key: read(s, args) for s in plugin.settings}
 
 
 def known_setting_keys() -> dict[str, str]:

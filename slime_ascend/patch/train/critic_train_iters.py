@@ -29,12 +29,11 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-from ...plugins.roles import CRITIC_ITERS_ARG, CRITIC_SCHEDULE_ARG
+from ...plugins.roles import CRITIC_ITERS_ARG as ITERS_KEY
+from ...plugins.roles import CRITIC_SCHEDULE_ARG as SCHEDULE_KEY
 from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
 
 ACTOR = "slime.backends.megatron_utils.actor"
-ITERS_KEY = CRITIC_ITERS_ARG
-SCHEDULE_KEY = CRITIC_SCHEDULE_ARG
 SCHEDULES = ("per_rollout", "per_pass")
 
 

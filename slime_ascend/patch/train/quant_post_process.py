@@ -18,10 +18,9 @@ from types import ModuleType
 from typing import Any
 
 from ..base import RuntimePatch, missing_attrs, missing_source
+from ._updaters import UPDATERS
 
-DISTRIBUTED = "slime.backends.megatron_utils.update_weight.update_weight_from_distributed"
-TENSOR = "slime.backends.megatron_utils.update_weight.update_weight_from_tensor"
-CLASSES = {DISTRIBUTED: "UpdateWeightFromDistributed", TENSOR: "UpdateWeightFromTensor"}
+CLASSES = {m: c for m, c in UPDATERS.items() if c in ("UpdateWeightFromDistributed", "UpdateWeightFromTensor")}
 GATE_SOURCE = 'self.quantization_config["quant_method"] in ["compressed-tensors"]'
 
 
