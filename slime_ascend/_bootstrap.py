@@ -37,6 +37,7 @@ def activate(value: str | None = None) -> list[str]:
     if not value.strip():
         return []
     from .plugins import registry
+    from .plugins.base import resolve
 
     ran: list[str] = []
     with _lock:
@@ -46,7 +47,7 @@ def activate(value: str | None = None) -> list[str]:
                 if plugin.name in _started:
                     continue
                 for path in plugin.process_start:
-                    registry_resolve(path)()
+                    resolve(path)()
                 _started.add(plugin.name)
                 ran.append(plugin.name)
             from .plugins import early, patch_plan
@@ -61,18 +62,21 @@ def activate(value: str | None = None) -> list[str]:
     return ran
 
 
-def registry_resolve(path: str):
-    from .plugins.base import resolve
-
-    return resolve(path)
-
-
 def started() -> frozenset[str]:
     return frozenset(_started)
 
 
 def activation_error() -> BaseException | None:
     return _error
+
+
+def raise_activation_error(where: str = "") -> None:
+    """Raise the kept process-start failure as a PluginError (the first validation point or hook call does)."""
+    if _error is not None:
+        from .plugins.registry import PluginError
+
+        raise PluginError(f"slime-ascend failed to activate at process start{where} "
+                          f"({type(_error).__name__}: {_error})") from _error
 
 
 if os.environ.get(ENV):

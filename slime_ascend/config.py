@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from .plugins import registry, runtime
-from .plugins.base import Plugin, resolve
+from .plugins.base import Plugin, option_groups, resolve
 from .plugins.runtime import ARGS_KEY, ENV
 from .plugins.settings import SettingsError, SettingsView, coerce
 from .plugins.slots import SLOTS
@@ -201,7 +201,7 @@ def _flags(selection: registry.Selection) -> tuple[list[str], list[tuple[str, st
     for plugin in selection.plugins:
         for flag in plugin.command_line:
             ready, rest = flag.split()
-            for option, values in _options(ready):
+            for option, *values in option_groups(ready):
                 if option in given:
                     if given[option][0] != values:
                         raise registry.PluginError(
@@ -217,21 +217,11 @@ def _flags(selection: registry.Selection) -> tuple[list[str], list[tuple[str, st
     return words, manual
 
 
-def _options(words: list[str]) -> list[tuple[str, list[str]]]:
-    out: list[tuple[str, list[str]]] = []
-    for word in words:
-        if word.startswith("-") and len(word) > 1 and not word[1].isdigit():
-            out.append((word, []))
-        else:
-            out[-1][1].append(word)
-    return out
-
-
 def _args_for(selection: registry.Selection, overrides: dict[str, Any]) -> argparse.Namespace:
     """What slime's args would hold for the keys we control: the YAML, plus the pasteable flags."""
     data = yaml.safe_load(_render(selection, overrides)) or {}
     words, _ = _flags(selection)
-    for option, values in _options(words):
+    for option, *values in option_groups(words):
         key = option.lstrip("-").replace("-", "_")
         parsed = [_scalar(v) for v in values]
         data.setdefault(key, True if not parsed else parsed[0] if len(parsed) == 1 else parsed)

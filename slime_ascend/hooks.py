@@ -17,11 +17,7 @@ from .plugins.slots import get_slot
 
 
 def _entries(args: Any, slot: str) -> tuple[tuple[str, Any], ...]:
-    error = _bootstrap.activation_error()
-    if error is not None:
-        raise PluginError(
-            f"slime-ascend failed to activate at process start ({type(error).__name__}: {error})"
-        ) from error
+    _bootstrap.raise_activation_error()
     return runtime.active(args).selection.slots.get(slot, ())
 
 

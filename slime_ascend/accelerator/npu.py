@@ -12,7 +12,6 @@ import functools
 import importlib
 import importlib.util
 import logging
-import os
 from typing import Any
 
 logger = logging.getLogger("slime_ascend.accelerator")
@@ -171,8 +170,3 @@ def register(accelerator_module: Any, *, on_host: bool = False) -> None:
         communication_backends=(COMMUNICATION_BACKEND,),
     )
     logger.debug("registered the npu accelerator (priority %d, %s)", PRIORITY, COMMUNICATION_BACKEND)
-
-
-def visible_device_ids() -> list[str]:
-    value = os.environ.get(VISIBLE_DEVICES_ENV, "")
-    return [v.strip() for v in value.split(",") if v.strip()]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-__all__ = ["FallbackSample", "get_sample_class", "slime_available"]
+__all__ = ["FallbackSample", "get_sample_class"]
 
 
 @dataclass
@@ -83,19 +83,10 @@ class FallbackSample:
 
 
 @functools.cache
-def _slime_sample_class() -> type | None:
+def get_sample_class() -> type:
+    """slime's ``Sample`` when importable, else :class:`FallbackSample`."""
     try:
         from slime.utils.types import Sample
     except ImportError:
-        return None
+        return FallbackSample
     return Sample
-
-
-def slime_available() -> bool:
-    """True when ``slime.utils.types.Sample`` can be imported in this process."""
-    return _slime_sample_class() is not None
-
-
-def get_sample_class() -> type:
-    """slime's ``Sample`` when importable, else :class:`FallbackSample`."""
-    return _slime_sample_class() or FallbackSample

@@ -120,12 +120,7 @@ class CommandLineFlag:
         words = shlex.split(self.flag)
         if not words or not _is_option(words[0]):
             return [], self.flag
-        groups: list[list[str]] = []
-        for word in words:
-            if _is_option(word):
-                groups.append([word])
-            else:
-                groups[-1].append(word)
+        groups = option_groups(words)
         ready = [g for g in groups if not any(_PLACEHOLDER.match(w) for w in g[1:])]
         manual = [g for g in groups if g not in ready]
         return [w for g in ready for w in g], (shlex.join(w for g in manual for w in g) if manual else None)
@@ -133,6 +128,17 @@ class CommandLineFlag:
 
 def _is_option(word: str) -> bool:
     return len(word) > 1 and word[0] == "-" and not word[1].isdigit() and word[1] != "."
+
+
+def option_groups(words: list[str]) -> list[list[str]]:
+    """Command-line words that start with an option, as ``[option, *its values]`` groups."""
+    groups: list[list[str]] = []
+    for word in words:
+        if _is_option(word):
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    return groups
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,14 +40,8 @@ def validate_now(args: Any, role: str) -> None:
     (see module doc)."""
     from .. import _bootstrap
     from . import patch_plan, runtime
-    from .registry import PluginError
 
-    error = _bootstrap.activation_error()
-    if error is not None:
-        raise PluginError(
-            f"slime-ascend failed to activate at process start in the {role} process "
-            f"({type(error).__name__}: {error})"
-        ) from error
+    _bootstrap.raise_activation_error(f" in the {role} process")
     state = runtime.active(args)
     if role in ("train", "rollout"):
         patch_plan.install_for_role(args, role, state.selection.plugins)

@@ -1,5 +1,9 @@
 """Discovering plugins (entry-point group ``slime_ascend.plugins``) and resolving a selection.
 
+Entry points are loaded once, on first use. One that fails to load, is not a :class:`Plugin`, or is
+named differently from its entry point is reported by :func:`broken` and refused by name; it does not
+take the others down. Plugins can also be registered directly (tests, code that ships no entry point).
+
 :func:`resolve_selection` turns the names a user enabled into a :class:`Selection`: the plugins
 with their requirements added, conflicts and slot clashes rejected, and for every hook slot the
 ordered list of contributions its dispatcher runs.
@@ -8,10 +12,11 @@ ordered list of contributions its dispatcher runs.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable
+from importlib.metadata import entry_points
 
 from .base import Contribution, Plugin
-from .entry_points import EntryPointRegistry
 from .slots import SLOTS
 
 GROUP = "slime_ascend.plugins"
@@ -21,17 +26,21 @@ class PluginError(RuntimeError):
     """A plugin selection cannot be used as given; the message says why and what to change."""
 
 
-_REGISTRY: EntryPointRegistry[Plugin] = EntryPointRegistry(GROUP, Plugin, "plugin")
-_extra = _REGISTRY._extra  # test helpers save and restore directly registered plugins
+_lock = threading.Lock()
+_cache: dict[str, Plugin] | None = None  # the installed entry points, loaded on first use
+_broken: dict[str, str] = {}
+_extra: dict[str, Plugin] = {}  # registered directly; test helpers save and restore it
 
 
 def register(plugin: Plugin) -> None:
     """Register a plugin object directly (tests, and code that cannot ship an entry point)."""
-    _REGISTRY.register(plugin)
+    with _lock:
+        _extra[plugin.name] = plugin
 
 
 def unregister(name: str) -> None:
-    _REGISTRY.unregister(name)
+    with _lock:
+        _extra.pop(name, None)
 
 
 def available() -> dict[str, Plugin]:
@@ -39,12 +48,34 @@ def available() -> dict[str, Plugin]:
 
     A plugin that fails to load is reported (:func:`broken`) and refused by name; it does not take
     the others down."""
-    return _REGISTRY.available()
+    global _cache
+    with _lock:
+        if _cache is None:
+            found: dict[str, Plugin] = {}
+            for ep in entry_points(group=GROUP):
+                try:
+                    obj = ep.load()
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported by broken(), not fatal
+                    # (SystemExit: a plugin module that runs argparse or sys.exit at import)
+                    _broken[ep.name] = f"entry point {ep.value} failed to load: {type(exc).__name__}: {exc}"
+                    continue
+                if not isinstance(obj, Plugin):
+                    _broken[ep.name] = f"entry point {ep.value} is not a Plugin"
+                elif obj.name != ep.name:
+                    _broken[ep.name] = f"entry point {ep.value} loads a plugin named {obj.name!r}"
+                elif obj.name in found:
+                    _broken[ep.name] = "two installed distributions provide this plugin"
+                    found.pop(obj.name)
+                else:
+                    found[obj.name] = obj
+            _cache = found
+        return {**_cache, **_extra}
 
 
 def broken() -> dict[str, str]:
     """Installed plugins that could not be loaded, with the reason."""
-    return _REGISTRY.broken()
+    available()
+    return dict(_broken)
 
 
 def parse_names(text: str | Iterable[str] | None) -> list[str]:
@@ -89,8 +120,9 @@ def resolve_selection(names: Iterable[str], known: dict[str, Plugin] | None = No
     def add(name: str, why: str) -> None:
         if name in ordered:
             return
-        if name not in known and _REGISTRY.why_broken(name):
-            raise PluginError(f"plugin {name!r} ({why}) is installed but broken: {_REGISTRY.why_broken(name)}")
+        reason = None if name in known else broken().get(name)
+        if reason:
+            raise PluginError(f"plugin {name!r} ({why}) is installed but broken: {reason}")
         if name not in known:
             raise PluginError(
                 f"unknown plugin {name!r} ({why}). Known plugins: {', '.join(sorted(known)) or 'none'}. "

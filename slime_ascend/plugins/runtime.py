@@ -22,7 +22,7 @@ from typing import Any
 from . import registry
 from .base import resolve
 from .registry import PluginError, Selection
-from .settings import PREFIX, SettingsError, SettingsView, coerce
+from .settings import PREFIX, SettingsError, SettingsView, read
 
 logger = logging.getLogger("slime_ascend")
 
@@ -72,12 +72,8 @@ def enabled_names(args: Any = None) -> list[str]:
     return registry.parse_names(from_env)
 
 
-def selection_for(names: list[str]) -> Selection:
-    return registry.resolve_selection(names)
-
-
 def settings_values(plugin, args: Any) -> dict[str, Any]:
-    return {s.key: coerce(s, getattr(args, s.key, s.default)) for s in plugin.settings}
+    return {s.key: read(s, args) for s in plugin.settings}
 
 
 def known_setting_keys() -> dict[str, str]:
@@ -122,7 +118,7 @@ def check(args: Any, names: list[str] | None = None, *, command_line: bool = Tru
     :class:`PluginError` or :class:`SettingsError`; caches nothing (see :func:`active`).
     """
     names = enabled_names(args) if names is None else list(names)
-    selection = selection_for(names)
+    selection = registry.resolve_selection(names)
     check_keys(args, selection)
     views: dict[str, SettingsView] = {}
     for plugin in selection.plugins:

@@ -1,17 +1,12 @@
 """slime's disk weight update switches every rollout engine, acknowledged, or none of them.
 
-Target: ``slime.ray.actor_group.RayTrainGroup._reload_rollout_weights_from_disk`` (driver). slime
-pauses the engines, asks each to load the new version and resumes them; it reads the versions back
-only under ``--ci-test``, an engine that fails leaves the others on the new version, and the version
-directory is deleted at once (unless ``--update-weight-disk-keep-files``), so there is nothing to
-return to.
-
-How: the method runs :func:`slime_ascend.weight_sync.acknowledged.switch_all_or_none` on the same
-engines, keeps the last acknowledged version's directory as the roll-back point (deleting it, as slime
-would have, once the next version is acknowledged; never with keep-files), and publishes the
-acknowledged version (:mod:`slime_ascend.weight_sync.served_version`). With
-``--update-weight-local-checkpoint-dir`` (each host pulls into one local directory, overwritten by each
-version) there is no roll-back point: slime's own method runs and the versions are then read back.
+slime deletes each version directory at once (unless ``--update-weight-disk-keep-files``), so there is nothing
+to return to; here the last acknowledged version's directory is the roll-back point (deleted, as slime would
+have, once the next version is acknowledged; never with keep-files). The switch is
+:func:`slime_ascend.weight_sync.acknowledged.switch_all_or_none`, on the same engines; the acknowledged version
+is published through :mod:`slime_ascend.weight_sync.served_version`. With ``--update-weight-local-checkpoint-dir``
+(each host pulls into one local directory, overwritten by each version) there is no roll-back point: slime's own
+method runs and the versions are then read back.
 """
 
 from __future__ import annotations

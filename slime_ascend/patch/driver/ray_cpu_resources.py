@@ -1,21 +1,15 @@
 """slime's Ray code starts its placement groups and actors on a host without GPUs.
 
-slime asks Ray for ``GPU``: ``{"GPU": 1, "CPU": 1}`` placement-group bundles (it waits for them for
-ever when the cluster has none), ``num_gpus=`` on the train, rollout and info actors, and
-``ray.get_gpu_ids()[0]`` for the local device id. For the ``cpu`` plugin a device is a share of the
-host: the bundles keep their ``CPU`` and lose the ``GPU``, ``num_gpus`` is dropped (the train actors
-already ask for ``num_cpus`` of the same amount), and ``get_gpu_ids`` reports the one host device 0.
-So ``python train.py`` starts on any Ray cluster, including the local one slime's first Ray call
-starts in the driver, with no ``--num-gpus`` or custom resources.
-
-How: the same view as ``driver.ray_npu_resources`` (:class:`DeviceRay`) with no device resource.
-The two patches replace the same attributes: with ``cpu`` and ``npu`` together (``npu`` on the host)
-the ``cpu`` plugin leaves Ray to ``driver.ray_npu_resources``.
+The same view as ``driver.ray_npu_resources`` (:class:`DeviceRay`) with no device resource. Dropping
+``num_gpus`` keeps the CPU share (the train actors already ask for ``num_cpus`` of the same amount), so
+``python train.py`` starts on any Ray cluster, including the local one slime's first Ray call starts in the
+driver, with no ``--num-gpus`` or custom resources. The two patches replace the same attributes: with ``cpu``
+and ``npu`` together (``npu`` on the host) the ``cpu`` plugin leaves Ray to ``driver.ray_npu_resources``.
 """
 
 from __future__ import annotations
 
-from .ray_npu_resources import EXPECTED_SOURCE, DeviceRay, RayDeviceResources
+from .ray_npu_resources import TARGETS, DeviceRay, RayDeviceResources
 
 
 class CPURay(DeviceRay):
@@ -30,8 +24,7 @@ class RayCPUResources(RayDeviceResources):
 
 PATCH = RayCPUResources(
     id="driver.ray_cpu_resources",
-    targets=tuple(f"{m}:ray" for m in EXPECTED_SOURCE) + ("slime.ray.placement_group:placement_group",
-                                                          "slime.ray.placement_group:InfoActor"),
+    targets=TARGETS,
     why="slime requests Ray's GPU resource and reads ray.get_gpu_ids(); a CPU-only host has neither, so the "
     "placement group waits for ever.",
     how="Each target module's `ray` becomes a view that drops num_gpus (keeping the CPU share), drops GPU from "

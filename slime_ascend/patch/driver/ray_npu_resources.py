@@ -1,15 +1,9 @@
 """Ray asks for ``NPU`` where slime asks for ``GPU``.
 
-slime hard-codes Ray's ``GPU`` resource: placement-group bundles, ``num_gpus=`` on the train,
-rollout and info actors, and ``ray.get_gpu_ids()`` for the local device id. On Ascend, Ray
-exposes NPUs as the ``NPU`` resource and sets ``ASCEND_RT_VISIBLE_DEVICES`` for NPU workers.
-
-How: each target module's global ``ray`` (and ``placement_group`` where imported by name) is
-replaced with :class:`NPURay`, a thin view of the ray module whose ``remote``/``options``
-translate ``num_gpus=x`` into ``resources={"NPU": x}``, whose ``get_gpu_ids`` returns the NPU
-ids, and whose ``placement_group`` rewrites ``GPU`` bundles. ``InfoActor``, decorated when
-``placement_group.py`` was imported, is re-decorated through the same view. Everything else on
-the ray module passes through untouched, and removing the patch restores the originals.
+On Ascend, Ray sets ``ASCEND_RT_VISIBLE_DEVICES`` for NPU workers. Each target module's global ``ray`` (and
+``placement_group`` where imported by name) becomes a :class:`DeviceRay` view; ``InfoActor``, decorated when
+``placement_group.py`` was imported, is re-declared through it. Everything else on the ray module passes
+through untouched, and removing the patch restores the originals.
 """
 
 from __future__ import annotations
@@ -191,6 +185,8 @@ EXPECTED_SOURCE = {
     "slime.ray.rollout": ("ray.remote(SGLangEngine)", "num_gpus=num_gpus"),
     "slime.ray.train_actor": ("ray.get_gpu_ids()[0]",),
 }
+TARGETS = tuple(f"{m}:ray" for m in EXPECTED_SOURCE) + ("slime.ray.placement_group:placement_group",
+                                                        "slime.ray.placement_group:InfoActor")
 
 
 class RayDeviceResources(RuntimePatch):
@@ -217,14 +213,9 @@ class RayDeviceResources(RuntimePatch):
                 self.wrap(module, "InfoActor", lambda actor_class: _DeviceDefaults(actor_class, 1, resource))
 
 
-class RayNPUResources(RayDeviceResources):
-    VIEW = NPURay
-
-
-PATCH = RayNPUResources(
+PATCH = RayDeviceResources(
     id="driver.ray_npu_resources",
-    targets=tuple(f"{m}:ray" for m in EXPECTED_SOURCE) + ("slime.ray.placement_group:placement_group",
-                                                          "slime.ray.placement_group:InfoActor"),
+    targets=TARGETS,
     why="slime requests Ray's GPU resource and reads ray.get_gpu_ids(); Ascend NPUs are Ray's NPU resource.",
     how="Each target module's `ray` becomes a view that maps num_gpus to resources={'NPU': n}, GPU bundles to "
     "NPU bundles, and get_gpu_ids to the NPU accelerator ids; InfoActor is re-declared through it.",

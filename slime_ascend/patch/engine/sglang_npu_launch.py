@@ -1,18 +1,11 @@
 """SGLang engines that slime launches get the NPU server arguments and environment.
 
-slime builds each server's ``ServerArgs`` in the ``SGLangEngine`` Ray actor from its own args
-(``--sglang-*``, ``--sglang-config`` overrides) and spawns the server from there. Nothing in that
-path knows about Ascend: the device, the ``ascend`` attention backend, graph mode and memory
-fraction have to come from somewhere, the HCCL port ranges and ``ASCEND_USE_FIA`` must be in the
-server's environment, and ``launch_server_process`` strips expandable segments only from the
-CUDA allocator variables, not from ``PYTORCH_NPU_ALLOC_CONF`` (they break SGLang's sleep mode).
-
-How: ``SGLangEngine._init_normal(self, server_args_dict)`` is wrapped. From ``self.args`` (the
-``ascend_rollout_*`` settings of the sglang-npu plugin) it takes the backend's server arguments
-and fills them in where slime's dict still holds SGLang's default (a value the user gave wins,
-except ``device``, which must be ``npu``), sets the backend's environment where unset, strips
-``expandable_segments`` from the allocator variables, then calls the original. The spawned server
-inherits that environment. Externally launched engines (``_init_external``) are untouched.
+slime builds each server's ``ServerArgs`` in the ``SGLangEngine`` Ray actor from its own args (``--sglang-*``,
+``--sglang-config`` overrides) and spawns the server from there. The backend's server arguments (the device,
+the ``ascend`` attention backend, graph mode, memory fraction) come from ``self.args`` (the ``ascend_rollout_*``
+settings of the sglang-npu plugin); a value the user gave wins, except ``device``, which must be ``npu``. The
+spawned server inherits the environment (HCCL port ranges, ``ASCEND_USE_FIA``; expandable segments break
+SGLang's sleep mode). Externally launched engines (``_init_external``) are untouched.
 """
 
 from __future__ import annotations

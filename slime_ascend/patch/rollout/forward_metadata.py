@@ -1,15 +1,9 @@
 """Forward each sample's ``train_metadata`` to the trainer as ``rollout_data["metadata"]``.
 
-slime builds ``train_data["metadata"]`` from ``Sample.train_metadata`` but
-``RolloutManager._split_train_data_by_dp`` ships only a fixed list of keys to each data-parallel
-rank, so per-sample facts a plugin needs in the trainer (e.g. which OPD teacher scored a sample,
-and its coefficient) are dropped. Its train-side counterpart, ``train.rollout_log_metadata``, keeps
-the forwarded list out of the train-side rollout logger.
-
-How: while ``_split_train_data_by_dp`` runs, the full ``data`` is remembered, and
-``tensorize_rollout_data_for_training`` (called by it once per rank with that rank's dict, which
-holds ``partition``) adds ``metadata = [data["metadata"][j] for j in partition]``. Installed by the
-runtime in the RolloutManager as it starts.
+``RolloutManager._split_train_data_by_dp`` ships only a fixed list of keys to each data-parallel rank. While it
+runs, the full ``data`` is remembered, and ``tensorize_rollout_data_for_training`` (called by it once per rank
+with that rank's dict, which holds ``partition``) adds ``metadata = [data["metadata"][j] for j in partition]``.
+The train-side counterpart, ``train.rollout_log_metadata``, keeps the list out of the train-side rollout logger.
 
 Ray runs an actor from a by-value (cloudpickle) copy of its class: the live RolloutManager's
 ``_split_train_data_by_dp`` is not the module's, and it reads its globals (among them

@@ -1,45 +1,26 @@
 """``cuda`` devices mean the host in tensor factories and ``.to()``.
 
 Megatron-core writes ``torch.tensor(..., device="cuda")``, ``torch.empty(..., device=
-torch.cuda.current_device())`` and ``x.to("cuda")`` (``optimizer/optimizer.py``, ``tensor_parallel``,
-the DDP buffers). This is what torch_npu's ``transfer_to_npu`` does for NPU, here for the host:
-each torch factory that takes ``device=`` and ``Tensor.to`` / ``Module.to`` / ``Tensor.new_*`` read a
-CUDA device (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)``, a bare int) as ``cpu``. Any
-other device passes through untouched. Pinned host memory (``pin_memory=True``, ``Tensor.pin_memory()``)
-needs a CUDA driver and buys nothing without a device, so it is plain host memory.
+torch.cuda.current_device())`` and ``x.to("cuda")`` (``optimizer/optimizer.py``, ``tensor_parallel``, the DDP
+buffers). A CUDA device is ``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)`` or a bare int; any other device
+passes through untouched. Pinned host memory (``pin_memory=True``, ``Tensor.pin_memory()``) needs a CUDA driver
+and buys nothing without a device.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any
-
 from ...cpu import cuda_shims
-from ..base import RuntimePatch
-from ._cpu_common import cuda_absent_problems
+from ._cpu_common import CudaShims
 
-ATTRS = cuda_shims.FACTORIES + tuple(f"Tensor.{n}" for n in cuda_shims.TENSOR_FACTORIES) + (
-    "Tensor.to", "nn.Module.to", "Tensor.pin_memory")
-
-
-class CPUDeviceMap(RuntimePatch):
-    def check(self, modules: dict[str, ModuleType]) -> list[str]:
-        return cuda_absent_problems(modules["torch"], ATTRS)
-
-    def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
-        torch = modules["torch"]
-        for name in cuda_shims.FACTORIES:
-            self.wrap(torch, name, cuda_shims.map_device_kwarg)
-        for name in cuda_shims.TENSOR_FACTORIES:
-            self.wrap(torch.Tensor, name, cuda_shims.map_device_kwarg)
-        self.wrap(torch.Tensor, "to", cuda_shims.map_to_args)
-        self.wrap(torch.nn.Module, "to", cuda_shims.map_to_args)
-        self.wrap(torch.Tensor, "pin_memory", cuda_shims.tensor_pin_memory)
+WRAPPED = {**dict.fromkeys(cuda_shims.FACTORIES, cuda_shims.map_device_kwarg),
+           **{f"Tensor.{n}": cuda_shims.map_device_kwarg for n in cuda_shims.TENSOR_FACTORIES},
+           "Tensor.to": cuda_shims.map_to_args, "nn.Module.to": cuda_shims.map_to_args,
+           "Tensor.pin_memory": cuda_shims.tensor_pin_memory}
 
 
-PATCH = CPUDeviceMap(
+PATCH = CudaShims(
     id="train.cpu_device_map",
-    targets=tuple(f"torch:{a}" for a in ATTRS),
+    targets=tuple(f"torch:{a}" for a in WRAPPED),
     why="Megatron-core allocates with device='cuda' / device=torch.cuda.current_device() and moves with "
     ".to('cuda'); a torch without CUDA refuses both.",
     how="torch's device-taking factories, Tensor.new_*, Tensor.to and Module.to read a CUDA device as cpu "
@@ -47,4 +28,5 @@ PATCH = CPUDeviceMap(
     "absent.",
     upstream="patches/megatron/megatron-device-neutral-placement.md",
     checked_on=("0.3.1",),
+    wrapped=WRAPPED,
 )

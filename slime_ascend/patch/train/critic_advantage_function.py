@@ -1,25 +1,16 @@
 """The PPO critic keeps the custom advantage function and the custom loss.
 
-What: with ``--megatron-config-path``, slime builds the critic's args with
-``_apply_megatron_role_overrides``, which sets ``custom_advantage_function_path = None`` for the critic
-(``slime/utils/arguments.py`` ~l.1673). The critic's value targets then come from slime's plain GAE
-instead of the plugin's estimator (SAO: skip-observation GAE with lambda 1). The critic also always
-trains with ``loss_type = "value_loss"`` (``actor.py`` ``train_critic``), bypassing the custom loss.
+slime's ``_apply_megatron_role_overrides`` (``slime/utils/arguments.py`` ~l.1673) nulls the critic's path, so
+its value targets come from slime's plain GAE instead of the plugin's estimator (SAO: skip-observation GAE with
+lambda 1), and ``train_critic`` (``actor.py``) always sets ``loss_type = "value_loss"``. A per-role config is the
+only way to give the critic its own freeze list, learning rate or checkpoint, so the two must combine.
 
-Why: a per-role config is the only way to give the critic its own freeze list, learning rate or
-checkpoint, so the two must combine.
-
-How (in each train process, from the plugin's megatron_init, with the real ``args``):
-
-* ``args.custom_advantage_function_path`` is restored to ``slime_ascend.hooks.advantage_function``
-  when it is None (the critic); an actor's value is left alone. slime's
-  ``compute_advantages_and_returns`` reads the path at call time, so this is enough.
-* ``MegatronTrainRayActor.train_critic`` is wrapped to mark the call as a critic pass
-  (:func:`in_critic_pass`), so the advantage function and the loss know the role. It is wrapped on
-  the Ray actor class too (:func:`with_ray_actor_classes`): Ray copies every method onto its own
-  subclass when the worker loads the class, before ``init`` (and so this patch) runs.
-* ``loss.value_loss_function`` is wrapped: during a critic pass with ``custom_loss_function_path``
-  set it calls that function (our dispatcher) instead; otherwise slime's own value loss runs.
+Restoring the path on the real ``args`` (an actor's value is left alone) is enough: slime's
+``compute_advantages_and_returns`` reads it at call time. The critic pass (:func:`in_critic_pass`) lets the
+advantage function and the loss know the role. ``train_critic`` is wrapped on the Ray actor class too
+(:func:`with_ray_actor_classes`): Ray copies every method onto its own subclass when the worker loads the class,
+before ``init`` (and so this patch) runs. The value loss is routed only while ``custom_loss_function_path`` is
+set (our dispatcher); otherwise slime's own value loss runs.
 
 Upstream (patches/0003-critic-train-iters.patch): stop nulling the critic's custom advantage function
 (or add ``--critic-custom-advantage-function-path``) and pass the role to the hooks.

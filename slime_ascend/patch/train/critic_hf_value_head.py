@@ -1,18 +1,16 @@
 """A PPO critic can start from a HuggingFace checkpoint (``--load <hf dir>``).
 
-What: slime's critic replaces the LM head with a value head, ``LinearForLastLayer(hidden, 1)``, which
-has a bias (``model_provider.py``). When ``--load`` is an HF directory, slime loads it with
-``hf_to_megatron.load_hf_weights`` -> ``common.load_model_hf_weights``, which skips the value head's
-``output_layer.weight`` (shape ``[1, hidden]`` vs the LM head) but asks the model's HF converter for
-``output_layer.bias`` too; no converter knows that name (``qwen_hf_tensor`` raises ``KeyError:
+slime's critic replaces the LM head with a value head, ``LinearForLastLayer(hidden, 1)``, which has a bias
+(``model_provider.py``). With ``--load`` an HF directory, ``hf_to_megatron.load_hf_weights`` ->
+``common.load_model_hf_weights`` skips the value head's ``output_layer.weight`` (shape ``[1, hidden]`` vs the LM
+head) but asks the model's HF converter for ``output_layer.bias`` too (``qwen_hf_tensor`` raises ``KeyError:
 Unsupported Megatron parameter 'output_layer.bias'``), so the critic actor dies at start. Found by
-``tests/e2e/test_slime_sao.py`` (slime's ``train.py`` with ``--advantage-estimator ppo`` and
-``--load`` an HF checkpoint).
+``tests/e2e/test_slime_sao.py`` (slime's ``train.py`` with ``--advantage-estimator ppo`` and ``--load`` an HF
+checkpoint).
 
-How: ``load_model_hf_weights`` (the name ``hf_to_megatron/__init__.py`` calls) is wrapped so that the
-converter it is given returns, for a value head's ``output_layer.bias`` that the converter does not
-know (``KeyError``), the parameter's own initial value: the head stays as slime initialised it, exactly
-as slime already does for the head's weight. Every other name, and every other error, is unchanged.
+The wrapped name is the one ``hf_to_megatron/__init__.py`` calls. Only a value head's bias that the converter
+does not know (``KeyError``) is answered, with the parameter's own initial value; every other name, and every
+other error, is unchanged.
 
 Upstream: patches/0011-critic-hf-value-head-bias.patch (skip ``output_layer.bias`` of a value head in
 ``load_model_hf_weights``, next to the existing skip of its weight).

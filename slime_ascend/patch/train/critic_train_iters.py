@@ -1,18 +1,14 @@
 """K value-loss passes of the PPO critic per rollout (upstream flag proposal ``--critic-train-iters``).
 
-What: slime's ``MegatronTrainRayActor.train_critic`` computes the critic's values and targets once,
-then runs **one** ``train(...)`` pass (``slime/backends/megatron_utils/actor.py`` ~l.396-422). SAO's
-faster value update (TTUR) trains the critic K times (K = 2) on each batch before the policy update.
+slime's ``train_critic`` (``slime/backends/megatron_utils/actor.py`` ~l.396-422) computes the critic's values
+and targets once, then runs one ``train(...)`` pass; SAO's faster value update (TTUR) wants K = 2. The ``train``
+wrapped is the name ``actor.py`` imported from ``model.py``; it resets the data iterators itself, and
+``train_actor`` is unaffected. ``train_critic`` is wrapped on the Ray actor class as well: Ray copies the methods
+onto its own subclass when the worker loads the class, before ``init`` installs this patch. The values returned
+to the actor are the pre-update ones, as in slime; value clipping is relative to them in every pass, and the
+targets are those of this rollout.
 
-How: ``train_critic`` is wrapped to announce K for the duration of the call, and the ``train`` name
-that ``actor.py`` imported from ``model.py`` is wrapped to run K passes over the same data iterators
-while that announcement is active (``train`` resets the iterators itself; ``train_actor`` is
-unaffected). ``train_critic`` is wrapped on the Ray actor class as well: Ray copies the methods onto
-its own subclass when the worker loads the class, before ``init`` installs this patch. The values returned to the actor are the pre-update ones, as in slime; value clipping
-is relative to them in every pass, and the targets are those of this rollout.
-
-K is read at call time from ``args.critic_train_iters`` (missing: 1). The learning-rate / weight-decay
-schedule is chosen by ``args.critic_train_iters_lr_schedule``:
+K is read at call time (``args.critic_train_iters`` missing: 1). The learning-rate / weight-decay schedule:
 
 * ``"per_rollout"`` (default): the scheduler advances in the first pass only; later passes call it
   with ``increment=0`` (the rate is re-read, unchanged). The critic's schedule then counts the same
@@ -33,12 +29,11 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-from ...plugins.roles import CRITIC_ITERS_ARG, CRITIC_SCHEDULE_ARG
+from ...plugins.roles import CRITIC_ITERS_ARG as ITERS_KEY
+from ...plugins.roles import CRITIC_SCHEDULE_ARG as SCHEDULE_KEY
 from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
 
 ACTOR = "slime.backends.megatron_utils.actor"
-ITERS_KEY = CRITIC_ITERS_ARG
-SCHEDULE_KEY = CRITIC_SCHEDULE_ARG
 SCHEDULES = ("per_rollout", "per_pass")
 
 

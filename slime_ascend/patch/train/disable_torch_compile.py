@@ -1,15 +1,10 @@
 """No TorchScript / torch.compile fusion on Ascend.
 
-Megatron decorates activations, fusions and MoE routing with ``jit_fuser`` (TorchScript or
-torch.compile) and slime compiles ``compute_approx_kl``, ``compute_policy_loss`` and
-``compute_cispo_loss`` with ``torch.compile``; neither runs on Ascend (the fork's
-megatron.patch deletes 43 ``@jit_fuser`` lines by hand).
-
-How: when ``megatron.core.jit`` is imported, before any module decorates with it,
-``jit_fuser`` becomes Megatron's own ``noop_decorator`` and ``enable_jit_fuser`` becomes
-``disable_jit_fuser``; when ``slime.utils.ppo_utils`` is imported, each compiled function is
-replaced by the eager function torch.compile wrapped (modules that import them by name import
-them after this runs).
+Megatron decorates activations, fusions and MoE routing with ``jit_fuser`` and slime compiles
+``compute_approx_kl``, ``compute_policy_loss`` and ``compute_cispo_loss`` (the fork's megatron.patch deletes 43
+``@jit_fuser`` lines by hand). ``megatron.core.jit`` is patched as it is imported, before any module decorates
+with it, and ``enable_jit_fuser`` becomes ``disable_jit_fuser``; modules that import slime's compiled functions
+by name import them after ``slime.utils.ppo_utils`` is patched.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """slime's DSA indexer selects its top-k keys deterministically (the ``dsa-determinism`` plugin).
 
-What: the GLM-5 / DeepSeek-V3.2 lightning indexer of slime (``slime_plugins/models/glm5/ops/indexer.py``)
-computes the index logits (tilelang kernel, or SGLang's FP8 kernel with
-``MEGATRON_USE_SGLANG_FP8_INDEXER=1``) and selects in ``IndexerFunction.forward`` with
-``pytorch_topk_with_invalid_padding(logits, topk)``, i.e. ``torch.topk``: among equal scores the kept key
-and the order are unspecified (device, kernel, thread count), so identical scores can give different
-sparse-attention key sets at the k-th place and a different summation order.
-
-How: the module attribute ``pytorch_topk_with_invalid_padding`` (``IndexerFunction.forward`` looks the
-name up in the module's globals at every call; ``glm5.py`` reaches it only through ``lighting_indexer``)
-is replaced by :func:`slime_ascend.dsa.indexer.topk_with_invalid_padding`: same shapes, dtypes and
-``-1`` / ``-inf`` padding, ties by lower index, NaN refused. The replacement carries the original as
-``__wrapped__``. The rest of the forward is untouched: the FP8 path's ascending re-sort, the score
-gather, the saved tensors, the backward, a given ``topk_indices`` (index replay), ``--freeze-indexer``.
+slime's GLM-5 / DeepSeek-V3.2 lightning indexer (``slime_plugins/models/glm5/ops/indexer.py``) computes the
+index logits (tilelang kernel, or SGLang's FP8 kernel with ``MEGATRON_USE_SGLANG_FP8_INDEXER=1``) and selects
+in ``IndexerFunction.forward`` with ``pytorch_topk_with_invalid_padding(logits, topk)``, i.e. ``torch.topk``.
+The replacement is :func:`slime_ascend.dsa.indexer.topk_with_invalid_padding` and carries the original as
+``__wrapped__`` (``glm5.py`` reaches the name only through ``lighting_indexer``). The rest of the forward is
+untouched: the FP8 path's ascending re-sort, the score gather, the saved tensors, the backward, a given
+``topk_indices`` (index replay), ``--freeze-indexer``.
 
 Why this seam: the narrowest one that is a plain module attribute. On a host without ``tilelang``
 (every CPU host) the module cannot be imported; ``verify`` then checks the same snippets in slime's

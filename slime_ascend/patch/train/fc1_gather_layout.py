@@ -1,14 +1,8 @@
 """TP all-gather of ``linear_fc1`` on MindSpeed parameters: concatenate along dim 0.
 
-MindSpeed's column-parallel linear layers on Ascend carry a ``partition_dim`` that does not
-match the GLU fc1 layout slime's weight sync expects, so the gathered fc1 weight is assembled on
-the wrong axis (the fork's slime.patch forces ``partition_dim = 0`` for ``linear_fc1`` in
-``update_weight/common.py``).
-
-How: wraps ``all_gather_param`` and ``all_gather_params_async`` in
-``slime.backends.megatron_utils.update_weight.common`` and in the modules that imported them by
-name, so a ``linear_fc1`` parameter with another ``partition_dim`` is set to 0 before the
-gather. The parameter attribute is corrected in place, once, and the original function runs.
+MindSpeed's column-parallel linear layers on Ascend carry a ``partition_dim`` that does not match the GLU fc1
+layout slime's weight sync expects (the fork's slime.patch forces ``partition_dim = 0`` for ``linear_fc1`` in
+``update_weight/common.py``). The parameter attribute is corrected in place, once, and the original function runs.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The loss batch also holds each sample's forwarded ``metadata`` (``Sample.train_metadata``).
 
-``rollout.forward_metadata`` brings every sample's ``train_metadata`` to its train actor as
-``rollout_data["metadata"]``, but ``train_one_step`` asks the data iterator for a fixed list of keys
-when it builds each micro-batch, so a custom loss never sees which sample's metadata belongs to
-which row of its batch. The ``opd`` plugin's top-k mode needs exactly that: each sample's teacher
-top-k ids and log-probs (``train_metadata["opd_topk"]``) and coefficient, in the loss.
-
-How: ``slime.backends.megatron_utils.model.get_batch`` (``model.py`` imports it by name from
-``.data``) is wrapped so that the loss batch's request (the call whose keys hold ``advantages``; the
-log-prob passes of ``forward_only`` are left alone) also asks for ``metadata``. The data iterator
-returns the micro-batch's dicts in batch order (``None`` when nothing was forwarded); nothing else
-in the batch changes. Values are as produced, one per sample, not sliced for context parallelism
-(the same contract as ``--extra-train-batch-keys`` in the upstream patch). Installed by the runtime
-in each train actor as it starts.
+The ``opd`` plugin's top-k mode reads ``train_metadata["opd_topk"]`` there. ``model.py`` imports ``get_batch``
+by name from ``.data``; the log-prob passes of ``forward_only`` (their keys hold no ``advantages``) are left alone.
+The data iterator returns the micro-batch's dicts in batch order (``None`` when nothing was forwarded); nothing
+else in the batch changes. Values are as produced, one per sample, not sliced for context parallelism (the same
+contract as ``--extra-train-batch-keys`` in the upstream patch).
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
 MindSpeed adapts Megatron to Ascend by patching it at import (``mindspeed.megatron_adaptor``
 must be imported before anything imports ``megatron``) and re-patching once the real arguments
-are known (``repatch``). The fork edits slime's ``train.py`` and ``actor.py`` for both.
-
-How: the ``npu`` plugin's process-start action registers the adaptor import to run right
-before the first ``import megatron`` (:func:`slime_ascend.accelerator.mindspeed.import_adaptor_before_megatron`);
-this patch, installed by the runtime in each train actor as it starts (with slime's final args, before
-Megatron initialises), calls ``repatch(vars(args))``.
+are known (``repatch``). The fork edits slime's ``train.py`` and ``actor.py`` for both. Here the ``npu``
+plugin's process-start action registers the adaptor import to run right before the first ``import megatron``
+(:func:`slime_ascend.accelerator.mindspeed.import_adaptor_before_megatron`); this patch runs with slime's
+final args, before Megatron initialises.
 """
 
 from __future__ import annotations

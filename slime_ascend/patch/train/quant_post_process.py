@@ -1,19 +1,13 @@
 """Engine-side repack around a sync for Ascend W8A8_DYNAMIC (slime's gate covers compressed-tensors only).
 
-What: ``UpdateWeightFromDistributed.update_weights`` and ``UpdateWeightFromTensor.update_weights``
-ask the engines to restore their weight layout before the transfer and to run their post-load
-processing after it only when ``quantization_config["quant_method"] in ["compressed-tensors"]``.
+An msModelSlim W8A8_DYNAMIC checkpoint has no ``quantization_config`` (slime's updaters get None), yet the
+engine transposes and NZ-casts the int8 weight and flattens the scales after loading, so a sync must be
+bracketed by restore / post-process exactly like compressed-tensors. (The disk transport reloads through the
+engine's loader, which post-processes by itself.)
 
-Why: an msModelSlim W8A8_DYNAMIC checkpoint has no ``quantization_config`` (slime's updaters get
-None), yet the engine transposes and NZ-casts the int8 weight and flattens the scales after
-loading, so a sync must be bracketed by restore / post-process exactly like compressed-tensors.
-(The disk transport reloads through the engine's loader, which post-processes by itself.)
-
-How: wraps both ``update_weights`` methods; when ``slime_ascend.weight_sync.funnel.
-needs_engine_post_process`` says so, the updater's ``quantization_config`` is a
-:class:`~slime_ascend.weight_sync.engine_gate.PostProcessGate` for that one call (restored
-afterwards, also on error). The gate reads as compressed-tensors to slime's check; our funnel and
-``train.quantize_params`` unwrap it, so no quantizer sees it.
+:func:`slime_ascend.weight_sync.funnel.needs_engine_post_process` decides; the gate
+(:class:`~slime_ascend.weight_sync.engine_gate.PostProcessGate`) is restored afterwards, also on error. Our
+funnel and ``train.quantize_params`` unwrap it, so no quantizer sees it.
 Upstream: a configurable post-process list instead of the hard-coded ``["compressed-tensors"]``.
 """
 
@@ -24,10 +18,9 @@ from types import ModuleType
 from typing import Any
 
 from ..base import RuntimePatch, missing_attrs, missing_source
+from ._updaters import UPDATERS
 
-DISTRIBUTED = "slime.backends.megatron_utils.update_weight.update_weight_from_distributed"
-TENSOR = "slime.backends.megatron_utils.update_weight.update_weight_from_tensor"
-CLASSES = {DISTRIBUTED: "UpdateWeightFromDistributed", TENSOR: "UpdateWeightFromTensor"}
+CLASSES = {m: c for m, c in UPDATERS.items() if c in ("UpdateWeightFromDistributed", "UpdateWeightFromTensor")}
 GATE_SOURCE = 'self.quantization_config["quant_method"] in ["compressed-tensors"]'
 
 

@@ -1,17 +1,9 @@
 """slime's weight-sync quantizer funnel runs our dispatcher first.
 
-What: ``convert_to_hf`` (``slime.backends.megatron_utils.megatron_to_hf``) passes every converted
-parameter, on every transport (distributed, colocated tensors, disk, delta), to the module-global
-``quantize_params``, which knows FP8 and compressed-tensors INT4 only (any other method is sent in
-BF16), and uses a CUDA-only Triton / CUDA kernel for those.
-
-Why: the fp8-sync / int8-sync / int4-sync plugins send the rollout engine's checkpoint format,
-bit-identical to the offline converter, on any device.
-
-How: wraps ``megatron_to_hf.quantize_params`` (the name ``convert_to_hf`` looks up at call time) so
-that ``slime_ascend.hooks.quantize_params`` runs first; None from it (a config that is not the
-enabled plugin's) falls through to slime's original with the real config (a
-``PostProcessGate`` from ``train.quant_post_process`` is unwrapped first).
+``convert_to_hf`` passes every converted parameter to ``quantize_params`` on every transport (distributed,
+colocated tensors, disk, delta), so the fp8-sync / int8-sync / int4-sync plugins send the rollout engine's
+checkpoint format, bit-identical to the offline converter, on any device. slime's original gets the real config
+(a ``PostProcessGate`` from ``train.quant_post_process`` is unwrapped first).
 Upstream: a ``--custom-quantize-params-path`` hook in ``processors/__init__.py``.
 """
 

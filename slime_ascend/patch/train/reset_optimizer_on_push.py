@@ -1,19 +1,12 @@
 """The actor's optimizer is reset after each weight push (GLM-5's cadence), not at every rollout.
 
-Targets: slime's weight updaters' ``update_weights`` (``UpdateWeightFromDisk`` / ``...FromDistributed`` /
-``...FromTensor`` / ``...FromDiskDelta``) and the ``train`` function ``slime.backends.megatron_utils.actor``
-imported from ``model.py``. slime can reset the optimizer states only at the start of every rollout's
-training (``--reset-optimizer-states``). GLM-5 pushes weights every K updates (slime's
-``--update-weights-interval K`` with ``train_async.py``) and resets the optimizer after each push, so the
-policy that generates is always trained from fresh moments.
-
-How: a push (an updater's ``update_weights`` returning) marks the optimizer for a reset; the next ``train``
-call of this process zeroes its optimizer's Adam step and moments in place before training
-(:func:`slime_ascend.sync_cadence.optimizer.reset_optimizer_states`, the operations of slime's own reset).
-Nothing trains between a push and that call, so this is the reset after the push. Why not wrap
+GLM-5 pushes weights every K updates (slime's ``--update-weights-interval K`` with ``train_async.py``) and resets
+the optimizer after each push, so the policy that generates is always trained from fresh moments. The reset is
+:func:`slime_ascend.sync_cadence.optimizer.reset_optimizer_states`, the operations of slime's own reset.
+Nothing trains between a push and the next ``train`` call, so this is the reset after the push. Why not wrap
 ``MegatronTrainRayActor.update_weights``: Ray captures an actor's methods when the worker loads the class,
-so a method patched as ``init`` runs never sees a remote call; the updaters and ``train`` are looked up at
-each call.
+so a method patched as ``init`` runs never sees a remote call; the updaters and ``train`` (the name
+``slime.backends.megatron_utils.actor`` imported from ``model.py``) are looked up at each call.
 """
 
 from __future__ import annotations

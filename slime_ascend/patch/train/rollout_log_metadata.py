@@ -1,10 +1,6 @@
 """The train-side rollout logger skips the ``metadata`` that ``rollout.forward_metadata`` forwards.
 
-slime's ``log_rollout_data`` (train actor) sums or averages every list in ``rollout_data`` it does
-not know; the per-sample ``metadata`` dicts that ``rollout.forward_metadata`` adds would break it.
-
-How: ``log_rollout_data`` is called without the ``metadata`` key, which is put back afterwards.
-Installed by the runtime in each train actor as it starts, wherever ``rollout.forward_metadata`` is.
+Installed wherever ``rollout.forward_metadata`` is: the per-sample dicts would break the logger's sums.
 """
 
 from __future__ import annotations

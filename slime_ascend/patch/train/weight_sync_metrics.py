@@ -1,13 +1,8 @@
 """Weight-sync bytes, quantisation time and GB/s on slime's perf log.
 
-What: slime's updaters expose ``pop_metrics()``, which the actor drains into ``log_perf_data``
-after each train step; only the delta updater fills it.
-
-Why: the sync plugins report what each sync cost (bytes sent, quantisation time, GB/s).
-
-How: wraps ``update_weights`` of every updater class (distributed, tensor, disk, disk-delta) in
-``slime_ascend.weight_sync.metrics.sync_timer`` and ``pop_metrics`` of the classes that define
-it so that it merges ``metrics.drain()`` (keys ``perf/weight_sync_*``) into slime's dict.
+slime's updaters expose ``pop_metrics()``, which the actor drains into ``log_perf_data`` after each train step;
+only the delta updater fills it. ``update_weights`` runs in ``slime_ascend.weight_sync.metrics.sync_timer``,
+and ``pop_metrics`` is wrapped only on the classes that define it.
 Upstream: the quantizer hook proposal lets a hook return metrics with its tensors.
 """
 
