@@ -79,12 +79,52 @@ def available_plugins(requested: tuple[str, ...]) -> tuple[tuple[str, ...], list
     return tuple(keep), notes
 
 
+def task_settings(plugin: str, cfg: DemoConfig, paths: dict[str, str], teacher_url: str) -> dict[str, Any]:
+    """The YAML values both loops give ``plugin`` for the demo's task (the environment, the teachers, ...)."""
+    if plugin == "compaction":
+        return dict(ascend_compaction_env="slime_ascend.demo.task.DigitsEnv", ascend_compaction_env_kwargs={},
+                    ascend_compaction_context_budget=cfg.context_budget,
+                    ascend_compaction_trigger_tokens=cfg.trigger_tokens, ascend_compaction_keep_pairs=1,
+                    ascend_compaction_max_compactions=2, ascend_compaction_summary_max_tokens=4,
+                    ascend_compaction_use_chat_template=False,
+                    # the opd reward model must run on every segment: slime skips the RM when generate
+                    # already set a reward, so the environment's reward goes through the task RM instead
+                    ascend_compaction_env_reward=False,
+                    ascend_compaction_summary_prompt_path=paths["summary_prompt"],
+                    ascend_compaction_resume_template_path=paths["resume_template"])
+    if plugin == "opd":
+        return dict(ascend_opd_teachers=[{"name": "copy", "checkpoint_dir": paths["copy"], "domains": ["copy"]},
+                                         {"name": "next", "checkpoint_dir": paths["next"], "domains": ["next"]}],
+                    ascend_opd_switch_engine_urls=[teacher_url],
+                    ascend_opd_task_rm_path="slime_ascend.demo.task.task_reward",
+                    ascend_opd_stage_dir=paths["teacher_stage"], ascend_opd_prefetch=True,
+                    ascend_opd_coef=cfg.opd_coef, ascend_opd_clip=cfg.opd_clip)
+    if plugin == "staleness":
+        return dict(ascend_staleness_tau=cfg.staleness_tau)
+    return {}
+
+
+def write_yaml(plugins: tuple[str, ...], edits: dict[str, Any], path: str | Path):
+    """``slime-ascend config <plugins>``'s YAML with the demo's ``edits`` at ``path``; returns the generated config."""
+    import yaml
+
+    from slime_ascend import config as ascend_config
+
+    generated = ascend_config.build(list(plugins))
+    values = yaml.safe_load(generated.yaml_text)
+    unknown = [k for k in edits if k not in values]
+    if unknown:
+        raise RuntimeError(f"the demo sets keys the generated YAML does not have: {unknown}")
+    values.update(edits)
+    Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
+    return generated
+
+
 def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str], urls: dict[str, str]
                ) -> argparse.Namespace:
     """slime-shaped args: slime defaults for the flags the hooks read, then the plugins' YAML on top."""
     import yaml
 
-    from slime_ascend import config as ascend_config
     from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
 
     host, port = urls["engine"].removeprefix("http://").rsplit(":", 1)
@@ -103,37 +143,11 @@ def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str],
         calculate_per_token_loss=False, use_rollout_logprobs=False, log_probs_chunk_size=-1, allgather_cp=False,
         group_rm=False, partial_rollout=False, use_critic=True, freeze_params_name_list=None,
     )
-    generated = ascend_config.build(list(plugins))
-    values = yaml.safe_load(generated.yaml_text)
     # the demo's edits of the generated YAML (what a user edits before launching)
-    edits: dict[str, Any] = {}
+    edits: dict[str, Any] = {k: v for p in plugins for k, v in task_settings(p, cfg, paths, urls["teacher"]).items()}
     if "sao" in plugins:
         edits.update(ascend_sao_freeze_patterns=["self_attn"], ascend_sao_dis_preset="maths")
-    if "compaction" in plugins:
-        edits.update(ascend_compaction_env="slime_ascend.demo.task.DigitsEnv", ascend_compaction_env_kwargs={},
-                     ascend_compaction_context_budget=cfg.context_budget,
-                     ascend_compaction_trigger_tokens=cfg.trigger_tokens, ascend_compaction_keep_pairs=1,
-                     ascend_compaction_max_compactions=2, ascend_compaction_summary_max_tokens=4,
-                     ascend_compaction_use_chat_template=False,
-                     # the opd reward model must run on every segment: slime skips the RM when generate
-                     # already set a reward, so the environment's reward goes through the task RM instead
-                     ascend_compaction_env_reward=False,
-                     ascend_compaction_summary_prompt_path=paths["summary_prompt"],
-                     ascend_compaction_resume_template_path=paths["resume_template"])
-    if "opd" in plugins:
-        edits.update(ascend_opd_teachers=[{"name": "copy", "checkpoint_dir": paths["copy"], "domains": ["copy"]},
-                                          {"name": "next", "checkpoint_dir": paths["next"], "domains": ["next"]}],
-                     ascend_opd_switch_engine_urls=[urls["teacher"]],
-                     ascend_opd_task_rm_path="slime_ascend.demo.task.task_reward",
-                     ascend_opd_stage_dir=paths["teacher_stage"], ascend_opd_prefetch=True,
-                     ascend_opd_coef=cfg.opd_coef, ascend_opd_clip=cfg.opd_clip)
-    if "staleness" in plugins:
-        edits.update(ascend_staleness_tau=cfg.staleness_tau)
-    unknown = [k for k in edits if k not in values]
-    if unknown:
-        raise RuntimeError(f"demo edits keys the generated YAML does not have: {unknown}")
-    values.update(edits)
-    Path(paths["yaml"]).write_text(yaml.safe_dump(values, sort_keys=False))
+    write_yaml(plugins, edits, paths["yaml"])
     for key, value in yaml.safe_load(Path(paths["yaml"]).read_text()).items():  # slime's --custom-config-path
         setattr(args, key, value)
     return args

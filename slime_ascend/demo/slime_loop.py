@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .loop import DemoConfig
+from .loop import DemoConfig, task_settings, write_yaml
 from .slime_job import (
     TINY_QWEN3_ARGS,
     Engine,
@@ -86,14 +86,14 @@ class _Job:
 
 def _prompt_rows(cfg: DemoConfig, rollouts: int) -> list[dict[str, Any]]:
     """The task's episodes as slime prompt-data rows (``metadata`` carries the task and the domain)."""
-    from .task import answer_for, make_episodes
+    from .task import answer_for, make_episodes, question_text
 
     rows = []
     for step in range(rollouts):
         rng = random.Random(cfg.seed * 7919 + step)
         for i, ep in enumerate(make_episodes(rng, cfg.batch, cfg.long_fraction, cfg.fillers)):
             task = ep.to_task()
-            rows.append({"prompt": f"{ep.domain} {ep.digit} =", "label": answer_for(ep.domain, ep.digit),
+            rows.append({"prompt": question_text(ep.domain, ep.digit), "label": answer_for(ep.domain, ep.digit),
                          "metadata": {"domain": ep.domain, "task": task, "seed": cfg.seed * 1_000_003 + step * 997 + i}})
     return rows
 
@@ -140,25 +140,18 @@ def _setup_sao(cfg: DemoConfig, job: _Job) -> None:
     job.yaml.update(ascend_sao_freeze_patterns=["self_attention"])
 
 
-def _setup_compaction(cfg: DemoConfig, job: _Job) -> None:
-    job.yaml.update(ascend_compaction_env="slime_ascend.demo.task.DigitsEnv", ascend_compaction_env_kwargs={},
-                    ascend_compaction_context_budget=cfg.context_budget,
-                    ascend_compaction_trigger_tokens=cfg.trigger_tokens, ascend_compaction_keep_pairs=1,
-                    ascend_compaction_max_compactions=2, ascend_compaction_summary_max_tokens=4,
-                    ascend_compaction_use_chat_template=False, ascend_compaction_env_reward=False,
-                    ascend_compaction_summary_prompt_path=job.paths["summary_prompt"],
-                    ascend_compaction_resume_template_path=job.paths["resume_template"])
-
-
 def _setup_opd(cfg: DemoConfig, job: _Job) -> None:
     teacher = start_engine(Path(job.paths["copy"]), job.out / "teacher_engine.log")
     job.engines.append(teacher)
-    job.yaml.update(ascend_opd_teachers=[{"name": "copy", "checkpoint_dir": job.paths["copy"], "domains": ["copy"]},
-                                         {"name": "next", "checkpoint_dir": job.paths["next"], "domains": ["next"]}],
-                    ascend_opd_switch_engine_urls=[teacher.url],
-                    ascend_opd_task_rm_path="slime_ascend.demo.task.task_reward",
-                    ascend_opd_stage_dir=str(job.out / "teacher_stage"), ascend_opd_prefetch=True,
-                    ascend_opd_coef=cfg.opd_coef, ascend_opd_clip=cfg.opd_clip)
+    job.yaml.update(task_settings("opd", cfg, job.paths, teacher.url))
+
+
+def _setup_task(plugin: str) -> Callable[[DemoConfig, _Job], None]:
+    """A plugin whose only addition is the task's YAML values (compaction, staleness)."""
+    def setup(cfg: DemoConfig, job: _Job) -> None:
+        job.yaml.update(task_settings(plugin, cfg, job.paths, ""))
+
+    return setup
 
 
 # the checkpoint format each sync plugin pushes; the engine serves (and --hf-checkpoint names) a checkpoint
@@ -181,12 +174,9 @@ def _setup_sync(plugin: str) -> Callable[[DemoConfig, _Job], None]:
     return setup
 
 
-def _setup_staleness(cfg: DemoConfig, job: _Job) -> None:
-    job.yaml.update(ascend_staleness_tau=cfg.staleness_tau)
-
-
 SETUPS: dict[str, Callable[[DemoConfig, _Job], None]] = {
-    "sao": _setup_sao, "compaction": _setup_compaction, "opd": _setup_opd, "staleness": _setup_staleness,
+    "sao": _setup_sao, "compaction": _setup_task("compaction"), "opd": _setup_opd,
+    "staleness": _setup_task("staleness"),
     **{plugin: _setup_sync(plugin) for plugin in SYNC_FORMATS},
 }
 
@@ -272,10 +262,6 @@ def _flags_list(flags: dict[str, str | None]) -> list[str]:
 
 def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo's plugins in slime's ``train_async.py``; returns the summary (also ``summary.json``)."""
-    import yaml
-
-    from slime_ascend import config as ascend_config
-
     from .loop import _write_prompts
     from .plots import plot_curves
     from .task import checkpoint_answer_probs, prepare_checkpoints
@@ -292,7 +278,7 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     log(f"prepared the initial policy and two teachers in {time.perf_counter() - t0:.1f}s")
     (out / "weights").mkdir(exist_ok=True)
     paths = dict(ckpt, prompts=str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps))),
-                 **_write_prompts(out / "prompts"))
+                 teacher_stage=str(out / "teacher_stage"), **_write_prompts(out / "prompts"))
     job = _Job(out, paths)
     summary: dict[str, Any] = {"loop": "slime", "slime_src": str(src), "plugins": list(plugins), "seed": cfg.seed,
                                "steps_requested": cfg.steps, "interrupted": False, "start_answer_probs": start}
@@ -312,13 +298,7 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
         engine = start_engine(Path(job.paths.get("engine_checkpoint", ckpt["policy"])), out / "engine.log")
         log(f"reference engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
         job.engines.append(engine)
-        generated = ascend_config.build(list(plugins))
-        values = yaml.safe_load(generated.yaml_text)
-        unknown = [k for k in job.yaml if k not in values]
-        if unknown:
-            raise RuntimeError(f"the demo sets keys the generated YAML does not have: {unknown}")
-        values.update(job.yaml)
-        (out / "ascend.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
+        generated = write_yaml(plugins, job.yaml, out / "ascend.yaml")
         flags = _base_flags(cfg, job, engine)
         plugin_flags = shlex.split(generated.flags_line())
         merged = dict(flags)
