@@ -203,9 +203,6 @@ class Run:
     def metric_keys(self) -> set[str]:
         return {k for m in self.metrics() for k in m}
 
-    def by_rollout(self) -> dict[int, dict]:
-        return parse_rollout_metrics(self.log)
-
 
 # slime's labels (rollout, step, perf, eval) and the plugins' own rollout reports (staleness, tito, ...:
 # slime_ascend.plugins.rollout_metrics), each "<label> <rollout id>: {'<group>/<name>': ...}"
