@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,7 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def _base_flags(cfg: DemoConfig, job: _Job, engine: Engine) -> dict[str, str | None]:
     p = job.paths
-    flags: dict[str, str | None] = {
+    return {
         "--hf-checkpoint": p["policy"], "--load": p["policy"], "--save": str(job.out / "slime_ckpt"),
         "--save-interval": "100000",
         "--prompt-data": p["prompts"], "--input-key": "prompt", "--label-key": "label", "--metadata-key": "metadata",
@@ -126,7 +127,6 @@ def _base_flags(cfg: DemoConfig, job: _Job, engine: Engine) -> dict[str, str | N
         "--attention-softmax-in-fp32": None, "--bf16": None, "--seed": str(cfg.seed),
         "--custom-rm-path": "slime_ascend.demo.task.async_task_reward",
     }
-    return flags
 
 
 # -- per plugin: what it adds to the job ---------------------------------------------------------------
@@ -206,10 +206,7 @@ EVIDENCE_ENGINE_LOG: dict[str, tuple[str, ...]] = {
 
 def critic_passes(log: str) -> dict[int, int]:
     """How many critic updates slime logged per rollout (``critic-step N: {...}`` lines)."""
-    counts: dict[int, int] = {}
-    for match in re.finditer(r"critic-step (\d+): \{", log):
-        counts[int(match.group(1))] = counts.get(int(match.group(1)), 0) + 1
-    return counts
+    return dict(Counter(int(n) for n in re.findall(r"critic-step (\d+): \{", log)))
 
 
 def plugin_evidence(plugins: tuple[str, ...], steps: dict[int, dict[str, Any]], log: str,
@@ -251,15 +248,6 @@ def _history_row(step: int, m: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _flags_list(flags: dict[str, str | None]) -> list[str]:
-    out: list[str] = []
-    for flag, value in flags.items():
-        out.append(flag)
-        if value is not None:
-            out += shlex.split(value) if flag in ("--rollout-external-engine-addrs",) else [value]
-    return out
-
-
 def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo's plugins in slime's ``train_async.py``; returns the summary (also ``summary.json``)."""
     from .loop import _write_prompts
@@ -299,9 +287,8 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
         log(f"reference engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
         job.engines.append(engine)
         generated = write_yaml(plugins, job.yaml, out / "ascend.yaml")
-        flags = _base_flags(cfg, job, engine)
-        plugin_flags = shlex.split(generated.flags_line())
-        merged = dict(flags)
+        merged = _base_flags(cfg, job, engine)
+        plugin_flags = generated.flags
         i = 0
         while i < len(plugin_flags):  # the plugins' flags, then the demo's own values where both set one
             flag = plugin_flags[i]
@@ -309,7 +296,8 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
             merged.setdefault(flag, value)
             i += 2 if value is not None else 1
         merged.update(job.flags)
-        cmd = [sys.executable, str(src / "train_async.py"), *TINY_QWEN3_ARGS.split(), *_flags_list(merged),
+        words = [word for flag_value in merged.items() for word in flag_value if word is not None]  # None: a switch
+        cmd = [sys.executable, str(src / "train_async.py"), *TINY_QWEN3_ARGS.split(), *words,
                "--custom-config-path", str(out / "ascend.yaml")]
         (out / "command.txt").write_text(shlex.join(cmd) + "\n")
         log(f"running slime's train_async.py (log: {run_log}); one line per rollout as slime logs it")
