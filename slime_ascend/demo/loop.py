@@ -57,11 +57,6 @@ class DemoConfig:
     progress: bool = True
 
 
-def _sync_format(plugins: tuple[str, ...]) -> str | None:
-    fmts = [SYNC_PLUGINS[p] for p in plugins if p in SYNC_PLUGINS]
-    return fmts[0] if fmts else None
-
-
 def available_plugins(requested: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:
     """The requested plugins that load here; the others (e.g. a sync plugin not installed yet) with why."""
     from slime_ascend.plugins import registry
@@ -162,14 +157,22 @@ def _episodes(cfg: DemoConfig, step: int) -> list[dict[str, Any]]:
     return sorted(tasks, key=lambda t: str(t.get("domain", "")))
 
 
-def _write_prompts(root: Path) -> dict[str, str]:
-    from slime_ascend.demo.task import RESUME_TEMPLATE, SUMMARY_PROMPT
+def prepare_task(cfg: DemoConfig, out: Path) -> tuple[dict[str, str], dict[str, dict[str, float]], float]:
+    """What both loops start from: the paths of the checkpoints (``policy``, ``copy``, ``next``), of the
+    compaction prompt files and of ``teacher_stage``; the checkpoints' p(right answer); the seconds they took."""
+    from slime_ascend.demo.task import RESUME_TEMPLATE, SUMMARY_PROMPT, checkpoint_answer_probs, prepare_checkpoints
 
-    root.mkdir(parents=True, exist_ok=True)
-    summary, resume = root / "summary_prompt.txt", root / "resume_template.txt"
+    t0 = time.perf_counter()
+    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
+    start = checkpoint_answer_probs(ckpt)
+    seconds = time.perf_counter() - t0
+    (out / "prompts").mkdir(parents=True, exist_ok=True)
+    summary, resume = out / "prompts" / "summary_prompt.txt", out / "prompts" / "resume_template.txt"
     summary.write_text(SUMMARY_PROMPT)
     resume.write_text(RESUME_TEMPLATE)
-    return {"summary_prompt": str(summary), "resume_template": str(resume)}
+    paths = dict(ckpt, teacher_stage=str(out / "teacher_stage"), summary_prompt=str(summary),
+                 resume_template=str(resume))
+    return paths, start, seconds
 
 
 def _step_line(step: int, steps: int, m: dict[str, Any]) -> str:
@@ -210,18 +213,14 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
     import ray
 
     from slime_ascend.demo.rollout import RolloutWorker
-    from slime_ascend.demo.task import checkpoint_answer_probs, prepare_checkpoints
     from slime_ascend.demo.trainer import Trainer
 
     log(f"slime-ascend demo: plugins {', '.join(plugins)}; seed {cfg.seed}; {cfg.steps} steps; output {out}")
-    t0 = time.perf_counter()
-    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
-    start = checkpoint_answer_probs(ckpt)
+    paths, start, seconds = prepare_task(cfg, out)
     levels = ", ".join(("policy" if name == "policy" else f"teacher {name}") + " ("
                        + ", ".join(f"{dom} {p:.2f}" for dom, p in probs.items()) + ")" for name, probs in start.items())
-    log(f"prepared the initial policy and two teachers in {time.perf_counter() - t0:.1f}s; p(right answer): {levels}")
-    paths = dict(ckpt, yaml=str(out / "ascend.yaml"), teacher_stage=str(out / "teacher_stage"),
-                 **_write_prompts(out / "prompts"))
+    log(f"prepared the initial policy and two teachers in {seconds:.1f}s; p(right answer): {levels}")
+    paths["yaml"] = str(out / "ascend.yaml")
     if "sao" in plugins:
         from slime_ascend.sao.critic import write_megatron_role_config
 
@@ -240,14 +239,14 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                  runtime_env={"env_vars": env}, configure_logging=False)
         log(f"ray: local cluster with {cfg.num_cpus} CPUs in {time.perf_counter() - t0:.1f}s")
-        rollout = ray.remote(num_cpus=1)(RolloutWorker).remote(ckpt["policy"], ckpt["copy"], cfg.seed)
+        rollout = ray.remote(num_cpus=1)(RolloutWorker).remote(paths["policy"], paths["copy"], cfg.seed)
         urls = ray.get(rollout.urls.remote())
         args = build_args(cfg, plugins, paths, urls)
         sampling = {"temperature": 1.0, "max_new_tokens": cfg.max_new_tokens}
         trainer = ray.remote(num_cpus=1)(Trainer).remote(
-            args, ckpt["policy"], str(out), lr=cfg.lr, critic_lr=cfg.critic_lr, seed=cfg.seed,
+            args, paths["policy"], str(out), lr=cfg.lr, critic_lr=cfg.critic_lr, seed=cfg.seed,
             lr_warmup_steps=cfg.lr_warmup_steps,
-            sync_format=_sync_format(tuple(cfg.plugins)))
+            sync_format=next((SYNC_PLUGINS[p] for p in cfg.plugins if p in SYNC_PLUGINS), None))
         ray.get(rollout.set_args.remote(args, sampling, cfg.concurrency, cfg.late_long_episodes))
         log(f"engines: rollout {urls['engine']}, teachers {urls['teacher']}; actors ready in "
             f"{time.perf_counter() - t0:.1f}s")

@@ -250,9 +250,8 @@ def _history_row(step: int, m: dict[str, Any]) -> dict[str, Any]:
 
 def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo's plugins in slime's ``train_async.py``; returns the summary (also ``summary.json``)."""
-    from .loop import _write_prompts
+    from .loop import prepare_task
     from .plots import plot_curves
-    from .task import checkpoint_answer_probs, prepare_checkpoints
 
     t_start = time.perf_counter()
     out = Path(cfg.out).resolve()
@@ -260,13 +259,10 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     plugins = ("cpu", *[p for p in cfg.plugins if p != "cpu"])
     log(f"slime-ascend demo in slime's own loop ({src / 'train_async.py'}): plugins {', '.join(plugins)}; "
         f"seed {cfg.seed}; {cfg.steps} rollouts; output {out}")
-    t0 = time.perf_counter()
-    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
-    start = checkpoint_answer_probs(ckpt)
-    log(f"prepared the initial policy and two teachers in {time.perf_counter() - t0:.1f}s")
+    paths, start, seconds = prepare_task(cfg, out)
+    log(f"prepared the initial policy and two teachers in {seconds:.1f}s")
     (out / "weights").mkdir(exist_ok=True)
-    paths = dict(ckpt, prompts=str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps))),
-                 teacher_stage=str(out / "teacher_stage"), **_write_prompts(out / "prompts"))
+    paths["prompts"] = str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps)))
     job = _Job(out, paths)
     summary: dict[str, Any] = {"loop": "slime", "slime_src": str(src), "plugins": list(plugins), "seed": cfg.seed,
                                "steps_requested": cfg.steps, "interrupted": False, "start_answer_probs": start}
@@ -283,7 +279,7 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
                 SETUPS[plugin](cfg, job)
                 log(f"set up {plugin} in {time.perf_counter() - t0:.1f}s")
         t0 = time.perf_counter()
-        engine = start_engine(Path(job.paths.get("engine_checkpoint", ckpt["policy"])), out / "engine.log")
+        engine = start_engine(Path(job.paths.get("engine_checkpoint", paths["policy"])), out / "engine.log")
         log(f"reference engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
         job.engines.append(engine)
         generated = write_yaml(plugins, job.yaml, out / "ascend.yaml")
