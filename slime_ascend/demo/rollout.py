@@ -205,9 +205,10 @@ class RolloutWorker:
         gen_s = time.perf_counter() - t0
         train_data = convert_samples_to_train_data(self.args, batch)
         dropped_rollouts = len({s.rollout_id for s in batch if s.remove_sample})
+        short = [x for x, n in zip(fresh_rewards, segments, strict=True) if n == 1]
         metrics: dict[str, Any] = {
             "reward": sum(fresh_rewards) / max(1, len(fresh_rewards)),
-            "reward_short": _mean([x for x, n in zip(fresh_rewards, segments, strict=True) if n == 1]),
+            "reward_short": sum(short) / len(short) if short else None,
             "rollouts": len(rollouts),
             "samples_trained": len(batch),
             "late_held": held,
@@ -251,6 +252,3 @@ class RolloutWorker:
         if not reply.get("success", False):
             raise RuntimeError(f"engine refused the weight update: {reply}")
         return {"engine_load_s": time.perf_counter() - t0, "engine_version": self.engine.weight_version}
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None

@@ -100,7 +100,7 @@ def _prompt_rows(cfg: DemoConfig, rollouts: int) -> list[dict[str, Any]]:
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
     return path
 
 
@@ -308,7 +308,7 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     text = run_log.read_text(errors="replace") if run_log.exists() else ""
     steps = parse_rollout_metrics(text)
     history = [_history_row(s, steps[s]) for s in sorted(steps)]
-    metrics_path.write_text("".join(json.dumps(h, default=str) + "\n" for h in history))
+    _write_jsonl(metrics_path, history)
     summary["returncode"] = rc
     summary["steps_done"] = sum(1 for h in history if "train/step" in h["slime"])
     rewards = [h["reward"] for h in history if h["reward"] is not None]

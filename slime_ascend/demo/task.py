@@ -136,8 +136,9 @@ class DigitsEnv:
         return StepResult("", True, reward, {"answer": answer, "given": action.strip()[:1], "correct": reward == 1.0})
 
 
-def _episode_reward(sample: Any) -> float:
-    """The task reward of a finished sample: from the environment's final info (compaction) or the text."""
+def task_reward(args: Any, sample: Any, **_: Any) -> float:
+    """Reward function (``ascend_opd_task_rm_path``, or slime's ``--custom-rm-path`` without opd): the task
+    reward of a finished sample, from the environment's final info (compaction) or the text."""
     md = sample.metadata or {}
     info = md.get("env_info") or {}
     if "correct" in info:
@@ -146,11 +147,6 @@ def _episode_reward(sample: Any) -> float:
     if not task:
         raise ValueError(f"sample {sample.index!r} has no metadata['task']; it did not come from the demo dataset")
     return score_action(sample.response, answer_for(task["domain"], int(task["digit"])))
-
-
-def task_reward(args: Any, sample: Any, **_: Any) -> float:
-    """Reward function (``ascend_opd_task_rm_path``, or slime's ``--custom-rm-path`` without opd)."""
-    return _episode_reward(sample)
 
 
 async def async_task_reward(args: Any, sample: Any, **kwargs: Any) -> float | list[float]:
