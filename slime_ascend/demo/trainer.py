@@ -103,6 +103,7 @@ class Trainer:
                  seed: int, sync_format: str | None, lr_warmup_steps: int = 0) -> None:
         from slime_ascend.demo import slime_train_api
         from slime_ascend.rollout.reference.model import load_model
+        from slime_ascend.sao.freeze import matching_names
 
         torch.set_num_threads(1)
         torch.manual_seed(seed)
@@ -113,7 +114,8 @@ class Trainer:
         critic_lm = load_model(policy_dir).float()
         self.critic = _ValueModel(critic_lm).train()
         self.critic_args = self._critic_args(args)
-        frozen = set(self._frozen_names(self.critic_args))
+        frozen = set(matching_names([n for n, _ in self.critic.named_parameters()],
+                                    getattr(self.critic_args, "freeze_params_name_list", None) or []))
         for name, p in self.critic.named_parameters():
             p.requires_grad_(name not in frozen)
         self.policy.role = "actor"
@@ -141,12 +143,6 @@ class Trainer:
             for key, value in critic_overrides(path).items():
                 setattr(critic, key, value)
         return critic
-
-    def _frozen_names(self, critic_args: argparse.Namespace) -> list[str]:
-        import re
-
-        patterns = [re.compile(p) for p in (getattr(critic_args, "freeze_params_name_list", None) or [])]
-        return [n for n, _ in self.critic.named_parameters() if any(p.search(n) for p in patterns)]
 
     def _megatron_init(self) -> None:
         """What slime's train actors do at start: the runtime installs the enabled plugins' train patches
