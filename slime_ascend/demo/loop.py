@@ -10,6 +10,9 @@ report (``slime-ascend check``) and ``curves.png``. Ray is shut down on every ex
 The slime ``args`` are an ``argparse.Namespace`` with slime's field names, plus the YAML that
 ``slime-ascend config <plugins>`` writes, loaded and set key by key as slime's
 ``--custom-config-path`` does (``out/ascend.yaml`` keeps the file used).
+
+slime's own loop (:mod:`.slime_loop`) starts from the same :class:`DemoConfig`, :func:`prepare_task`,
+:func:`task_settings` and :func:`write_yaml`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PLUGINS", "DemoConfig", "build_args", "run_demo"]
+__all__ = ["DEFAULT_PLUGINS", "DemoConfig", "build_args", "prepare_task", "run_demo", "task_settings", "write_yaml"]
 
 DEFAULT_PLUGINS = ("sao", "compaction", "opd", "staleness", "int8-sync")
 SYNC_PLUGINS = {"int8-sync": "int8", "fp8-sync": "fp8"}
