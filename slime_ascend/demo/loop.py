@@ -102,7 +102,7 @@ def task_settings(plugin: str, cfg: DemoConfig, paths: dict[str, str], teacher_u
     return {}
 
 
-def write_yaml(plugins: tuple[str, ...], edits: dict[str, Any], path: str | Path):
+def write_yaml(plugins: tuple[str, ...], edits: dict[str, Any], path: str | Path) -> Any:
     """``slime-ascend config <plugins>``'s YAML with the demo's ``edits`` at ``path``; returns the generated config."""
     import yaml
 
