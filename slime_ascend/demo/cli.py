@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .loop import DEFAULT_PLUGINS, DemoConfig
+from .loop import DEFAULT_PLUGINS, DemoConfig, run_demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --slime-src runs slime's own loop but --loop mini asks for the miniature. Fix: drop --loop mini "
               "(or --slime-src)", file=sys.stderr)
         return 2
+    src = None
     if ns.loop != "mini":
         from .slime_loop import resolve_slime, run_slime_demo
 
@@ -58,25 +59,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {why}" if "Fix:" in why else f"error: {why.rstrip('.')}. Fix: pass --slime-src DIR (a clone "
                   "of github.com/THUDM/slime), or --loop mini", file=sys.stderr)
             return 2
-        if src is not None:
-            try:
-                summary = run_slime_demo(cfg, src)
-            except KeyboardInterrupt:
-                print("interrupted", file=sys.stderr)
-                return 130
-            if summary.get("interrupted"):
-                return 130
-            return 0 if summary.get("returncode") == 0 and not summary["plugins_without_evidence"] else 1
-        print(f"note: running the miniature loop ({why})", file=sys.stderr)
-    from .loop import run_demo
-
+        if src is None:
+            print(f"note: running the miniature loop ({why})", file=sys.stderr)
     try:
-        summary = run_demo(cfg)
+        summary = run_slime_demo(cfg, src) if src is not None else run_demo(cfg)
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         print("interrupted", file=sys.stderr)
         return 130
     if summary.get("interrupted"):
         return 130
+    if src is not None:
+        return 0 if summary.get("returncode") == 0 and not summary["plugins_without_evidence"] else 1
     return 0 if summary.get("contracts_passed", True) else 1
 
 

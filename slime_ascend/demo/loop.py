@@ -10,6 +10,9 @@ report (``slime-ascend check``) and ``curves.png``. Ray is shut down on every ex
 The slime ``args`` are an ``argparse.Namespace`` with slime's field names, plus the YAML that
 ``slime-ascend config <plugins>`` writes, loaded and set key by key as slime's
 ``--custom-config-path`` does (``out/ascend.yaml`` keeps the file used).
+
+slime's own loop (:mod:`.slime_loop`) starts from the same :class:`DemoConfig`, :func:`prepare_task`,
+:func:`task_settings` and :func:`write_yaml`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PLUGINS", "DemoConfig", "build_args", "run_demo"]
+__all__ = ["DEFAULT_PLUGINS", "DemoConfig", "build_args", "prepare_task", "run_demo", "task_settings", "write_yaml"]
 
 DEFAULT_PLUGINS = ("sao", "compaction", "opd", "staleness", "int8-sync")
 SYNC_PLUGINS = {"int8-sync": "int8", "fp8-sync": "fp8"}
@@ -57,11 +60,6 @@ class DemoConfig:
     progress: bool = True
 
 
-def _sync_format(plugins: tuple[str, ...]) -> str | None:
-    fmts = [SYNC_PLUGINS[p] for p in plugins if p in SYNC_PLUGINS]
-    return fmts[0] if fmts else None
-
-
 def available_plugins(requested: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:
     """The requested plugins that load here; the others (e.g. a sync plugin not installed yet) with why."""
     from slime_ascend.plugins import registry
@@ -79,12 +77,52 @@ def available_plugins(requested: tuple[str, ...]) -> tuple[tuple[str, ...], list
     return tuple(keep), notes
 
 
+def task_settings(plugin: str, cfg: DemoConfig, paths: dict[str, str], teacher_url: str) -> dict[str, Any]:
+    """The YAML values both loops give ``plugin`` for the demo's task (the environment, the teachers, ...)."""
+    if plugin == "compaction":
+        return dict(ascend_compaction_env="slime_ascend.demo.task.DigitsEnv", ascend_compaction_env_kwargs={},
+                    ascend_compaction_context_budget=cfg.context_budget,
+                    ascend_compaction_trigger_tokens=cfg.trigger_tokens, ascend_compaction_keep_pairs=1,
+                    ascend_compaction_max_compactions=2, ascend_compaction_summary_max_tokens=4,
+                    ascend_compaction_use_chat_template=False,
+                    # the opd reward model must run on every segment: slime skips the RM when generate
+                    # already set a reward, so the environment's reward goes through the task RM instead
+                    ascend_compaction_env_reward=False,
+                    ascend_compaction_summary_prompt_path=paths["summary_prompt"],
+                    ascend_compaction_resume_template_path=paths["resume_template"])
+    if plugin == "opd":
+        return dict(ascend_opd_teachers=[{"name": "copy", "checkpoint_dir": paths["copy"], "domains": ["copy"]},
+                                         {"name": "next", "checkpoint_dir": paths["next"], "domains": ["next"]}],
+                    ascend_opd_switch_engine_urls=[teacher_url],
+                    ascend_opd_task_rm_path="slime_ascend.demo.task.task_reward",
+                    ascend_opd_stage_dir=paths["teacher_stage"], ascend_opd_prefetch=True,
+                    ascend_opd_coef=cfg.opd_coef, ascend_opd_clip=cfg.opd_clip)
+    if plugin == "staleness":
+        return dict(ascend_staleness_tau=cfg.staleness_tau)
+    return {}
+
+
+def write_yaml(plugins: tuple[str, ...], edits: dict[str, Any], path: str | Path) -> Any:
+    """``slime-ascend config <plugins>``'s YAML with the demo's ``edits`` at ``path``; returns the generated config."""
+    import yaml
+
+    from slime_ascend import config as ascend_config
+
+    generated = ascend_config.build(list(plugins))
+    values = yaml.safe_load(generated.yaml_text)
+    unknown = [k for k in edits if k not in values]
+    if unknown:
+        raise RuntimeError(f"the demo sets keys the generated YAML does not have: {unknown}")
+    values.update(edits)
+    Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
+    return generated
+
+
 def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str], urls: dict[str, str]
                ) -> argparse.Namespace:
     """slime-shaped args: slime defaults for the flags the hooks read, then the plugins' YAML on top."""
     import yaml
 
-    from slime_ascend import config as ascend_config
     from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
 
     host, port = urls["engine"].removeprefix("http://").rsplit(":", 1)
@@ -103,37 +141,11 @@ def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str],
         calculate_per_token_loss=False, use_rollout_logprobs=False, log_probs_chunk_size=-1, allgather_cp=False,
         group_rm=False, partial_rollout=False, use_critic=True, freeze_params_name_list=None,
     )
-    generated = ascend_config.build(list(plugins))
-    values = yaml.safe_load(generated.yaml_text)
     # the demo's edits of the generated YAML (what a user edits before launching)
-    edits: dict[str, Any] = {}
+    edits: dict[str, Any] = {k: v for p in plugins for k, v in task_settings(p, cfg, paths, urls["teacher"]).items()}
     if "sao" in plugins:
         edits.update(ascend_sao_freeze_patterns=["self_attn"], ascend_sao_dis_preset="maths")
-    if "compaction" in plugins:
-        edits.update(ascend_compaction_env="slime_ascend.demo.task.DigitsEnv", ascend_compaction_env_kwargs={},
-                     ascend_compaction_context_budget=cfg.context_budget,
-                     ascend_compaction_trigger_tokens=cfg.trigger_tokens, ascend_compaction_keep_pairs=1,
-                     ascend_compaction_max_compactions=2, ascend_compaction_summary_max_tokens=4,
-                     ascend_compaction_use_chat_template=False,
-                     # the opd reward model must run on every segment: slime skips the RM when generate
-                     # already set a reward, so the environment's reward goes through the task RM instead
-                     ascend_compaction_env_reward=False,
-                     ascend_compaction_summary_prompt_path=paths["summary_prompt"],
-                     ascend_compaction_resume_template_path=paths["resume_template"])
-    if "opd" in plugins:
-        edits.update(ascend_opd_teachers=[{"name": "copy", "checkpoint_dir": paths["copy"], "domains": ["copy"]},
-                                          {"name": "next", "checkpoint_dir": paths["next"], "domains": ["next"]}],
-                     ascend_opd_switch_engine_urls=[urls["teacher"]],
-                     ascend_opd_task_rm_path="slime_ascend.demo.task.task_reward",
-                     ascend_opd_stage_dir=paths["teacher_stage"], ascend_opd_prefetch=True,
-                     ascend_opd_coef=cfg.opd_coef, ascend_opd_clip=cfg.opd_clip)
-    if "staleness" in plugins:
-        edits.update(ascend_staleness_tau=cfg.staleness_tau)
-    unknown = [k for k in edits if k not in values]
-    if unknown:
-        raise RuntimeError(f"demo edits keys the generated YAML does not have: {unknown}")
-    values.update(edits)
-    Path(paths["yaml"]).write_text(yaml.safe_dump(values, sort_keys=False))
+    write_yaml(plugins, edits, paths["yaml"])
     for key, value in yaml.safe_load(Path(paths["yaml"]).read_text()).items():  # slime's --custom-config-path
         setattr(args, key, value)
     return args
@@ -148,14 +160,22 @@ def _episodes(cfg: DemoConfig, step: int) -> list[dict[str, Any]]:
     return sorted(tasks, key=lambda t: str(t.get("domain", "")))
 
 
-def _write_prompts(root: Path) -> dict[str, str]:
-    from slime_ascend.demo.task import RESUME_TEMPLATE, SUMMARY_PROMPT
+def prepare_task(cfg: DemoConfig, out: Path) -> tuple[dict[str, str], dict[str, dict[str, float]], float]:
+    """What both loops start from: the paths of the checkpoints (``policy``, ``copy``, ``next``), of the
+    compaction prompt files and of ``teacher_stage``; the checkpoints' p(right answer); the seconds they took."""
+    from slime_ascend.demo.task import RESUME_TEMPLATE, SUMMARY_PROMPT, checkpoint_answer_probs, prepare_checkpoints
 
-    root.mkdir(parents=True, exist_ok=True)
-    summary, resume = root / "summary_prompt.txt", root / "resume_template.txt"
+    t0 = time.perf_counter()
+    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
+    start = checkpoint_answer_probs(ckpt)
+    seconds = time.perf_counter() - t0
+    (out / "prompts").mkdir(parents=True, exist_ok=True)
+    summary, resume = out / "prompts" / "summary_prompt.txt", out / "prompts" / "resume_template.txt"
     summary.write_text(SUMMARY_PROMPT)
     resume.write_text(RESUME_TEMPLATE)
-    return {"summary_prompt": str(summary), "resume_template": str(resume)}
+    paths = dict(ckpt, teacher_stage=str(out / "teacher_stage"), summary_prompt=str(summary),
+                 resume_template=str(resume))
+    return paths, start, seconds
 
 
 def _step_line(step: int, steps: int, m: dict[str, Any]) -> str:
@@ -196,18 +216,14 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
     import ray
 
     from slime_ascend.demo.rollout import RolloutWorker
-    from slime_ascend.demo.task import checkpoint_answer_probs, prepare_checkpoints
     from slime_ascend.demo.trainer import Trainer
 
     log(f"slime-ascend demo: plugins {', '.join(plugins)}; seed {cfg.seed}; {cfg.steps} steps; output {out}")
-    t0 = time.perf_counter()
-    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
-    start = checkpoint_answer_probs(ckpt)
+    paths, start, seconds = prepare_task(cfg, out)
     levels = ", ".join(("policy" if name == "policy" else f"teacher {name}") + " ("
                        + ", ".join(f"{dom} {p:.2f}" for dom, p in probs.items()) + ")" for name, probs in start.items())
-    log(f"prepared the initial policy and two teachers in {time.perf_counter() - t0:.1f}s; p(right answer): {levels}")
-    paths = dict(ckpt, yaml=str(out / "ascend.yaml"), teacher_stage=str(out / "teacher_stage"),
-                 **_write_prompts(out / "prompts"))
+    log(f"prepared the initial policy and two teachers in {seconds:.1f}s; p(right answer): {levels}")
+    paths["yaml"] = str(out / "ascend.yaml")
     if "sao" in plugins:
         from slime_ascend.sao.critic import write_megatron_role_config
 
@@ -226,14 +242,14 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                  runtime_env={"env_vars": env}, configure_logging=False)
         log(f"ray: local cluster with {cfg.num_cpus} CPUs in {time.perf_counter() - t0:.1f}s")
-        rollout = ray.remote(num_cpus=1)(RolloutWorker).remote(ckpt["policy"], ckpt["copy"], cfg.seed)
+        rollout = ray.remote(num_cpus=1)(RolloutWorker).remote(paths["policy"], paths["copy"], cfg.seed)
         urls = ray.get(rollout.urls.remote())
         args = build_args(cfg, plugins, paths, urls)
         sampling = {"temperature": 1.0, "max_new_tokens": cfg.max_new_tokens}
         trainer = ray.remote(num_cpus=1)(Trainer).remote(
-            args, ckpt["policy"], str(out), lr=cfg.lr, critic_lr=cfg.critic_lr, seed=cfg.seed,
+            args, paths["policy"], str(out), lr=cfg.lr, critic_lr=cfg.critic_lr, seed=cfg.seed,
             lr_warmup_steps=cfg.lr_warmup_steps,
-            sync_format=_sync_format(tuple(cfg.plugins)))
+            sync_format=next((SYNC_PLUGINS[p] for p in cfg.plugins if p in SYNC_PLUGINS), None))
         ray.get(rollout.set_args.remote(args, sampling, cfg.concurrency, cfg.late_long_episodes))
         log(f"engines: rollout {urls['engine']}, teachers {urls['teacher']}; actors ready in "
             f"{time.perf_counter() - t0:.1f}s")

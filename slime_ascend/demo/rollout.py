@@ -26,6 +26,7 @@ from typing import Any
 
 from slime_ascend import hooks
 from slime_ascend.compat.sample import get_sample_class
+from slime_ascend.demo.task import prompt_text, question_text, task_reward
 from slime_ascend.plugins import runtime
 
 __all__ = ["RolloutWorker", "convert_samples_to_train_data", "default_generate"]
@@ -119,8 +120,7 @@ class RolloutWorker:
         # generation runs on one persistent event loop in its own thread (Ray may run actor methods
         # inside a loop of its own; one loop keeps the opd switch gate and HTTP sessions alive)
         self.loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
-        self._loop_thread.start()
+        threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True).start()
         self.args: Any = None
         self.late: list[tuple[int, list[Any]]] = []  # (due step, samples of one rollout)
         self.next_index = 0
@@ -147,13 +147,11 @@ class RolloutWorker:
         sample.index = index
         sample.group_index = index
         sample.rollout_id = index
-        sample.prompt = f"{episode['domain']} {episode['digit']} ="
+        sample.prompt = question_text(episode["domain"], episode["digit"])
         sample.metadata = {"domain": episode["domain"], "task": dict(episode), "seed": self.seed * 1_000_003 + index,
                            "rollout_step": step}
         sample.status = cls.Status.PENDING
         if not runtime.active(self.args).selection.slots.get("generate"):
-            from slime_ascend.demo.task import prompt_text
-
             tok = self.engine.tokenizer
             sample.tokens = list(tok.encode(prompt_text(episode["domain"], episode["digit"]), add_special_tokens=False))
         return sample
@@ -174,8 +172,6 @@ class RolloutWorker:
             if slots.get("reward_model"):
                 rewards = await asyncio.gather(*(hooks.reward_model(self.args, s) for s in pending))
             else:
-                from slime_ascend.demo.task import task_reward
-
                 rewards = [task_reward(self.args, s) for s in pending]
             for s, r in zip(pending, rewards, strict=True):
                 s.reward = r
@@ -209,9 +205,10 @@ class RolloutWorker:
         gen_s = time.perf_counter() - t0
         train_data = convert_samples_to_train_data(self.args, batch)
         dropped_rollouts = len({s.rollout_id for s in batch if s.remove_sample})
+        short = [x for x, n in zip(fresh_rewards, segments, strict=True) if n == 1]
         metrics: dict[str, Any] = {
             "reward": sum(fresh_rewards) / max(1, len(fresh_rewards)),
-            "reward_short": _mean([x for x, n in zip(fresh_rewards, segments, strict=True) if n == 1]),
+            "reward_short": sum(short) / len(short) if short else None,
             "rollouts": len(rollouts),
             "samples_trained": len(batch),
             "late_held": held,
@@ -255,13 +252,3 @@ class RolloutWorker:
         if not reply.get("success", False):
             raise RuntimeError(f"engine refused the weight update: {reply}")
         return {"engine_load_s": time.perf_counter() - t0, "engine_version": self.engine.weight_version}
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._loop_thread.join(timeout=5)
-        self._stack.close()
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None

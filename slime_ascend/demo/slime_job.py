@@ -114,18 +114,16 @@ class Engine:
         return self.url.removeprefix("http://")
 
 
-def start_engine(model_dir: Path, log: Path, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 timeout: float = 120) -> Engine:
+def start_engine(model_dir: Path, log: Path, timeout: float = 120) -> Engine:
     """``slime-ascend serve-reference`` on 127.0.0.1, waited for until /health answers."""
     from slime_ascend.json_client import JSONRequestError, request_json
 
     port = free_port()
-    full_env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
-    full_env.update(env or {})
+    env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
     cmd = [sys.executable, "-m", "slime_ascend.cli", "serve-reference", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), *extra]
+           "--host", "127.0.0.1", "--port", str(port)]
     fh = log.open("w")
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=str(log.parent),
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent),
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -202,9 +200,6 @@ class Run:
 
     def metric_keys(self) -> set[str]:
         return {k for m in self.metrics() for k in m}
-
-    def by_rollout(self) -> dict[int, dict]:
-        return parse_rollout_metrics(self.log)
 
 
 # slime's labels (rollout, step, perf, eval) and the plugins' own rollout reports (staleness, tito, ...:

@@ -24,11 +24,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .loop import DemoConfig
+from .loop import DemoConfig, task_settings, write_yaml
 from .slime_job import (
     TINY_QWEN3_ARGS,
     Engine,
@@ -86,26 +87,26 @@ class _Job:
 
 def _prompt_rows(cfg: DemoConfig, rollouts: int) -> list[dict[str, Any]]:
     """The task's episodes as slime prompt-data rows (``metadata`` carries the task and the domain)."""
-    from .task import answer_for, make_episodes
+    from .task import answer_for, make_episodes, question_text
 
     rows = []
     for step in range(rollouts):
         rng = random.Random(cfg.seed * 7919 + step)
         for i, ep in enumerate(make_episodes(rng, cfg.batch, cfg.long_fraction, cfg.fillers)):
             task = ep.to_task()
-            rows.append({"prompt": f"{ep.domain} {ep.digit} =", "label": answer_for(ep.domain, ep.digit),
+            rows.append({"prompt": question_text(ep.domain, ep.digit), "label": answer_for(ep.domain, ep.digit),
                          "metadata": {"domain": ep.domain, "task": task, "seed": cfg.seed * 1_000_003 + step * 997 + i}})
     return rows
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
     return path
 
 
 def _base_flags(cfg: DemoConfig, job: _Job, engine: Engine) -> dict[str, str | None]:
     p = job.paths
-    flags: dict[str, str | None] = {
+    return {
         "--hf-checkpoint": p["policy"], "--load": p["policy"], "--save": str(job.out / "slime_ckpt"),
         "--save-interval": "100000",
         "--prompt-data": p["prompts"], "--input-key": "prompt", "--label-key": "label", "--metadata-key": "metadata",
@@ -126,7 +127,6 @@ def _base_flags(cfg: DemoConfig, job: _Job, engine: Engine) -> dict[str, str | N
         "--attention-softmax-in-fp32": None, "--bf16": None, "--seed": str(cfg.seed),
         "--custom-rm-path": "slime_ascend.demo.task.async_task_reward",
     }
-    return flags
 
 
 # -- per plugin: what it adds to the job ---------------------------------------------------------------
@@ -140,25 +140,18 @@ def _setup_sao(cfg: DemoConfig, job: _Job) -> None:
     job.yaml.update(ascend_sao_freeze_patterns=["self_attention"])
 
 
-def _setup_compaction(cfg: DemoConfig, job: _Job) -> None:
-    job.yaml.update(ascend_compaction_env="slime_ascend.demo.task.DigitsEnv", ascend_compaction_env_kwargs={},
-                    ascend_compaction_context_budget=cfg.context_budget,
-                    ascend_compaction_trigger_tokens=cfg.trigger_tokens, ascend_compaction_keep_pairs=1,
-                    ascend_compaction_max_compactions=2, ascend_compaction_summary_max_tokens=4,
-                    ascend_compaction_use_chat_template=False, ascend_compaction_env_reward=False,
-                    ascend_compaction_summary_prompt_path=job.paths["summary_prompt"],
-                    ascend_compaction_resume_template_path=job.paths["resume_template"])
-
-
 def _setup_opd(cfg: DemoConfig, job: _Job) -> None:
     teacher = start_engine(Path(job.paths["copy"]), job.out / "teacher_engine.log")
     job.engines.append(teacher)
-    job.yaml.update(ascend_opd_teachers=[{"name": "copy", "checkpoint_dir": job.paths["copy"], "domains": ["copy"]},
-                                         {"name": "next", "checkpoint_dir": job.paths["next"], "domains": ["next"]}],
-                    ascend_opd_switch_engine_urls=[teacher.url],
-                    ascend_opd_task_rm_path="slime_ascend.demo.task.task_reward",
-                    ascend_opd_stage_dir=str(job.out / "teacher_stage"), ascend_opd_prefetch=True,
-                    ascend_opd_coef=cfg.opd_coef, ascend_opd_clip=cfg.opd_clip)
+    job.yaml.update(task_settings("opd", cfg, job.paths, teacher.url))
+
+
+def _setup_task(plugin: str) -> Callable[[DemoConfig, _Job], None]:
+    """A plugin whose only addition is the task's YAML values (compaction, staleness)."""
+    def setup(cfg: DemoConfig, job: _Job) -> None:
+        job.yaml.update(task_settings(plugin, cfg, job.paths, ""))
+
+    return setup
 
 
 # the checkpoint format each sync plugin pushes; the engine serves (and --hf-checkpoint names) a checkpoint
@@ -181,12 +174,9 @@ def _setup_sync(plugin: str) -> Callable[[DemoConfig, _Job], None]:
     return setup
 
 
-def _setup_staleness(cfg: DemoConfig, job: _Job) -> None:
-    job.yaml.update(ascend_staleness_tau=cfg.staleness_tau)
-
-
 SETUPS: dict[str, Callable[[DemoConfig, _Job], None]] = {
-    "sao": _setup_sao, "compaction": _setup_compaction, "opd": _setup_opd, "staleness": _setup_staleness,
+    "sao": _setup_sao, "compaction": _setup_task("compaction"), "opd": _setup_opd,
+    "staleness": _setup_task("staleness"),
     **{plugin: _setup_sync(plugin) for plugin in SYNC_FORMATS},
 }
 
@@ -216,10 +206,7 @@ EVIDENCE_ENGINE_LOG: dict[str, tuple[str, ...]] = {
 
 def critic_passes(log: str) -> dict[int, int]:
     """How many critic updates slime logged per rollout (``critic-step N: {...}`` lines)."""
-    counts: dict[int, int] = {}
-    for match in re.finditer(r"critic-step (\d+): \{", log):
-        counts[int(match.group(1))] = counts.get(int(match.group(1)), 0) + 1
-    return counts
+    return dict(Counter(int(n) for n in re.findall(r"critic-step (\d+): \{", log)))
 
 
 def plugin_evidence(plugins: tuple[str, ...], steps: dict[int, dict[str, Any]], log: str,
@@ -261,24 +248,10 @@ def _history_row(step: int, m: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _flags_list(flags: dict[str, str | None]) -> list[str]:
-    out: list[str] = []
-    for flag, value in flags.items():
-        out.append(flag)
-        if value is not None:
-            out += shlex.split(value) if flag in ("--rollout-external-engine-addrs",) else [value]
-    return out
-
-
 def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo's plugins in slime's ``train_async.py``; returns the summary (also ``summary.json``)."""
-    import yaml
-
-    from slime_ascend import config as ascend_config
-
-    from .loop import _write_prompts
+    from .loop import prepare_task
     from .plots import plot_curves
-    from .task import checkpoint_answer_probs, prepare_checkpoints
 
     t_start = time.perf_counter()
     out = Path(cfg.out).resolve()
@@ -286,13 +259,10 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     plugins = ("cpu", *[p for p in cfg.plugins if p != "cpu"])
     log(f"slime-ascend demo in slime's own loop ({src / 'train_async.py'}): plugins {', '.join(plugins)}; "
         f"seed {cfg.seed}; {cfg.steps} rollouts; output {out}")
-    t0 = time.perf_counter()
-    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
-    start = checkpoint_answer_probs(ckpt)
-    log(f"prepared the initial policy and two teachers in {time.perf_counter() - t0:.1f}s")
+    paths, start, seconds = prepare_task(cfg, out)
+    log(f"prepared the initial policy and two teachers in {seconds:.1f}s")
     (out / "weights").mkdir(exist_ok=True)
-    paths = dict(ckpt, prompts=str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps))),
-                 **_write_prompts(out / "prompts"))
+    paths["prompts"] = str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps)))
     job = _Job(out, paths)
     summary: dict[str, Any] = {"loop": "slime", "slime_src": str(src), "plugins": list(plugins), "seed": cfg.seed,
                                "steps_requested": cfg.steps, "interrupted": False, "start_answer_probs": start}
@@ -309,19 +279,12 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
                 SETUPS[plugin](cfg, job)
                 log(f"set up {plugin} in {time.perf_counter() - t0:.1f}s")
         t0 = time.perf_counter()
-        engine = start_engine(Path(job.paths.get("engine_checkpoint", ckpt["policy"])), out / "engine.log")
+        engine = start_engine(Path(job.paths.get("engine_checkpoint", paths["policy"])), out / "engine.log")
         log(f"reference engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
         job.engines.append(engine)
-        generated = ascend_config.build(list(plugins))
-        values = yaml.safe_load(generated.yaml_text)
-        unknown = [k for k in job.yaml if k not in values]
-        if unknown:
-            raise RuntimeError(f"the demo sets keys the generated YAML does not have: {unknown}")
-        values.update(job.yaml)
-        (out / "ascend.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
-        flags = _base_flags(cfg, job, engine)
-        plugin_flags = shlex.split(generated.flags_line())
-        merged = dict(flags)
+        generated = write_yaml(plugins, job.yaml, out / "ascend.yaml")
+        merged = _base_flags(cfg, job, engine)
+        plugin_flags = generated.flags
         i = 0
         while i < len(plugin_flags):  # the plugins' flags, then the demo's own values where both set one
             flag = plugin_flags[i]
@@ -329,7 +292,8 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
             merged.setdefault(flag, value)
             i += 2 if value is not None else 1
         merged.update(job.flags)
-        cmd = [sys.executable, str(src / "train_async.py"), *TINY_QWEN3_ARGS.split(), *_flags_list(merged),
+        words = [word for flag_value in merged.items() for word in flag_value if word is not None]  # None: a switch
+        cmd = [sys.executable, str(src / "train_async.py"), *TINY_QWEN3_ARGS.split(), *words,
                "--custom-config-path", str(out / "ascend.yaml")]
         (out / "command.txt").write_text(shlex.join(cmd) + "\n")
         log(f"running slime's train_async.py (log: {run_log}); one line per rollout as slime logs it")
@@ -344,7 +308,7 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     text = run_log.read_text(errors="replace") if run_log.exists() else ""
     steps = parse_rollout_metrics(text)
     history = [_history_row(s, steps[s]) for s in sorted(steps)]
-    metrics_path.write_text("".join(json.dumps(h, default=str) + "\n" for h in history))
+    _write_jsonl(metrics_path, history)
     summary["returncode"] = rc
     summary["steps_done"] = sum(1 for h in history if "train/step" in h["slime"])
     rewards = [h["reward"] for h in history if h["reward"] is not None]

@@ -170,11 +170,9 @@ def _init_megatron_single_process() -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            import socket
+            from .slime_job import free_port
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+            os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)

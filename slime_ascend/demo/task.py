@@ -136,8 +136,9 @@ class DigitsEnv:
         return StepResult("", True, reward, {"answer": answer, "given": action.strip()[:1], "correct": reward == 1.0})
 
 
-def _episode_reward(sample: Any) -> float:
-    """The task reward of a finished sample: from the environment's final info (compaction) or the text."""
+def task_reward(args: Any, sample: Any, **_: Any) -> float:
+    """Reward function (``ascend_opd_task_rm_path``, or slime's ``--custom-rm-path`` without opd): the task
+    reward of a finished sample, from the environment's final info (compaction) or the text."""
     md = sample.metadata or {}
     info = md.get("env_info") or {}
     if "correct" in info:
@@ -146,11 +147,6 @@ def _episode_reward(sample: Any) -> float:
     if not task:
         raise ValueError(f"sample {sample.index!r} has no metadata['task']; it did not come from the demo dataset")
     return score_action(sample.response, answer_for(task["domain"], int(task["digit"])))
-
-
-def task_reward(args: Any, sample: Any, **_: Any) -> float:
-    """Reward function (``ascend_opd_task_rm_path``, or slime's ``--custom-rm-path`` without opd)."""
-    return _episode_reward(sample)
 
 
 async def async_task_reward(args: Any, sample: Any, **kwargs: Any) -> float | list[float]:
@@ -195,6 +191,19 @@ def _buckets(examples: Sequence[Transcript], size: int = 20) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
+def padded_batch(tokens: Sequence[Any]) -> tuple[Any, Any]:
+    """Right-padded ``[B, L]`` token ids and their attention mask, from 1-D token tensors (SFT here, the trainer)."""
+    import torch
+
+    width = max(len(t) for t in tokens)
+    ids = torch.zeros(len(tokens), width, dtype=torch.long)
+    attn = torch.zeros(len(tokens), width, dtype=torch.long)
+    for i, t in enumerate(tokens):
+        ids[i, : len(t)] = t
+        attn[i, : len(t)] = 1
+    return ids, attn
+
+
 def _sft(model: Any, examples: Sequence[Transcript], steps: int, lr: float, *,
          answer_prob: float | Sequence[float] = 1.0, answer_ids: Sequence[int] = (),
          head_only: bool = False) -> float:
@@ -215,14 +224,10 @@ def _sft(model: Any, examples: Sequence[Transcript], steps: int, lr: float, *,
     vocab = model.config.vocab_size
     buckets = []
     for idx in _buckets(examples):
-        width = max(len(examples[i].ids) for i in idx)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        attn = torch.zeros_like(ids)
+        ids, attn = padded_batch([torch.tensor(examples[i].ids) for i in idx])
         rows, cols, soft = [], [], []
         for r, i in enumerate(idx):
             ex = examples[i]
-            ids[r, : len(ex.ids)] = torch.tensor(ex.ids)
-            attn[r, : len(ex.ids)] = 1
             for k, (pos, token) in enumerate(ex.targets):
                 label = torch.zeros(vocab)
                 q = probs[i] if k == ex.answer else 1.0

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from slime_ascend import hooks
+from slime_ascend.demo.task import padded_batch
 from slime_ascend.plugins import runtime
 
 __all__ = ["Trainer", "build_rollout_data", "quantize_for_sync"]
@@ -75,16 +76,6 @@ def _packed(model_out: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.cat([model_out[i, :n] for i, n in enumerate(lengths)], dim=0).unsqueeze(0).float()
 
 
-def _padded(tokens: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(t) for t in tokens)
-    ids = torch.zeros(len(tokens), width, dtype=torch.long)
-    attn = torch.zeros(len(tokens), width, dtype=torch.long)
-    for i, t in enumerate(tokens):
-        ids[i, : len(t)] = t
-        attn[i, : len(t)] = 1
-    return ids, attn
-
-
 def quantize_for_sync(args: Any, named: list[tuple[str, torch.Tensor]],
                       quantization_config: dict | None) -> list[tuple[str, torch.Tensor]]:
     """The weight-sync funnel for one parameter: ``hooks.quantize_params`` when a sync plugin is enabled.
@@ -112,6 +103,7 @@ class Trainer:
                  seed: int, sync_format: str | None, lr_warmup_steps: int = 0) -> None:
         from slime_ascend.demo import slime_train_api
         from slime_ascend.rollout.reference.model import load_model
+        from slime_ascend.sao.freeze import matching_names
 
         torch.set_num_threads(1)
         torch.manual_seed(seed)
@@ -122,10 +114,10 @@ class Trainer:
         critic_lm = load_model(policy_dir).float()
         self.critic = _ValueModel(critic_lm).train()
         self.critic_args = self._critic_args(args)
-        frozen = set(self._frozen_names(self.critic_args))
+        frozen = set(matching_names([n for n, _ in self.critic.named_parameters()],
+                                    getattr(self.critic_args, "freeze_params_name_list", None) or []))
         for name, p in self.critic.named_parameters():
             p.requires_grad_(name not in frozen)
-        self.frozen_critic_params = sorted(frozen)
         self.policy.role = "actor"
         self.opt = torch.optim.Adam(self.policy.parameters(), lr=lr)
         # Megatron's --lr-warmup-iters: linear warmup of the actor's learning rate over the first rollouts
@@ -133,7 +125,6 @@ class Trainer:
         self.lr, self.lr_warmup_steps = lr, int(lr_warmup_steps)
         self.critic_opt = torch.optim.Adam([p for p in self.critic.parameters() if p.requires_grad], lr=critic_lr)
         self.version = 0
-        self.sync_format = sync_format
         self.quantization_config = self._quantization_config(sync_format)
         self._megatron_init()
 
@@ -152,12 +143,6 @@ class Trainer:
             for key, value in critic_overrides(path).items():
                 setattr(critic, key, value)
         return critic
-
-    def _frozen_names(self, critic_args: argparse.Namespace) -> list[str]:
-        import re
-
-        patterns = [re.compile(p) for p in (getattr(critic_args, "freeze_params_name_list", None) or [])]
-        return [n for n, _ in self.critic.named_parameters() if any(p.search(n) for p in patterns)]
 
     def _megatron_init(self) -> None:
         """What slime's train actors do at start: the runtime installs the enabled plugins' train patches
@@ -201,12 +186,12 @@ class Trainer:
 
     # ---------------------------------------------------------------- forward passes
     def _policy_logits(self, rd: dict[str, Any]) -> torch.Tensor:
-        ids, attn = _padded(rd["tokens"])
+        ids, attn = padded_batch(rd["tokens"])
         out = self.policy(input_ids=ids, attention_mask=attn, use_cache=False).logits
         return _packed(out, rd["total_lengths"])
 
     def _critic_logits(self, rd: dict[str, Any]) -> torch.Tensor:
-        ids, attn = _padded(rd["tokens"])
+        ids, attn = padded_batch(rd["tokens"])
         return _packed(self.critic(ids, attn), rd["total_lengths"])
 
     def _extract(self, fn_name: str, logits: torch.Tensor, rd: dict[str, Any], args: Any) -> list[torch.Tensor]:

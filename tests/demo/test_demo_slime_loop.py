@@ -36,8 +36,6 @@ def test_parse_rollout_metrics_merges_by_rollout():
                         "perf/update_weights_time": 0.05}
     assert steps[1] == {"rollout/raw_reward": 0.25, "rollout/staleness_dropped": 2.0, "train/loss": 0.4,
                         "train/step": 1}
-    run = slime_job.Run(0, LOG, 1.0)
-    assert run.by_rollout() == steps
 
 
 def test_history_row_uses_the_miniature_keys():
