@@ -517,10 +517,6 @@ class Ledger:
         return self._peak(self.role_entries(role), self.phases(role), where)
 
     @property
-    def peaks(self) -> dict[str, float]:
-        return {r: self.peak(r)[0] for r in self.roles()}
-
-    @property
     def process_peaks(self) -> dict[str, float]:
         """Per process (the reference's objects counted in the actor's process)."""
         out: dict[str, float] = {}

@@ -173,9 +173,6 @@ class QuantSpec:
         if self.fmt != FP8_BLOCK and self.int_scheme is None:
             raise ValueError(f"fmt {self.fmt!r} needs an IntScheme in `int_scheme`")
 
-    def with_ignore(self, ignore: tuple[str, ...] | list[str] | None) -> "QuantSpec":
-        return replace(self, ignore=None if ignore is None else tuple(ignore))
-
 
 def make_spec(
     fmt: str,
