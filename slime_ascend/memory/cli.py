@@ -151,12 +151,9 @@ def layout_from_args(ns: argparse.Namespace) -> tuple[Layout, str | None]:
             values[key] = val
     if ns.critic:
         values["critic"] = True
-    if ns.no_reference:
-        values["reference"] = False
-    if ns.no_distributed_optimizer:
-        values["distributed_optimizer"] = False
-    if ns.no_sequence_parallel:
-        values["sequence_parallel"] = False
+    for key in ("reference", "distributed_optimizer", "sequence_parallel"):
+        if getattr(ns, "no_" + key):  # --no-reference, --no-distributed-optimizer, --no-sequence-parallel
+            values[key] = False
     return replace(Layout(), **values), hf
 
 

@@ -42,6 +42,7 @@ Assumptions stated once (each formula's docstring gives its source):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -272,10 +273,7 @@ def param_count(m: ModelShape) -> int:
 
 def active_param_count(m: ModelShape) -> int:
     """Parameters a token passes through (routed experts counted ``experts_per_token`` times)."""
-    total = param_count(m)
-    for i in m.moe_layers:
-        total -= (m.experts - m.experts_per_token) * 3 * m.hidden * m.moe_ffn
-    return total
+    return param_count(m) - len(m.moe_layers) * (m.experts - m.experts_per_token) * 3 * m.hidden * m.moe_ffn
 
 
 # -------------------------------------------------------------------------------------------- layout
@@ -497,11 +495,7 @@ class Ledger:
     notes: list[str] = field(default_factory=list)
 
     def roles(self) -> list[str]:
-        seen: list[str] = []
-        for e in self.entries:
-            if e.role not in seen:
-                seen.append(e.role)
-        return seen
+        return list(dict.fromkeys(e.role for e in self.entries))
 
     def role_entries(self, role: str) -> list[Entry]:
         return [e for e in self.entries if e.role == role]
@@ -521,10 +515,6 @@ class Ledger:
     def peak(self, role: str, where: str = "device") -> tuple[float, str]:
         """(bytes, phase): the largest sum of this role's objects live together in one phase."""
         return self._peak(self.role_entries(role), self.phases(role), where)
-
-    @property
-    def peaks(self) -> dict[str, float]:
-        return {r: self.peak(r)[0] for r in self.roles()}
 
     @property
     def process_peaks(self) -> dict[str, float]:
@@ -556,6 +546,13 @@ class Ledger:
             "layout": asdict(self.layout), "roles": roles,
             "process_peak_bytes": {k: int(v) for k, v in self.process_peaks.items()}, "notes": self.notes,
         }
+
+
+def _adder(led: Ledger, role: str) -> Callable[..., None]:
+    """``add(name, category, bytes, owner, lifetime, formula="", where="device")``: book one object of ``role``."""
+    def add(name: str, cat: str, b: float, owner: str, life: str, formula: str = "", where: str = "device") -> None:
+        led.entries.append(Entry(role, name, cat, float(b), owner, life, where, formula))
+    return add
 
 
 def _quantised_bytes(shapes: list[tuple[str, tuple[int, ...]]], fmt: str, base: float,
@@ -615,16 +612,13 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
     T = lay.tokens
     stages = stage_layers(m, lay.pp)
     n_mb = lay.num_microbatches or lay.pp
-    inflight_first = min(lay.pp, n_mb)  # 1F1B: stage s holds min(PP - s, M) micro-batches
-    best: tuple[float, int] | None = None
-    for s, layers in enumerate(stages):
-        dense, expert = _rank_params(m, lay, layers, s == 0, s == lay.pp - 1, value_head)
-        acts = sum(layer_activation_bytes(m, lay, i in m.moe_layers, T) for i in layers) * min(lay.pp - s, n_mb)
-        score = (dense + expert) * 18 + acts
-        if best is None or score > best[0]:
-            best = (score, s)
-    assert best is not None
-    s = best[1]
+
+    def load(s: int) -> float:  # 1F1B: stage s holds min(PP - s, M) micro-batches
+        dense, expert = _rank_params(m, lay, stages[s], s == 0, s == lay.pp - 1, value_head)
+        acts = sum(layer_activation_bytes(m, lay, i in m.moe_layers, T) for i in stages[s]) * min(lay.pp - s, n_mb)
+        return (dense + expert) * 18 + acts
+
+    s = max(range(lay.pp), key=load)
     layers = stages[s]
     first, last = s == 0, s == lay.pp - 1
     dense, expert = _rank_params(m, lay, layers, first, last, value_head)
@@ -637,22 +631,20 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
                      + (f", {expert:,.0f} expert / EP {lay.ep}" if expert else "") + f"); {T} tokens per micro-batch, "
                      f"{inflight} in flight")
 
-    def add(name, cat, b, owner, life, formula="", where="device"):
-        led.entries.append(Entry(role, name, cat, float(b), owner, life, where, formula))
-
-    # model state
+    led.processes[role] = role
+    add = _adder(led, role)
+    # model state: dense parameters' optimizer state sharded over DP x CP, the experts' over expert DP
     bd = model_state_bytes_per_param(lay.param_dtype, lay.grad_dtype, dp_dense)
     bx = model_state_bytes_per_param(lay.param_dtype, lay.grad_dtype, dp_expert)
-    add(f"params ({lay.param_dtype})", "model state", dense * bd["params"] + expert * bx["params"],
-        "Megatron DDP param buffer", WHOLE_RUN, f"P x {bd['params']:g} B")
-    add(f"grads ({lay.grad_dtype} main_grad)", "model state", dense * bd["grads"] + expert * bx["grads"],
-        "Megatron DDP grad buffer", WHOLE_RUN, f"P x {bd['grads']:g} B")
-    if bd["main params"]:
-        add(f"fp32 main params (shard 1/{dp_dense})", "model state",
-            dense * bd["main params"] + expert * bx["main params"], "Megatron DistributedOptimizer", WHOLE_RUN,
-            f"P x 4 B / {dp_dense}")
-    add(f"Adam exp_avg + exp_avg_sq (shard 1/{dp_dense})", "model state", dense * bd["adam"] + expert * bx["adam"],
-        "Megatron DistributedOptimizer", WHOLE_RUN, f"P x 8 B / {dp_dense}")
+    for key, name, owner, formula in (
+            ("params", f"params ({lay.param_dtype})", "Megatron DDP param buffer", f"P x {bd['params']:g} B"),
+            ("grads", f"grads ({lay.grad_dtype} main_grad)", "Megatron DDP grad buffer", f"P x {bd['grads']:g} B"),
+            ("main params", f"fp32 main params (shard 1/{dp_dense})", "Megatron DistributedOptimizer",
+             f"P x 4 B / {dp_dense}"),
+            ("adam", f"Adam exp_avg + exp_avg_sq (shard 1/{dp_dense})", "Megatron DistributedOptimizer",
+             f"P x 8 B / {dp_dense}")):
+        if bd[key]:  # only the fp32 main params can be 0 (fp32 params)
+            add(name, "model state", dense * bd[key] + expert * bx[key], owner, WHOLE_RUN, formula)
 
     # saved activations
     per_layer = {i: layer_activation_bytes(m, lay, i in m.moe_layers, T) for i in layers}
@@ -715,10 +707,8 @@ def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sy
     shapes = param_shapes(m)
     base = DTYPE_BYTES["bf16"]
     payload, scales = _quantised_bytes(shapes, sync, base)
-
-    def add(name, cat, b, owner, life, formula=""):
-        led.entries.append(Entry(role, name, cat, float(b), owner, life, "device", formula))
-
+    led.processes[role] = role
+    add = _adder(led, role)
     weights = (payload + scales) / tp
     fmt = "bf16" if sync == "none" else f"{sync} + scales"
     add(f"weights ({fmt}) / engine TP {tp}", "model state", weights, "SGLang model runner", WHOLE_RUN,
@@ -754,7 +744,7 @@ def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sy
     add("logits fp32 (decode batch)", "operator workspace", lay.running_requests * 4 * m.vocab / tp * 2,
         "SGLang sampler", "serving", "running requests x V/TP x 4 B x 2 (logits + probs)")
     if synced:
-        bucket = _bucket_elems(shapes, lay)
+        bucket = max(_buckets(shapes, lay), key=lambda b: sum(_numel(s) for _, s in b))  # the largest in bf16
         pb, sb = _quantised_bytes(bucket, sync, base)
         add("received weight bucket", "communication buffers", pb + sb, "SGLang update_weights_from_tensor/disk",
             "weight sync", "one bucket in the sync format")
@@ -780,11 +770,6 @@ def _buckets(shapes: list[tuple[str, tuple[int, ...]]], lay: Layout) -> list[lis
     return out
 
 
-def _bucket_elems(shapes: list[tuple[str, tuple[int, ...]]], lay: Layout) -> list[tuple[str, tuple[int, ...]]]:
-    """The largest bucket of :func:`_buckets` (bf16 bytes)."""
-    return max(_buckets(shapes, lay), key=lambda b: sum(_numel(s) for _, s in b))
-
-
 def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
                  teacher_config: dict[str, Any] | ModelShape | None = None) -> Ledger:
     """The ledger of every role (see the module docstring) for ``config`` under ``layout``."""
@@ -794,45 +779,37 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
     led = Ledger(m, layout)
     e = DTYPE_BYTES[layout.param_dtype]
     actor = _train_role(led, "actor", m, layout, value_head=False)
-    led.processes["actor"] = "actor"
-    if True:  # slime gathers every bucket to full size before any transport
-        shapes = param_shapes(m)
-        bucket = _bucket_elems(shapes, layout)
-        gathered = sum(_numel(s) for _, s in bucket) * 2
-        led.entries.append(Entry("actor", "weight-sync bucket: TP/EP-gathered full-size bf16 tensors",
-                                 "communication buffers", float(gathered), "slime update_weight (all-gather)",
-                                 "weight sync", "device", "max(--update-weight-buffer-size, largest tensor)"))
-        if layout.sync_format != "none":
-            pb, sb = _quantised_bytes(max(_buckets(shapes, layout), key=lambda b: _quantised_bytes(
-                b, layout.sync_format, 2, passthrough=False)), layout.sync_format, 2, passthrough=False)
-            led.entries.append(Entry("actor", f"weight-sync bucket: {layout.sync_format} copy", "communication buffers",
-                                     float(pb), "slime-ascend weight_sync funnel (quantize_params)", "weight sync",
-                                     "device", "bucket in the sync format"))
-            led.entries.append(Entry("actor", f"weight-sync bucket: {layout.sync_format} scales", "communication "
-                                     "buffers", float(sb), "slime-ascend weight_sync funnel", "weight sync", "device"))
+    add = _adder(led, "actor")
+    # slime gathers every bucket to full size before any transport
+    buckets = _buckets(param_shapes(m), layout)
+    add("weight-sync bucket: TP/EP-gathered full-size bf16 tensors", "communication buffers",
+        max(sum(_numel(s) for _, s in b) for b in buckets) * 2, "slime update_weight (all-gather)", "weight sync",
+        "max(--update-weight-buffer-size, largest tensor)")
+    if layout.sync_format != "none":
+        pb, sb = max(_quantised_bytes(b, layout.sync_format, 2, passthrough=False) for b in buckets)
+        add(f"weight-sync bucket: {layout.sync_format} copy", "communication buffers", pb,
+            "slime-ascend weight_sync funnel (quantize_params)", "weight sync", "bucket in the sync format")
+        add(f"weight-sync bucket: {layout.sync_format} scales", "communication buffers", sb,
+            "slime-ascend weight_sync funnel", "weight sync")
     if layout.reference:
-        dense, expert = actor["dense_params"], actor["expert_params"]
-        p = (dense + expert) * e
+        add = _adder(led, "reference")
+        p = (actor["dense_params"] + actor["expert_params"]) * e
         led.processes["reference"] = "actor"
-        led.entries.append(Entry("reference", f"reference weights ({layout.param_dtype}, pinned host)", "model state",
-                                 p, "slime TensorBackuper tag 'ref'", WHOLE_RUN, "host", "actor rank's P x e"))
-        led.entries.append(Entry("reference", f"actor weights backup ({layout.param_dtype}, pinned host)",
-                                 "model state", p, "slime TensorBackuper tag 'actor'", WHOLE_RUN, "host",
-                                 "actor rank's P x e"))
+        add(f"reference weights ({layout.param_dtype}, pinned host)", "model state", p,
+            "slime TensorBackuper tag 'ref'", WHOLE_RUN, "actor rank's P x e", "host")
+        add(f"actor weights backup ({layout.param_dtype}, pinned host)", "model state", p,
+            "slime TensorBackuper tag 'actor'", WHOLE_RUN, "actor rank's P x e", "host")
         last = actor["stage"] == layout.pp - 1
         T = layout.tokens
         biggest = max((layer_activation_bytes(m, layout, i in m.moe_layers, T) for i in range(m.layers)), default=0)
-        led.entries.append(Entry("reference", "reference forward transients (one layer) + logits fp32",
-                                 "operator workspace", biggest + ((e + 4) * m.vocab / layout.tp * T if last else 0),
-                                 "slime compute_log_prob (ref weights swapped in)", "log-prob forward", "device",
-                                 "one layer's activations + (e + 4) V/t per token"))
-        led.entries.append(Entry("reference", "ref log-probs [tokens] fp32", "live IO", 4 * T, "slime rollout data",
-                                 "log-prob forward", "device"))
+        add("reference forward transients (one layer) + logits fp32", "operator workspace",
+            biggest + ((e + 4) * m.vocab / layout.tp * T if last else 0),
+            "slime compute_log_prob (ref weights swapped in)", "log-prob forward",
+            "one layer's activations + (e + 4) V/t per token")
+        add("ref log-probs [tokens] fp32", "live IO", 4 * T, "slime rollout data", "log-prob forward")
     if layout.critic:
         _train_role(led, "critic", m, layout, value_head=True)
-        led.processes["critic"] = "critic"
     _engine_role(led, "rollout", m, layout, layout.rollout_tp, layout.sync_format, synced=True)
-    led.processes["rollout"] = "rollout"
     if layout.teachers:
         tm = m if teacher_config is None else (
             teacher_config if isinstance(teacher_config, ModelShape) else ModelShape.from_hf(teacher_config))
@@ -842,14 +819,13 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
                              f"--teacher-tp that divides {tm.heads}")
         for i in range(1, layout.teachers + 1):
             _engine_role(led, f"teacher-{i}", tm, layout, ttp, "none", synced=False)
-            led.processes[f"teacher-{i}"] = f"teacher-{i}"
     # allocator margin: a fraction of each process's peak, booked on its main role
     for proc in list(dict.fromkeys(led.processes.values())):
         pk = led.process_peaks[proc]
         if layout.margin and pk:
-            led.entries.append(Entry(proc, f"allocator margin ({layout.margin:.0%} of the peak)", "allocator margin",
-                                     pk * layout.margin, "PyTorch caching allocator (fragmentation, rounding)",
-                                     WHOLE_RUN, "device", "margin x peak of the other objects"))
+            _adder(led, proc)(f"allocator margin ({layout.margin:.0%} of the peak)", "allocator margin",
+                              pk * layout.margin, "PyTorch caching allocator (fragmentation, rounding)", WHOLE_RUN,
+                              "margin x peak of the other objects")
     return led
 
 

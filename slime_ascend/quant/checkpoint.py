@@ -22,7 +22,7 @@ from ._common import all_finite, raise_if_not_finite
 from ._outdir import check_out_dir, staged_dir
 from .hf_config import (
     ASCEND_DESCRIPTION_FILE, ASCEND_FLOAT, ASCEND_W8A8_DYNAMIC, ascend_quant_description,
-    quantization_config_for, read_checkpoint_quant_config, spec_from_quantization_config,
+    quantization_config_for, read_checkpoint_quant_config, spec_from_checkpoint, spec_from_quantization_config,
 )
 from .name_policy import module_of
 from .params import SpecLike, as_spec, dequantize_named_params, quantize_named_params
@@ -276,6 +276,21 @@ def _check(name: str, got: torch.Tensor, ref: torch.Tensor) -> TensorCheck:
     return TensorCheck(name, n == 0, "" if n == 0 else f"{n} bytes differ", n)
 
 
+def _compare(report: VerifyReport, reader: CheckpointReader, named: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Check each (name, tensor) against `reader`'s tensor of that name bit for bit, into `report`; the names seen."""
+    seen: set[str] = set()
+    for name, t in named:
+        seen.add(name)
+        if name not in reader:
+            report.missing_in_checkpoint.append(name)
+            continue
+        c = _check(name, t, reader.get(name))
+        report.checked += 1
+        if not c.ok:
+            report.mismatches.append(c)
+    return seen
+
+
 def verify_tensor(
     ckpt: str | os.PathLike[str] | CheckpointReader, name: str, tensor: torch.Tensor
 ) -> TensorCheck:
@@ -290,16 +305,8 @@ def verify_named_tensors(
     ckpt: str | os.PathLike[str] | CheckpointReader, named_tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> VerifyReport:
     """Bit-exact check of (name, tensor) pairs (e.g. one sync bucket) against a checkpoint."""
-    reader = ckpt if isinstance(ckpt, CheckpointReader) else CheckpointReader(ckpt)
     report = VerifyReport(ok=True, checked=0)
-    for name, t in named_tensors:
-        if name not in reader:
-            report.missing_in_checkpoint.append(name)
-            continue
-        c = _check(name, t, reader.get(name))
-        report.checked += 1
-        if not c.ok:
-            report.mismatches.append(c)
+    _compare(report, ckpt if isinstance(ckpt, CheckpointReader) else CheckpointReader(ckpt), named_tensors)
     report.ok = not report.mismatches and not report.missing_in_checkpoint
     return report
 
@@ -320,7 +327,7 @@ def verify_against_checkpoint(
     """
     qdir = os.fspath(quant_dir)
     if fmt is None:
-        spec = spec_from_quantization_config(read_checkpoint_quant_config(qdir))
+        spec = spec_from_checkpoint(qdir)
         if spec is None:
             raise ValueError(f"{qdir}: cannot detect a quantisation format; pass fmt")
     else:
@@ -332,17 +339,8 @@ def verify_against_checkpoint(
     else:
         pairs = source
     report = VerifyReport(ok=True, checked=0)
-    seen: set[str] = set()
-    for name, t in pairs:
-        for out_name, out_t in quantize_named_params([(name, t)], spec):
-            seen.add(out_name)
-            if out_name not in reader:
-                report.missing_in_checkpoint.append(out_name)
-                continue
-            c = _check(out_name, out_t, reader.get(out_name))
-            report.checked += 1
-            if not c.ok:
-                report.mismatches.append(c)
+    # one source tensor at a time: quantised, then compared
+    seen = _compare(report, reader, (out for pair in pairs for out in quantize_named_params([pair], spec)))
     if require_all:
         report.not_synced = sorted(set(reader.keys()) - seen)
     report.ok = not report.mismatches and not report.missing_in_checkpoint and not report.not_synced
@@ -368,9 +366,7 @@ def load_state_dict_dequantized(
     return dequantize_named_params(named, spec, dtype)
 
 
-def quant_spec_of(path: str | os.PathLike[str]) -> QuantSpec | None:
-    """The QuantSpec a quantised checkpoint was written with (None if unquantised/unknown)."""
-    return spec_from_quantization_config(read_checkpoint_quant_config(path))
+quant_spec_of = spec_from_checkpoint  # the QuantSpec a quantised checkpoint was written with (None: unquantised)
 
 
 __all__ = [

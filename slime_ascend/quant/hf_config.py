@@ -155,14 +155,12 @@ def spec_from_quantization_config(
         return make_spec(fmt, ignore=ignore)
     if fmt == FP8_BLOCK:
         bs = cfg["weight_block_size"]
-        ign = cfg.get("modules_to_not_convert")
-        return make_spec(fmt, block_size=(int(bs[0]), int(bs[1])), ignore=None if ign is None else list(ign))
-    w = next(iter(cfg["config_groups"].values()))["weights"]
-    ign = cfg.get("ignore")
+        return make_spec(fmt, block_size=(int(bs[0]), int(bs[1])), ignore=cfg.get("modules_to_not_convert"))
     if fmt == INT8_CT:
-        return make_spec(fmt, ignore=None if ign is None else list(ign))
+        return make_spec(fmt, ignore=cfg.get("ignore"))
+    w = next(iter(cfg["config_groups"].values()))["weights"]
     return make_spec(fmt, group_size=int(w.get("group_size") or 128), symmetric=bool(w.get("symmetric", True)),
-                     numerics=numerics, ignore=None if ign is None else list(ign))
+                     numerics=numerics, ignore=cfg.get("ignore"))
 
 
 def read_checkpoint_quant_config(path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -94,11 +94,10 @@ def dequantize_param(
         return dequantize_fp8_block(tensors[base + "weight"], tensors[base + "weight_scale_inv"],
                                     spec.fp8.block_size, dtype)
     if spec.fmt in (INT8_W8A8, INT8_CT):
-        q = tensors[base + "weight"]
         off = tensors.get(base + "weight_offset")
-        if off is not None and not bool((off == 0).all()):
-            return dequantize_int(q, tensors[base + "weight_scale"], off, dtype)
-        return dequantize_int(q, tensors[base + "weight_scale"], None, dtype)
+        if off is not None and bool((off == 0).all()):
+            off = None  # msModelSlim's all-zero offsets: symmetric
+        return dequantize_int(tensors[base + "weight"], tensors[base + "weight_scale"], off, dtype)
     shape = tuple(int(v) for v in tensors[base + "weight_shape"].tolist())
     q = unpack_int4(tensors[base + "weight_packed"], shape[-1])
     zp = tensors.get(base + "weight_zero_point")
@@ -131,9 +130,7 @@ def dequantize_named_params(
         out[base + "weight"] = dequantize_param(base, named, spec, dtype)
     for name, t in named.items():
         suffix = name.rsplit(".", 1)[-1]
-        if suffix in _QUANT_SUFFIXES and name[: -len(suffix)] in bases:
-            continue
-        if name in out:
+        if name in out or (suffix in _QUANT_SUFFIXES and name[: -len(suffix)] in bases):
             continue
         out[name] = t.to(dtype) if t.is_floating_point() else t
     return out

@@ -137,19 +137,14 @@ def int4_scheme(
     scale dtype float32 to reproduce torchao's fp32 scales exactly; for "compressed-tensors" the
     scale dtype is the library's `scale_dtype`).
     """
+    int4 = dict(bits=4, qmin=-8, qmax=7, symmetric=symmetric, group_size=group_size)
     if numerics == "compressed-tensors":
-        return IntScheme(bits=4, qmin=-8, qmax=7, sym_divisor=7.5, symmetric=symmetric, group_size=group_size,
-                         arithmetic="compressed-tensors")
+        return IntScheme(**int4, sym_divisor=7.5, arithmetic="compressed-tensors")
     if numerics == "torchao":
-        return IntScheme(
-            bits=4, qmin=-8, qmax=7, sym_divisor=7.5, symmetric=symmetric, group_size=group_size,
-            zero_rule="clamp", eps=None if symmetric else 1e-6, reciprocal=True, zp_after_round=True,
-        )
+        return IntScheme(**int4, sym_divisor=7.5, zero_rule="clamp", eps=None if symmetric else 1e-6, reciprocal=True,
+                         zp_after_round=True)
     if numerics == "slime":
-        return IntScheme(
-            bits=4, qmin=-8, qmax=7, sym_divisor=7.0, symmetric=symmetric, group_size=group_size,
-            zero_rule="clamp", eps=1e-5, zp_after_round=True,
-        )
+        return IntScheme(**int4, sym_divisor=7.0, zero_rule="clamp", eps=1e-5, zp_after_round=True)
     raise ValueError(f"numerics must be one of {INT4_NUMERICS}, got {numerics!r}")
 
 
@@ -177,9 +172,6 @@ class QuantSpec:
             raise ValueError("fmt 'fp8-block' needs an FP8BlockScheme in `fp8`")
         if self.fmt != FP8_BLOCK and self.int_scheme is None:
             raise ValueError(f"fmt {self.fmt!r} needs an IntScheme in `int_scheme`")
-
-    def with_ignore(self, ignore: tuple[str, ...] | list[str] | None) -> "QuantSpec":
-        return replace(self, ignore=None if ignore is None else tuple(ignore))
 
 
 def make_spec(

@@ -29,7 +29,7 @@ from ..quant.hf_config import format_from_quantization_config, read_checkpoint_q
 from ..quant.schemes import FP8_BLOCK, INT4_GROUP, INT8_CT, INT8_W8A8, QuantSpec
 from . import metrics
 from .engine_gate import source_config
-from .plugin import NAMES, PATCHES
+from .plugin import NAMES
 
 logger = logging.getLogger("slime_ascend.weight_sync")
 

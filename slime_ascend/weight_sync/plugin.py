@@ -36,73 +36,57 @@ PATCHES = (
 NAMES = ("fp8-sync", "int8-sync", "int4-sync")
 
 
-def _common(prefix: str) -> tuple[Setting, ...]:
-    return (
-        Setting(prefix + "check_engine_format", bool, True,
-                help="at megatron init, read --hf-checkpoint's quantization config and fail unless it is this "
-                     "plugin's format (the engine loads that checkpoint, so the synced format must match)"),
-        Setting(prefix + "metrics", bool, True,
-                help="report perf/weight_sync_* (bytes, quantisation time, GB/s) with slime's perf metrics"),
-        Setting(prefix + "exact_timing", bool, True,
-                help="synchronise the device around each quantisation so the reported time is real "
-                     "(costs one device sync per parameter)"),
+def _sync_plugin(name: str, label: str, description: str, *extra: Setting) -> Plugin:
+    """One of the three: the settings they share (``ascend_<name>_...``) and ``extra``, the funnel's contributions;
+    it conflicts with the other two."""
+    prefix = "ascend_" + name.replace("-", "_") + "_"
+    return Plugin(
+        name=name,
+        description=description,
+        conflicts=tuple(n for n in NAMES if n != name),
+        settings=(
+            Setting(prefix + "check_engine_format", bool, True,
+                    help="at megatron init, read --hf-checkpoint's quantization config and fail unless it is this "
+                         "plugin's format (the engine loads that checkpoint, so the synced format must match)"),
+            Setting(prefix + "metrics", bool, True,
+                    help="report perf/weight_sync_* (bytes, quantisation time, GB/s) with slime's perf metrics"),
+            Setting(prefix + "exact_timing", bool, True,
+                    help="synchronise the device around each quantisation so the reported time is real "
+                         "(costs one device sync per parameter)"),
+            *extra,
+        ),
+        contributions=(
+            Contribution("quantize_params", _W + "funnel.quantize_params",
+                         note=f"{label} tensors for the names the rollout checkpoint quantises; None = not ours"),
+            Contribution("megatron_init", _W + "funnel.megatron_init", order=300,
+                         note="check the rollout checkpoint's format"),
+        ),
+        patches=PATCHES,
     )
 
 
-def _contributions(label: str) -> tuple[Contribution, ...]:
-    return (
-        Contribution("quantize_params", _W + "funnel.quantize_params",
-                     note=f"{label} tensors for the names the rollout checkpoint quantises; None = not ours"),
-        Contribution("megatron_init", _W + "funnel.megatron_init", order=300,
-                     note="check the rollout checkpoint's format"),
-    )
-
-
-def _conflicts(name: str) -> tuple[str, ...]:
-    return tuple(n for n in NAMES if n != name)
-
-
-_F = "ascend_fp8_sync_"
-FP8_SYNC = Plugin(
-    name="fp8-sync",
-    description="FP8 block-wise (e4m3, weight_scale_inv) online quantisation of synced weights, bit-identical "
-                "to `slime-ascend quantize --format fp8-block`",
-    conflicts=_conflicts("fp8-sync"),
-    settings=_common(_F),
-    contributions=_contributions("fp8-block"),
-    patches=PATCHES,
+FP8_SYNC = _sync_plugin(
+    "fp8-sync", "fp8-block",
+    "FP8 block-wise (e4m3, weight_scale_inv) online quantisation of synced weights, bit-identical to "
+    "`slime-ascend quantize --format fp8-block`",
 )
-
-_I8 = "ascend_int8_sync_"
-INT8_SYNC = Plugin(
-    name="int8-sync",
-    description="INT8 online quantisation of synced weights: Ascend W8A8_DYNAMIC (msModelSlim) or "
-                "compressed-tensors W8A8, as the rollout checkpoint says",
-    conflicts=_conflicts("int8-sync"),
-    settings=_common(_I8) + (
-        Setting(_I8 + "format", str, "auto", choices=("auto", "int8-w8a8", "int8-ct"),
-                help="auto = the rollout checkpoint's format; int8-w8a8 = Ascend msModelSlim W8A8_DYNAMIC "
-                     "(quant_model_description.json), int8-ct = compressed-tensors int-quantized"),
-        Setting(_I8 + "engine_post_process", bool, True,
-                help="for int8-w8a8, ask the engines to restore their weight layout before the sync and "
-                     "repack it after (slime does so only for compressed-tensors checkpoints)"),
-    ),
-    contributions=_contributions("int8"),
-    patches=PATCHES,
+INT8_SYNC = _sync_plugin(
+    "int8-sync", "int8",
+    "INT8 online quantisation of synced weights: Ascend W8A8_DYNAMIC (msModelSlim) or compressed-tensors W8A8, as "
+    "the rollout checkpoint says",
+    Setting("ascend_int8_sync_format", str, "auto", choices=("auto", "int8-w8a8", "int8-ct"),
+            help="auto = the rollout checkpoint's format; int8-w8a8 = Ascend msModelSlim W8A8_DYNAMIC "
+                 "(quant_model_description.json), int8-ct = compressed-tensors int-quantized"),
+    Setting("ascend_int8_sync_engine_post_process", bool, True,
+            help="for int8-w8a8, ask the engines to restore their weight layout before the sync and "
+                 "repack it after (slime does so only for compressed-tensors checkpoints)"),
 )
-
-_I4 = "ascend_int4_sync_"
-INT4_SYNC = Plugin(
-    name="int4-sync",
-    description="INT4 group (compressed-tensors pack-quantized) online quantisation of synced weights",
-    conflicts=_conflicts("int4-sync"),
-    settings=_common(_I4) + (
-        Setting(_I4 + "numerics", str, "compressed-tensors", choices=("compressed-tensors", "torchao", "slime"),
-                help="whose INT4 scale/rounding rule to reproduce: compressed-tensors (amax/7.5; the offline "
-                     "converter's), torchao (QAT fake quant) or slime (its CUDA QAT kernel, amax/7)"),
-    ),
-    contributions=_contributions("int4-group"),
-    patches=PATCHES,
+INT4_SYNC = _sync_plugin(
+    "int4-sync", "int4-group",
+    "INT4 group (compressed-tensors pack-quantized) online quantisation of synced weights",
+    Setting("ascend_int4_sync_numerics", str, "compressed-tensors", choices=("compressed-tensors", "torchao", "slime"),
+            help="whose INT4 scale/rounding rule to reproduce: compressed-tensors (amax/7.5; the offline "
+                 "converter's), torchao (QAT fake quant) or slime (its CUDA QAT kernel, amax/7)"),
 )
 
 PLUGINS = (FP8_SYNC, INT8_SYNC, INT4_SYNC)
