@@ -147,7 +147,7 @@ def layout_from_args(ns: argparse.Namespace) -> tuple[Layout, str | None]:
         values, hf = _layout_from_slime(ns.slime_args)
     names = {f.name for f in fields(Layout)}
     for key, val in vars(ns).items():
-        if key in names and val is not None:
+        if key in names and val is not None and key != "critic":  # store_true: False means "not given"
             values[key] = val
     if ns.critic:
         values["critic"] = True

@@ -53,6 +53,15 @@ def test_json_and_slime_args(cfg_dir, capsys):
     assert doc["roles"]["reference"]["process"] == "actor"
 
 
+@pytest.mark.parametrize("critic_flags", ["--use-critic", "--advantage-estimator ppo"])
+def test_slime_args_critic_is_kept(cfg_dir, capsys, critic_flags):
+    """--critic not given on our command line leaves the critic that slime's line asks for."""
+    line = f"python train.py --hf-checkpoint {cfg_dir} {critic_flags}"
+    assert cli.main(["memory", "--slime-args", line, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layout"]["critic"] is True and "critic" in doc["roles"]
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--tp", "3"], "--tp 3 does not divide"),
     (["--recompute", "most"], "--recompute 'most' is not known"),
