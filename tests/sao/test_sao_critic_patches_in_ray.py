@@ -114,6 +114,7 @@ def test_hf_value_head_patch_wraps_slimes_loader(monkeypatch):
     hf = pytest.importorskip("slime.backends.megatron_utils.hf_to_megatron", reason="needs slime")
     p = patch.get("train.critic_hf_value_head")
     assert p.verify() == []
+    p.remove()  # an earlier test may have left it installed over slime's real loader: start from slime's own
     calls = []
 
     def fake_load(args, model, path, config, get_hf_tensor):
