@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..algorithms.cp import cp_local_length, cp_response_ranges
-from ..algorithms.masks import icepop_weights, in_dis_band, resolve_dis_band
+from ..algorithms.masks import icepop_weights, in_dis_band, log_ratio, resolve_dis_band
 from ..algorithms.mismatch import SAFETY_BOUND
 from ..algorithms.staleness import SampleStatus, filter_groups, parse_weight_versions
 from ..plugins.settings import SettingsError
@@ -194,11 +194,6 @@ def _tis_step(step):
     return apply
 
 
-def _log_ratio(old: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
-    dtype = torch.float64 if torch.float64 in (old.dtype, rollout.dtype) else torch.float32
-    return old.to(dtype) - rollout.to(dtype)
-
-
 def _mismatch_metrics(prefix: str, delta: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
     fin = torch.isfinite(delta)
     d = torch.where(fin, delta, torch.zeros_like(delta)).clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -221,7 +216,7 @@ def dis_band(settings: Any) -> tuple[float, float]:
 def dis_apply(pg_loss, old, rollout, loss_masks, total_lengths, response_lengths, cp, *, eps_low: float,
               eps_high: float, reweight: bool = True):
     """The DIS TIS step with explicit band and CP context (see module docstring)."""
-    delta = _log_ratio(old, rollout)
+    delta = log_ratio(old, rollout)
     w = torch.exp(delta)  # same ratio and strict band as masks.dis_mask
     low, high = w <= 1.0 - eps_low, w >= 1.0 + eps_high
     keep = in_dis_band(w, eps_low, eps_high)
@@ -252,7 +247,7 @@ def icepop_apply(pg_loss, old, rollout, loss_masks, total_lengths, response_leng
     """The IcePop TIS step (see module docstring). Masks are returned unchanged."""
     weight, keep = icepop_weights(old, rollout, beta, low=low, reweight=reweight)
     new_loss = torch.where(keep, pg_loss * weight.to(pg_loss.dtype), torch.zeros_like(pg_loss))
-    return new_loss, list(loss_masks), _mismatch_metrics("icepop", _log_ratio(old, rollout), keep)
+    return new_loss, list(loss_masks), _mismatch_metrics("icepop", log_ratio(old, rollout), keep)
 
 
 def icepop_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths,
