@@ -52,7 +52,6 @@ __all__ = [
     "local_topk_candidates",
     "merge_topk_candidates",
     "sharded_deterministic_topk",
-    "all_gather_deterministic_topk",
     "index_set_agreement",
     "topk_jaccard",
 ]
@@ -200,25 +199,6 @@ def sharded_deterministic_topk(
     if not sizes:
         return deterministic_topk(scores, k, index_dtype=index_dtype)
     return merge_topk_candidates(values, indices, k, index_dtype=index_dtype)
-
-
-def all_gather_deterministic_topk(
-    local_scores: torch.Tensor, k: int, offset: int, group=None, *, index_dtype: torch.dtype = torch.int64
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merge rule across a process group: each rank holds the keys ``offset .. offset + L_rank - 1``
-    (the ranks' ranges tile the keys, any order of ranks), every rank gets the unsharded top-k.
-
-    Exchanges ``k`` candidates per row and rank (``all_gather`` of values and int64 indices), not the scores.
-    """
-    import torch.distributed as dist
-
-    values, idx = local_topk_candidates(local_scores, k, offset)
-    world = dist.get_world_size(group)
-    all_v = [torch.empty_like(values) for _ in range(world)]
-    all_i = [torch.empty_like(idx) for _ in range(world)]
-    dist.all_gather(all_v, values.contiguous(), group=group)
-    dist.all_gather(all_i, idx.contiguous(), group=group)
-    return merge_topk_candidates(all_v, all_i, k, index_dtype=index_dtype)
 
 
 def topk_jaccard(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,6 @@ from .cp import cp_full_vectors, cp_slice
 __all__ = [
     "apply_segment_decay",
     "cp_skip_observation_gae",
-    "cross_segment_gae",
-    "discounted_reverse_cumsum",
     "length_adaptive_lambda",
     "length_adaptive_lambdas",
     "segment_decay_factors",
@@ -96,32 +94,6 @@ def _reverse_scan(x: torch.Tensor, discount: Sequence[float], chunk_size: int) -
 def _check_chunk_size(chunk_size: int) -> None:
     if int(chunk_size) < 2:
         raise ValueError(f"chunk_size must be >= 2, got {chunk_size}")
-
-
-def discounted_reverse_cumsum(
-    x: torch.Tensor,
-    discount: float | Sequence[float] | torch.Tensor,
-    chunk_size: int = 128,
-) -> torch.Tensor:
-    """Return y with y[..., t] = x[..., t] + discount * y[..., t+1] (and y after the end = 0).
-
-    ``x`` is 1-D ``[T]`` or 2-D ``[B, T]``; ``discount`` is a scalar or one value per row, each in [0, 1].
-    Computed in float32 (float64 inputs stay float64) and returned in ``x``'s dtype.
-    """
-    if not isinstance(x, torch.Tensor) or x.ndim not in (1, 2):
-        raise TypeError("x must be a 1-D [T] or 2-D [B, T] tensor")
-    _check_chunk_size(chunk_size)
-    squeeze = x.ndim == 1
-    x2 = x[None] if squeeze else x
-    d = [float(v) for v in torch.as_tensor(discount, dtype=torch.float64).reshape(-1).tolist()]
-    if len(d) == 1:
-        d = d * x2.shape[0]
-    if len(d) != x2.shape[0]:
-        raise ValueError(f"discount must be a scalar or have one value per row ({x2.shape[0]}), got {len(d)}")
-    if any(not 0.0 <= v <= 1.0 for v in d):
-        raise ValueError(f"discount must lie in [0, 1], got {d}")
-    y = _reverse_scan(x2.to(_compute_dtype(x.dtype)), d, chunk_size).to(x.dtype)
-    return y[0] if squeeze else y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,24 +413,3 @@ def apply_segment_decay(advantages: Sequence[torch.Tensor], factors: Sequence[fl
         raise ValueError(f"advantages has {len(advantages)} entries, factors has {len(factors)}")
     return [a * float(f) for a, f in zip(advantages, factors, strict=True)]
 
-
-def cross_segment_gae(
-    values: Sequence[torch.Tensor],
-    rewards: Sequence[torch.Tensor],
-    loss_masks: Sequence[torch.Tensor],
-    factors: Sequence[float],
-    gamma: float,
-    lambd: float | Sequence[float],
-    *,
-    observation_rewards: ObservationRewards = "ignore",
-    chunk_size: int = 128,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """CompactionRL GAE: local skip-observation GAE per segment (bootstrap 0 at the segment end), then
-    advantages scaled by ``factors``; ``returns = scaled advantages + values`` on action tokens (0 on
-    observations), as in the reference implementation."""
-    adv, _ = skip_observation_gae(
-        values, rewards, loss_masks, gamma, lambd, observation_rewards=observation_rewards, chunk_size=chunk_size
-    )
-    adv = apply_segment_decay(adv, factors)
-    ret = [torch.where(m != 0, a + v, torch.zeros_like(a)) for a, v, m in zip(adv, values, loss_masks, strict=True)]
-    return adv, ret

@@ -41,6 +41,7 @@ __all__ = [
     "DISBand",
     "DIS_PRESETS",
     "resolve_dis_band",
+    "log_ratio",
     "dis_ratio",
     "dis_mask",
     "dis_policy_loss",
@@ -109,15 +110,16 @@ def _check_eps(eps_low: float, eps_high: float) -> None:
             raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
 
 
-def _ratio(num_logp: torch.Tensor, den_logp: torch.Tensor) -> torch.Tensor:
+def log_ratio(num_logp: torch.Tensor, den_logp: torch.Tensor) -> torch.Tensor:
+    """Detached num_logp - den_logp, fp32 (fp64 if an input is fp64)."""
     dtype = torch.float64 if torch.float64 in (num_logp.dtype, den_logp.dtype) else torch.float32
-    return torch.exp(num_logp.detach().to(dtype) - den_logp.detach().to(dtype))
+    return num_logp.detach().to(dtype) - den_logp.detach().to(dtype)
 
 
 def dis_ratio(train_logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
     """Detached r = exp(train_logp - rollout_logp), fp32 (fp64 if an input is fp64)."""
     _check_pair(train_logp, rollout_logp, "train_logp", "rollout_logp")
-    return _ratio(train_logp, rollout_logp)
+    return torch.exp(log_ratio(train_logp, rollout_logp))
 
 
 def in_dis_band(r: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
@@ -176,7 +178,7 @@ def dis_policy_loss(
         if not isinstance(t, torch.Tensor) or t.shape != train_logp.shape:
             raise ValueError(f"{name} must be a tensor of shape {tuple(train_logp.shape)}")
     _check_eps(eps_low, eps_high)
-    r = _ratio(train_logp, rollout_logp)
+    r = torch.exp(log_ratio(train_logp, rollout_logp))
     in_band = in_dis_band(r, eps_low, eps_high)
     trainable = loss_mask.bool()
     keep = trainable & in_band
@@ -227,7 +229,7 @@ def icepop_weights(
     lo = 1.0 / beta if low is None else low
     if not isinstance(lo, (int, float)) or not math.isfinite(lo) or lo < 0 or lo > beta:
         raise ValueError(f"low must be a finite number in [0, beta={beta}], got {low!r}")
-    rho = _ratio(old_train_logp, rollout_logp)
+    rho = torch.exp(log_ratio(old_train_logp, rollout_logp))
     keep = (rho >= lo) & (rho <= beta)
     inside = rho if reweight else torch.ones_like(rho)
     return torch.where(keep, inside, torch.zeros_like(rho)), keep

@@ -39,6 +39,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .masks import log_ratio
+
 __all__ = ["HIST_EDGES", "MismatchSums", "mismatch_sums", "mismatch_stats", "SAFETY_BOUND"]
 
 #: Clamp on Δ before exponentiation (same value as slime's mis.py).
@@ -158,9 +160,7 @@ def _prepare(train_logp, rollout_logp, loss_masks, keep_masks):
         train_logp, rollout_logp, loss_masks = empty, empty, empty
         keep_masks = None if keep_masks is None else empty
     a = torch.cat([t.detach().reshape(-1) for t in train_logp])
-    b = torch.cat([t.detach().reshape(-1) for t in rollout_logp]).to(a.device)
-    dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
-    delta = a.to(dtype) - b.to(dtype)
+    delta = log_ratio(a, torch.cat([t.detach().reshape(-1) for t in rollout_logp]).to(a.device))
     m = torch.cat([t.reshape(-1) for t in loss_masks]).to(delta.device) != 0
     keep = None if keep_masks is None else torch.cat([t.reshape(-1) for t in keep_masks]).to(delta.device) != 0
     seg = torch.repeat_interleave(

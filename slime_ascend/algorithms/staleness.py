@@ -15,13 +15,12 @@ iff it did not fail and is not stale (a stale sample weakens the group baseline 
 Padding (our choice [D]): every invalid slot of a kept group is filled with a copy of a valid sample of
 the same group (round robin over the valid ones, in order) with its loss mask zeroed, so the group keeps
 its shape (slime reshapes rewards to [-1, n_samples_per_prompt]) but padded slots train nothing.
-Group baselines must then use the valid members only: :func:`group_advantages` does that, giving
-padded slots advantage 0.
+Group baselines must then use the valid members only (the ``staleness`` plugin gives a padded slot its
+source's ``rollout_id``, and the group normalisation counts each ``rollout_id`` once).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +32,6 @@ __all__ = [
     "policy_lag",
     "staleness_keep",
     "filter_groups",
-    "group_advantages",
 ]
 
 #: Version strings that mean "the initial weights" (version 0).
@@ -198,21 +196,3 @@ def filter_groups(
         res.padded += len(group) - n_valid
     return res
 
-
-def group_advantages(
-    rewards: Sequence[float], valid: Sequence[bool], *, eps: float = 1e-6, normalize_std: bool = True
-) -> list[float]:
-    """GRPO advantages of one group using valid members only; invalid (padded) slots get 0.
-
-    mean-centred over valid rewards, divided by (unbiased std + eps) as in slime's default
-    (std taken as 0 with fewer than two valid members).
-    """
-    if len(rewards) != len(valid):
-        raise ValueError(f"rewards ({len(rewards)}) and valid ({len(valid)}) must have the same length")
-    vals = [float(r) for r, v in zip(rewards, valid) if v]
-    if not vals:
-        return [0.0] * len(rewards)
-    mean = sum(vals) / len(vals)
-    std = math.sqrt(sum((x - mean) ** 2 for x in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
-    scale = 1.0 / (std + eps) if normalize_std else 1.0
-    return [(float(r) - mean) * scale if v else 0.0 for r, v in zip(rewards, valid)]

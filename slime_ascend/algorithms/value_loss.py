@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["clipped_value_loss", "masked_token_mean"]
+__all__ = ["clipped_value_loss"]
 
 
 def clipped_value_loss(
@@ -14,7 +14,7 @@ def clipped_value_loss(
 
     ``loss = max((old + clamp(values - old, -c, c) - returns)**2, (values - returns)**2)`` and
     ``clipfrac = float(|values - old| > c)``. Reduce both with the same masked mean (slime uses its
-    ``sum_of_sample_mean`` reducer); see :func:`masked_token_mean`.
+    ``sum_of_sample_mean`` reducer); see :func:`~slime_ascend.algorithms.masks.token_mean`.
     """
     if not (values.shape == old_values.shape == returns.shape):
         raise ValueError(
@@ -29,10 +29,3 @@ def clipped_value_loss(
     clipfrac = (diff.abs() > value_clip).to(values.dtype)
     return loss, clipfrac
 
-
-def masked_token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum(x * mask) / max(sum(mask), 1)`` (0 for an all-zero mask)."""
-    if x.shape != mask.shape:
-        raise ValueError(f"x and mask must have the same shape; got {tuple(x.shape)} and {tuple(mask.shape)}")
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp_min(1)

@@ -14,11 +14,12 @@ after ``num_facts + answer_turns`` steps.
 
 from __future__ import annotations
 
-import importlib
 import random
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from slime_ascend.plugins.base import resolve
 
 __all__ = ["BUILTIN_ENVS", "Environment", "KeyValueLookupEnv", "StepResult", "make_env"]
 
@@ -144,17 +145,12 @@ def make_env(spec: str | None, kwargs: dict[str, Any] | None = None) -> Environm
     """Build an environment from a built-in name (``kv_lookup``) or a dotted ``package.module.attr`` factory."""
     spec = spec or "kv_lookup"
     kwargs = dict(kwargs or {})
-    if spec in BUILTIN_ENVS:
-        factory = BUILTIN_ENVS[spec]
-    else:
-        module_name, _, attr = spec.rpartition(".")
-        if not module_name:
-            raise ValueError(
-                f"ascend_compaction_env={spec!r} is neither a built-in ({sorted(BUILTIN_ENVS)}) "
-                "nor a dotted 'package.module.attr' path"
-            )
-        factory = getattr(importlib.import_module(module_name), attr)
-    env = factory(**kwargs)
+    if spec not in BUILTIN_ENVS and "." not in spec:
+        raise ValueError(
+            f"ascend_compaction_env={spec!r} is neither a built-in ({sorted(BUILTIN_ENVS)}) "
+            "nor a dotted 'package.module.attr' path"
+        )
+    env = (BUILTIN_ENVS[spec] if spec in BUILTIN_ENVS else resolve(spec))(**kwargs)
     if not isinstance(env, Environment):
         raise TypeError(f"environment factory {spec!r} returned {type(env).__name__}, which lacks reset/step/system_prompt")
     return env

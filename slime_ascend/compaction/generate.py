@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from slime_ascend.compaction.context import CompactionConfig, Pair, Segment, SegmentBuilder, Span, rebuild_context
 from slime_ascend.compaction.context import should_compact, tail_pairs
 from slime_ascend.compaction.env import Environment, make_env
+from slime_ascend.compaction.plugin import ROLLOUT_SETTINGS
 from slime_ascend.compaction.prompts import (
     load_resume_template,
     load_summary_prompt,
@@ -45,23 +46,9 @@ __all__ = [
 ]
 
 SETTINGS_PREFIX = "ascend_compaction_"
-# name -> default; context_budget None = args.rollout_max_context_len, else 32768;
+# name -> default, as the plugin declares them; context_budget None = args.rollout_max_context_len, else 32768;
 # max_action_tokens None = sampling_params["max_new_tokens"].
-SETTINGS_DEFAULTS: dict[str, Any] = {
-    "context_budget": None,
-    "trigger_tokens": 10240,
-    "max_compactions": 3,
-    "keep_pairs": 2,
-    "max_turns": 64,
-    "max_action_tokens": None,
-    "summary_max_tokens": 2048,
-    "env": "kv_lookup",
-    "env_kwargs": None,
-    "env_reward": True,
-    "use_chat_template": True,
-    "summary_prompt_path": None,
-    "resume_template_path": None,
-}
+SETTINGS_DEFAULTS: dict[str, Any] = {s.key.removeprefix(SETTINGS_PREFIX): s.default for s in ROLLOUT_SETTINGS}
 FALLBACK_CONTEXT_BUDGET = 32768
 
 

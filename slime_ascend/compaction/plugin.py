@@ -36,8 +36,8 @@ def _optional_positive(value: object) -> str | None:
     return None if value is None or int(value) >= 1 else "must be >= 1 (or null for the default)"
 
 
-SETTINGS = (
-    # rollout side (read by slime_ascend.compaction.generate; names and defaults match SETTINGS_DEFAULTS)
+# read by slime_ascend.compaction.generate (its SETTINGS_DEFAULTS are these defaults)
+ROLLOUT_SETTINGS = (
     Setting(_P + "context_budget", int, None, optional=True, check=_optional_positive,
             help="context budget C in tokens; null = slime's rollout_max_context_len, else 32768"),
     Setting(_P + "trigger_tokens", int, 10240, minimum=0,
@@ -59,6 +59,9 @@ SETTINGS = (
             help="text file with the summary instruction; null = the built-in one"),
     Setting(_P + "resume_template_path", str, None, optional=True,
             help="text file with the resume template ({task}, {summary}); null = the built-in one"),
+)
+
+SETTINGS = ROLLOUT_SETTINGS + (
     # train side (read by slime_ascend.compaction.credit)
     Setting(_P + "lambda_mode", str, "fixed", choices=("fixed", "length_adaptive"),
             help="GAE lambda of a rollout when the base estimator does not report one: fixed = slime's "

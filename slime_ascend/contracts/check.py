@@ -30,9 +30,6 @@ DSA top-k bounds (:data:`DSA_TOPK_THRESHOLDS`) were calibrated on the default in
 queries, 8 heads of dim 32, k = 64, so the first 64 rows select every key), seeds 0-2, on CPU: bf16 vs
 fp32 inputs give identical index sets in 0.88-0.91 of the rows and a mean Jaccard of 0.996-0.997 (a
 differing row swaps 1-2 of its 64 keys). The bounds allow ~3x the worst deviation from 1 (0.6, 0.98).
-
-The INT8 fake quantiser here is a local stand-in (scale = amax/127 in fp32, round half to even,
-clamp ±127, all-zero rows stay zero); it will be switched to :mod:`slime_ascend.quant`.
 """
 
 from __future__ import annotations
@@ -207,6 +204,15 @@ def _bound(name: str, value: float, bound: float, detail: str = "") -> ContractR
     return ContractResult(name, PASS if ok else FAIL, value, f"<= {bound:g}", detail)
 
 
+def _device_matches_cpu(family: str, device: torch.device, same: Callable[[], bool]) -> ContractResult:
+    """``<family>.device_matches_cpu``: ``same()`` compares ``device``'s result with the CPU's (SKIP on the CPU)."""
+    name = f"{family}.device_matches_cpu"
+    if device.type == "cpu":
+        return ContractResult(name, SKIP, None, "== CPU result", "device is cpu")
+    ok = same()
+    return ContractResult(name, PASS if ok else FAIL, ok, "== CPU result", str(device))
+
+
 def _unstable_topk() -> Callable[[torch.Tensor, int], torch.Tensor]:
     calls = [0]
 
@@ -274,13 +280,7 @@ def _topk_contracts(device: torch.device, seed: int, topk_fn, rows: int, length:
         same, detail = False, str(e)
     out.append(ContractResult("topk.replay_roundtrip", PASS if same else FAIL, same, "== after validation", detail))
 
-    if device.type == "cpu":
-        out.append(ContractResult("topk.device_matches_cpu", SKIP, None, "== CPU result", "device is cpu"))
-    else:
-        dev = topk_fn(scores.to(device), k).cpu()
-        same = torch.equal(dev, first)
-        status = PASS if same else FAIL
-        out.append(ContractResult("topk.device_matches_cpu", status, same, "== CPU result", str(device)))
+    out.append(_device_matches_cpu("topk", device, lambda: torch.equal(topk_fn(scores.to(device), k).cpu(), first)))
     return out
 
 
@@ -341,12 +341,8 @@ def _dsa_topk_contracts(device: torch.device, seed: int, shape: tuple[int, int, 
 
     # 2) the same scores on ``device`` and on the CPU (incl. ties and ±0 on the grid): identical selection,
     #    unsharded and merged (a CUDA sort orders float bits, so -0.0 vs +0.0 is where it could differ).
-    if device.type == "cpu":
-        out.append(ContractResult("dsa_topk.device_matches_cpu", SKIP, None, "== CPU result", "device is cpu"))
-    else:
-        same = _dsa_device_matches_cpu(device, _indexer_logits(q, key, w), k, sizes)
-        out.append(ContractResult("dsa_topk.device_matches_cpu", PASS if same else FAIL, same, "== CPU result",
-                                  str(device)))
+    out.append(_device_matches_cpu("dsa_topk", device,
+                                   lambda: _dsa_device_matches_cpu(device, _indexer_logits(q, key, w), k, sizes)))
 
     # 3) bf16 vs fp32 indexer inputs: index-set agreement of the deterministic top-k.
     bf16 = _indexer_logits(q.to(device, torch.bfloat16), key.to(device, torch.bfloat16), w.to(device, torch.bfloat16))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..algorithms.cp import cp_local_length, cp_response_ranges
-from ..algorithms.masks import icepop_weights, in_dis_band, resolve_dis_band
+from ..algorithms.masks import icepop_weights, in_dis_band, log_ratio, resolve_dis_band
 from ..algorithms.mismatch import SAFETY_BOUND
 from ..algorithms.staleness import SampleStatus, filter_groups, parse_weight_versions
 from ..plugins.settings import SettingsError
@@ -165,13 +165,33 @@ def _check_inputs(pg_loss, train_log_probs, rollout_log_probs, loss_masks, total
                          f"{sum(t.numel() for t in train_log_probs)}")
 
 
-def _log_ratio(train_log_probs, rollout_log_probs, device) -> torch.Tensor:
-    if not train_log_probs:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    a = torch.cat([t.detach().reshape(-1) for t in train_log_probs]).to(device)
-    b = torch.cat([t.detach().reshape(-1) for t in rollout_log_probs]).to(device)
-    dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
-    return a.to(dtype) - b.to(dtype)
+def _tis_step(step):
+    """The public TIS step on slime's batch around ``step``: resolves the CP context (``cp=None``: Megatron's),
+    checks the inputs and calls ``step(pg_loss, old, rollout, loss_masks, total_lengths, response_lengths, cp,
+    **band)`` with this rank's old and rollout log-probs concatenated flat (detached, on ``pg_loss``'s device)."""
+
+    def apply(
+        pg_loss: torch.Tensor,
+        train_log_probs: Sequence[torch.Tensor],
+        rollout_log_probs: Sequence[torch.Tensor],
+        loss_masks: Sequence[torch.Tensor],
+        total_lengths: Sequence[int],
+        response_lengths: Sequence[int],
+        *,
+        cp: CPContext | None = None,
+        **band: Any,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+        cp = cp_context() if cp is None else cp
+        _check_inputs(pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, cp)
+        if train_log_probs:
+            old, rollout = (torch.cat([t.detach().reshape(-1) for t in lps]).to(pg_loss.device)
+                            for lps in (train_log_probs, rollout_log_probs))
+        else:
+            old = rollout = torch.zeros(0, dtype=torch.float32, device=pg_loss.device)
+        return step(pg_loss, old, rollout, loss_masks, total_lengths, response_lengths, cp, **band)
+
+    apply.__name__, apply.__qualname__, apply.__doc__ = step.__name__, step.__qualname__, step.__doc__
+    return apply
 
 
 def _mismatch_metrics(prefix: str, delta: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -192,23 +212,11 @@ def dis_band(settings: Any) -> tuple[float, float]:
     return band.eps_low, band.eps_high
 
 
-def dis_apply(
-    pg_loss: torch.Tensor,
-    train_log_probs: Sequence[torch.Tensor],
-    rollout_log_probs: Sequence[torch.Tensor],
-    loss_masks: Sequence[torch.Tensor],
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    *,
-    eps_low: float,
-    eps_high: float,
-    reweight: bool = True,
-    cp: CPContext | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+@_tis_step
+def dis_apply(pg_loss, old, rollout, loss_masks, total_lengths, response_lengths, cp, *, eps_low: float,
+              eps_high: float, reweight: bool = True):
     """The DIS TIS step with explicit band and CP context (see module docstring)."""
-    cp = cp_context() if cp is None else cp
-    _check_inputs(pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, cp)
-    delta = _log_ratio(train_log_probs, rollout_log_probs, pg_loss.device)
+    delta = log_ratio(old, rollout)
     w = torch.exp(delta)  # same ratio and strict band as masks.dis_mask
     low, high = w <= 1.0 - eps_low, w >= 1.0 + eps_high
     keep = in_dis_band(w, eps_low, eps_high)
@@ -233,32 +241,13 @@ def dis_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, to
 
 
 # ---- IcePop ----------------------------------------------------------------------------------------
-def icepop_apply(
-    pg_loss: torch.Tensor,
-    train_log_probs: Sequence[torch.Tensor],
-    rollout_log_probs: Sequence[torch.Tensor],
-    loss_masks: Sequence[torch.Tensor],
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    *,
-    beta: float,
-    low: float | None = None,
-    reweight: bool = True,
-    cp: CPContext | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+@_tis_step
+def icepop_apply(pg_loss, old, rollout, loss_masks, total_lengths, response_lengths, cp, *, beta: float,
+                 low: float | None = None, reweight: bool = True):
     """The IcePop TIS step (see module docstring). Masks are returned unchanged."""
-    cp = cp_context() if cp is None else cp
-    _check_inputs(pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, cp)
-    device = pg_loss.device
-    if train_log_probs:
-        old = torch.cat([t.detach().reshape(-1) for t in train_log_probs]).to(device)
-        rollout = torch.cat([t.detach().reshape(-1) for t in rollout_log_probs]).to(device)
-    else:
-        old = rollout = torch.zeros(0, dtype=torch.float32, device=device)
     weight, keep = icepop_weights(old, rollout, beta, low=low, reweight=reweight)
     new_loss = torch.where(keep, pg_loss * weight.to(pg_loss.dtype), torch.zeros_like(pg_loss))
-    delta = _log_ratio(train_log_probs, rollout_log_probs, device)
-    return new_loss, list(loss_masks), _mismatch_metrics("icepop", delta, keep)
+    return new_loss, list(loss_masks), _mismatch_metrics("icepop", log_ratio(old, rollout), keep)
 
 
 def icepop_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths,

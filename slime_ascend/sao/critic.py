@@ -15,7 +15,6 @@ that file (``python -m slime_ascend.sao.critic -o sao_megatron.yaml [--merge you
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import os
 import sys
@@ -88,6 +87,17 @@ def write_role_config_for(path: str, settings: dict, force: bool = False) -> Non
     write_megatron_role_config(path, patterns, force=force)
 
 
+def critic_entry(path: str | None, config: Any) -> dict | None:
+    """The ``role: critic`` entry of the slime megatron role config ``config`` read from ``path`` (None: none)."""
+    entries = config.get("megatron") if isinstance(config, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: needs a top-level 'megatron' list of role entries")
+    critic = [e for e in entries if isinstance(e, dict) and e.get("role") == "critic"]
+    if len(critic) > 1:
+        raise ValueError(f"{path}: more than one entry with role: critic")
+    return critic[0] if critic else None
+
+
 def write_megatron_role_config(
     path: str,
     freeze_patterns: Sequence[str] = ("self_attention",),
@@ -109,20 +119,14 @@ def write_megatron_role_config(
     config: dict = {"megatron": []}
     if merge_from is not None:
         with open(merge_from) as f:
-            config = copy.deepcopy(yaml.safe_load(f) or {})
-        if not isinstance(config.get("megatron"), list):
-            raise ValueError(f"{merge_from}: needs a top-level 'megatron' list of role entries")
-    entries = config["megatron"]
-    critic = [e for e in entries if isinstance(e, dict) and e.get("role") == "critic"]
-    if len(critic) > 1:
-        raise ValueError(f"{merge_from}: more than one entry with role: critic")
-    if critic:
-        entry = critic[0]
+            config = yaml.safe_load(f) or {}
+    entry = critic_entry(merge_from, config)
+    if entry is not None:
         key = "overrides" if "overrides" in entry or "args" not in entry else "args"
         entry[key] = critic_role_overrides(freeze_patterns, **{**(entry.get(key) or {}), **critic_extra})
     else:
-        entries.append({"name": "default", "role": "critic",
-                        "overrides": critic_role_overrides(freeze_patterns, **critic_extra)})
+        config["megatron"].append({"name": "default", "role": "critic",
+                                   "overrides": critic_role_overrides(freeze_patterns, **critic_extra)})
     text = (
         "# slime --megatron-config-path role config for the sao plugin (python -m slime_ascend.sao.critic).\n"
         "# The critic's attention is frozen here, not on the command line, so the actor trains all parameters.\n"

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .critic import critic_entry
+
 __all__ = [
     "FrozenSnapshot",
     "before_train_step",
@@ -45,15 +47,8 @@ def critic_overrides(megatron_config_path: str) -> dict:
 
     with open(megatron_config_path) as f:
         raw = yaml.safe_load(f) or {}
-    entries = raw.get("megatron") if isinstance(raw, dict) else None
-    if not isinstance(entries, list):
-        raise ValueError(f"{megatron_config_path}: needs a top-level 'megatron' list of role entries")
-    critic = [e for e in entries if isinstance(e, dict) and e.get("role") == "critic"]
-    if len(critic) > 1:
-        raise ValueError(f"{megatron_config_path}: more than one entry with role: critic")
-    if not critic:
-        return {}
-    return dict(critic[0].get("overrides") or critic[0].get("args") or {})
+    critic = critic_entry(megatron_config_path, raw)
+    return {} if critic is None else dict(critic.get("overrides") or critic.get("args") or {})
 
 
 def _fix(patterns: Sequence[str]) -> str:

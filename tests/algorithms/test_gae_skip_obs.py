@@ -1,4 +1,4 @@
-"""Skip-observation GAE and the discounted reverse scan vs slow reference loops."""
+"""Skip-observation GAE and its discounted reverse scan vs slow reference loops."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slime_ascend.algorithms.gae import (
-    discounted_reverse_cumsum,
     length_adaptive_lambda,
     length_adaptive_lambdas,
     skip_observation_gae,
@@ -68,7 +67,15 @@ def make_mask(lengths_and_kinds: list[tuple[int, bool]]) -> torch.Tensor:
 spans = st.lists(st.tuples(st.integers(1, 12), st.booleans()), min_size=0, max_size=14)
 
 
-# ---------------------------------------------------------------- discounted_reverse_cumsum
+# ---------------------------------------------------------------- the discounted reverse scan
+
+
+def scan(rows: list[torch.Tensor], discounts: list[float], chunk_size: int = 128) -> list[torch.Tensor]:
+    """The reverse scan y[t] = x[t] + d * y[t+1] of each row, as skip-observation GAE computes it: zero values,
+    every token an action, gamma = 1 and lambda = d per sample (so the advantages are the scan of the rewards)."""
+    adv, _ = skip_observation_gae([torch.zeros_like(x) for x in rows], rows, [torch.ones_like(x) for x in rows],
+                                  1.0, discounts, chunk_size=chunk_size)
+    return adv
 
 
 @pytest.mark.parametrize("T", [1, 2, 7, 128, 129, 1000, 16385])
@@ -76,7 +83,7 @@ spans = st.lists(st.tuples(st.integers(1, 12), st.booleans()), min_size=0, max_s
 @pytest.mark.parametrize("chunk", [2, 5, 128])
 def test_reverse_cumsum_matches_loop(T, d, chunk):
     x = torch.randn(T, dtype=torch.float64, generator=torch.Generator().manual_seed(T))
-    got = discounted_reverse_cumsum(x, d, chunk_size=chunk)
+    (got,) = scan([x], [d], chunk_size=chunk)
     want = torch.tensor(ref_reverse_cumsum(x.tolist(), d), dtype=torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-9)
 
@@ -84,10 +91,10 @@ def test_reverse_cumsum_matches_loop(T, d, chunk):
 def test_reverse_cumsum_per_row_discount_and_empty():
     x = torch.randn(3, 300, dtype=torch.float64)
     ds = [0.0, 0.9, 1.0]
-    got = discounted_reverse_cumsum(x, ds, chunk_size=16)
+    got = scan(list(x), ds, chunk_size=16)
     for i, d in enumerate(ds):
         torch.testing.assert_close(got[i], torch.tensor(ref_reverse_cumsum(x[i].tolist(), d), dtype=torch.float64))
-    assert discounted_reverse_cumsum(torch.zeros(2, 0), 0.5).shape == (2, 0)
+    assert [g.shape for g in scan([torch.zeros(0)] * 2, [0.5, 0.5])] == [(0,), (0,)]
 
 
 def test_reverse_cumsum_long_float32_stable():
@@ -95,20 +102,16 @@ def test_reverse_cumsum_long_float32_stable():
     T = 131072
     d = 1.0 - 1.0 / (1.5 * 65536)
     x = torch.randn(T, generator=torch.Generator().manual_seed(0))
-    got = discounted_reverse_cumsum(x, d)
-    assert torch.isfinite(got).all()
+    (got,) = scan([x], [d])
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
     want = torch.tensor(ref_reverse_cumsum(x.double().tolist(), d), dtype=torch.float64)
     err = (got.double() - want).abs().max().item()
     assert err < 2e-3 * want.abs().max().item(), err
 
 
-def test_reverse_cumsum_rejects_bad_discount():
-    with pytest.raises(ValueError, match="discount"):
-        discounted_reverse_cumsum(torch.zeros(4), 1.5)
-    with pytest.raises(ValueError, match="discount"):
-        discounted_reverse_cumsum(torch.zeros(2, 4), [0.5, 0.5, 0.5])
+def test_reverse_scan_rejects_small_chunk():
     with pytest.raises(ValueError, match="chunk_size"):
-        discounted_reverse_cumsum(torch.zeros(4), 0.5, chunk_size=1)
+        scan([torch.zeros(4)], [0.5], chunk_size=1)
 
 
 # ---------------------------------------------------------------- skip-observation GAE

@@ -140,6 +140,14 @@ def test_dis_policy_loss_no_nan_leak_from_masked_tokens() -> None:
     assert torch.isfinite(total) and torch.isfinite(train.grad).all()
 
 
+def test_token_mean() -> None:
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert token_mean(x, torch.tensor([1, 0, 1, 0])).item() == pytest.approx(2.0)
+    assert token_mean(x, torch.zeros(4)).item() == 0.0
+    with pytest.raises(ValueError, match="must match"):
+        token_mean(x, torch.ones(3))
+
+
 def test_bad_inputs() -> None:
     a = torch.zeros(3)
     with pytest.raises(ValueError, match="same shape"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +10,6 @@ from hypothesis import strategies as st
 from slime_ascend.algorithms.staleness import (
     SampleStatus,
     filter_groups,
-    group_advantages,
     parse_weight_versions,
     policy_lag,
     staleness_keep,
@@ -119,13 +117,3 @@ def test_padding_round_robin_and_half_rule() -> None:
     # short group measured against the configured size: 2 valid of 5 -> dropped
     assert filter_groups([[ok, ok]], 10, None, group_size=5).keep_group == [False]
     assert filter_groups([[ok, ok]], 10, None, group_size=4).keep_group == [True]
-
-
-def test_group_advantages_ignore_padding() -> None:
-    adv = group_advantages([1.0, 0.0, 5.0, 0.0], [True, True, False, True])
-    vals = [1.0, 0.0, 0.0]
-    mean = sum(vals) / 3
-    std = math.sqrt(sum((x - mean) ** 2 for x in vals) / 2)
-    assert adv == pytest.approx([(1 - mean) / (std + 1e-6), (0 - mean) / (std + 1e-6), 0.0, (0 - mean) / (std + 1e-6)])
-    assert group_advantages([3.0, 9.0], [True, False]) == [0.0, 0.0]
-    assert group_advantages([3.0], [False]) == [0.0]

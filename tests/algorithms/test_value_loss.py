@@ -7,7 +7,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from slime_ascend.algorithms.value_loss import clipped_value_loss, masked_token_mean
+from slime_ascend.algorithms.masks import token_mean
+from slime_ascend.algorithms.value_loss import clipped_value_loss
 
 
 def ref_loss(v, old, ret, c):
@@ -42,14 +43,6 @@ def test_clip_chooses_pessimistic_branch_and_gradient():
     torch.testing.assert_close(v.grad, torch.tensor([0.0, 2.0, 3.0]))
 
 
-def test_masked_token_mean():
-    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    assert masked_token_mean(x, torch.tensor([1, 0, 1, 0])).item() == pytest.approx(2.0)
-    assert masked_token_mean(x, torch.zeros(4)).item() == 0.0
-    with pytest.raises(ValueError, match="same shape"):
-        masked_token_mean(x, torch.ones(3))
-
-
 def test_bad_input():
     with pytest.raises(ValueError, match="same shape"):
         clipped_value_loss(torch.zeros(3), torch.zeros(3), torch.zeros(4), 0.2)
@@ -70,7 +63,7 @@ def test_matches_slime_value_loss_function(monkeypatch):
     monkeypatch.setattr(loss_mod, "get_values", lambda logits, **kw: (None, {"values": new_vals}))
 
     def sum_of_sample_mean(x):  # slime's cp_size == 1 per-sample mean
-        return sum(masked_token_mean(xi, mi) for xi, mi in zip(x.split(lens), masks, strict=True))
+        return sum(token_mean(xi, mi) for xi, mi in zip(x.split(lens), masks, strict=True))
 
     batch = {"values": old_vals, "returns": rets, "unconcat_tokens": None, "total_lengths": None,
              "response_lengths": lens}

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from slime_ascend import hooks
 from slime_ascend.algorithms.cp import cp_slice
 from slime_ascend.algorithms.masks import DIS_PRESETS, dis_policy_loss, token_mean
-from slime_ascend.algorithms.staleness import group_advantages
 from slime_ascend.compat.sample import get_sample_class
 from slime_ascend.offpolicy import hooks as staleness_hook
 from slime_ascend.tito import hooks as tito
@@ -346,8 +345,9 @@ def test_group_rule_pads_and_drops_and_baseline_uses_valid_rollouts_only(fresh_r
         "keep", "pad", "pad", "keep", "drop_stale", "drop_stale", "drop_stale", "drop_group"]
     assert [samples[i].metadata["ascend_staleness"]["reason"] for i in (1, 2)] == ["env_failed", "stale"]
     assert [s.remove_sample for s in samples] == [False, True, True, False, True, True, True, True]
-    # the padded slots alias a valid rollout, so group normalisation sees only the valid rewards
-    valid = group_advantages([1.0, 0.0], [True, True])
+    # the padded slots alias a valid rollout, so group normalisation sees only the valid rewards 1 and 0
+    # (mean 0.5, unbiased std sqrt(0.5))
+    valid = [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)]
     assert out_rew[0] == pytest.approx(valid[0], rel=1e-5) and out_rew[3] == pytest.approx(valid[1], rel=1e-5)
     assert samples[1].rollout_id == samples[0].rollout_id and samples[2].rollout_id == samples[3].rollout_id
     assert len({samples[0].rollout_id, samples[3].rollout_id}) == 2
