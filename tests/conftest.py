@@ -99,6 +99,17 @@ def single_process_megatron():
 
 
 @pytest.fixture
+def opd_state(fresh_runtime, monkeypatch):
+    """A fresh runtime without SLIME_ASCEND_PLUGINS, and the opd plugin's per-process state reset around a test."""
+    from slime_ascend.opd import hooks
+
+    monkeypatch.delenv("SLIME_ASCEND_PLUGINS", raising=False)
+    hooks.reset_state()
+    yield
+    hooks.reset_state()
+
+
+@pytest.fixture
 def fresh_runtime():
     """Forget validated plugin selections and test-registered plugins around a test."""
     from slime_ascend.plugins import registry, runtime

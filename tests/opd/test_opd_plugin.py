@@ -29,12 +29,7 @@ TEACHERS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _clean(fresh_runtime, monkeypatch):
-    monkeypatch.delenv("SLIME_ASCEND_PLUGINS", raising=False)
-    hooks.reset_state()
-    yield
-    hooks.reset_state()
+pytestmark = pytest.mark.usefixtures("opd_state")
 
 
 def make_args(**overrides):

@@ -18,17 +18,9 @@ import torch
 from slime_ascend.opd import hooks as hooks
 from slime_ascend.opd.plugin import PLUGIN
 
-pytestmark = pytest.mark.slime
+pytestmark = [pytest.mark.slime, pytest.mark.usefixtures("opd_state")]
 
 ONE_TEACHER = [{"name": "t", "checkpoint_dir": "/nonexistent/t", "domains": ["math"], "url": "http://127.0.0.1:1"}]
-
-
-@pytest.fixture(autouse=True)
-def _clean(fresh_runtime, monkeypatch):
-    monkeypatch.delenv("SLIME_ASCEND_PLUGINS", raising=False)
-    hooks.reset_state()
-    yield
-    hooks.reset_state()
 
 
 def make_args(**overrides) -> argparse.Namespace:
