@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from slime_ascend.demo.task import padded_batch
 from slime_ascend.plugins import runtime
 
 __all__ = ["Trainer", "build_rollout_data", "quantize_for_sync"]
+
+logger = logging.getLogger("slime_ascend.demo")
 
 # keys slime's RolloutManager._split_train_data_by_dp ships to a train rank (slime/ray/rollout.py)
 PER_SAMPLE_KEYS = ("tokens", "response_lengths", "rewards", "truncated", "loss_masks", "round_number", "sample_indices",
@@ -165,7 +168,8 @@ class Trainer:
                     hooks.megatron_init(args)
                 return
             except Exception as exc:  # noqa: BLE001 - slime's actor module may not import on this machine
-                self.megatron_init_note = f"megatron_init on slime failed ({type(exc).__name__}: {exc}); emulated"
+                logger.warning("megatron_init on slime failed (%s: %s); the trainer emulates it",
+                               type(exc).__name__, exc)
             finally:
                 roles.set_train_role(previous)
         from slime_ascend.patch.train.critic_advantage_function import PATCH
