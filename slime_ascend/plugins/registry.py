@@ -38,11 +38,6 @@ def register(plugin: Plugin) -> None:
         _extra[plugin.name] = plugin
 
 
-def unregister(name: str) -> None:
-    with _lock:
-        _extra.pop(name, None)
-
-
 def available() -> dict[str, Plugin]:
     """All known plugins by name: entry points of every installed distribution, plus registered ones.
 
