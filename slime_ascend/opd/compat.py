@@ -64,6 +64,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..tito.hooks import TitoError
+from ..tito.hooks import tokenizer_fingerprint as tito_fingerprint
 from .teachers import COMPAT_MODES as MODES
 from .teachers import TeacherMismatchError
 
@@ -87,9 +89,10 @@ __all__ = [
 logger = logging.getLogger("slime_ascend.opd")
 
 SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+# the fields only a loaded tokenizer tells
+_LOADED_FIELDS = ("tokenizer_len", *SPECIAL_ROLES, "special_tokens")
 #: the compared fields, in the order they are reported
-FIELDS = ("vocab_size", "tokenizer_len", *SPECIAL_ROLES, "special_tokens", "tokenizer", "chat_template",
-          "tokenizer_revision")
+FIELDS = ("vocab_size", *_LOADED_FIELDS, "tokenizer", "chat_template", "tokenizer_revision")
 # what a fast tokenizer's serialisation holds that changes how text becomes ids (decoder, padding and
 # truncation do not)
 _ENCODING_KEYS = ("model", "normalizer", "pre_tokenizer", "post_processor", "added_tokens")
@@ -231,9 +234,6 @@ def _fingerprint_cached(path: str, stamp: tuple) -> Fingerprint:
         unknown["vocab_size"] = f"{model_dir / 'config.json'} unreadable ({type(e).__name__}: {e})"
     files = revision = template = None
     try:
-        from ..tito.hooks import TitoError
-        from ..tito.hooks import tokenizer_fingerprint as tito_fingerprint
-
         # tito's own cache is keyed by path only; this one also by the files' sizes and mtimes
         tito = tito_fingerprint.__wrapped__(str(model_dir))
         files, revision = "files:" + tito["tokenizer"], tito["revision"]
@@ -246,7 +246,7 @@ def _fingerprint_cached(path: str, stamp: tuple) -> Fingerprint:
         tok = _load_tokenizer(model_dir)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported as "not checked", with its reason
         why = f"no tokenizer loads from {model_dir} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
-        for name in ("tokenizer_len", *SPECIAL_ROLES, "special_tokens"):
+        for name in _LOADED_FIELDS:
             unknown[name] = why
         if files is None:
             unknown["tokenizer"] = why
@@ -288,12 +288,7 @@ def clear_cache() -> None:
     """Forget fingerprints and the lines already logged (tests)."""
     _fingerprint_cached.cache_clear()
     _logged.clear()
-    try:
-        from ..tito.hooks import tokenizer_fingerprint as tito_fingerprint
-
-        tito_fingerprint.cache_clear()
-    except ImportError:  # pragma: no cover
-        pass
+    tito_fingerprint.cache_clear()
 
 
 # ---- engines ----------------------------------------------------------------------------------------
@@ -341,14 +336,13 @@ def fingerprint_from_engine(url: str, *, timeout_s: float = 5.0,
     """A teacher's fingerprint as far as its engine at ``url`` can tell (see :func:`probe_engine`)."""
     info, errors = probe_engine(url, timeout_s=timeout_s, get=get)
     reason = "; ".join(errors) if errors else None
+    vocab = info.get("vocab_size")
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
     for key in ("tokenizer_path", "model_path"):
         path = info.get(key)
         if isinstance(path, str) and path and os.path.isdir(path):
             fp = replace(fingerprint_dir(path), source=f"{url} ({key} {path})")
-            vocab = info.get("vocab_size")
-            return _with_vocab(fp, vocab) if fp.vocab_size is None and isinstance(vocab, int) else fp
-    vocab = info.get("vocab_size")
-    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+            return _with_vocab(fp, vocab) if fp.vocab_size is None and vocab is not None else fp
     path = info.get("tokenizer_path") or info.get("model_path")
     why = reason or (f"the engine's tokenizer path {path!r} is not a directory here" if path
                      else "the engine reports no model or tokenizer path")
@@ -364,12 +358,6 @@ def _with_vocab(fp: Fingerprint, vocab: int) -> Fingerprint:
 
 
 # ---- comparison -------------------------------------------------------------------------------------
-def _value(fp: Fingerprint, name: str) -> Any:
-    if name == "tokenizer_revision":
-        return fp.revision
-    return getattr(fp, name)
-
-
 def compare(teacher: str, student: Fingerprint, teacher_fp: Fingerprint, *,
             declared_vocab_size: int | None = None, declared_revision: str | None = None) -> Report:
     """Compare a teacher's fingerprint with the student's under the module's rules.
@@ -390,24 +378,16 @@ def compare(teacher: str, student: Fingerprint, teacher_fp: Fingerprint, *,
             # one side not loadable: compare both by their tokenizer files
             if (s_val and t_val) and s_val.split(":")[0] != t_val.split(":")[0] and student.files and teacher_fp.files:
                 s_val, t_val = student.files, teacher_fp.files
-        elif name in ("tokenizer_len", *SPECIAL_ROLES, "special_tokens"):
-            if not (student.tokenizer_loaded and teacher_fp.tokenizer_loaded):
-                side = student if not student.tokenizer_loaded else teacher_fp
-                who = "student" if side is student else "teacher"
-                report.unchecked[name] = f"{who}: {side.unknown.get(name, 'tokenizer is not loaded')}"
-                continue
-            s_val, t_val = getattr(student, name), getattr(teacher_fp, name)
-            if s_val != t_val:  # None is a value here: that special token is unset
-                report.mismatches.append(Mismatch(teacher, name, s_val, t_val))
-            continue
         else:
-            s_val, t_val = _value(student, name), _value(teacher_fp, name)
-        if s_val is None or t_val is None:
-            if s_val is None:
-                why = f"student: {student.unknown.get(name, name + ' is unknown')}"
-            else:
-                why = f"teacher: {teacher_fp.unknown.get(name, name + ' is unknown')}"
-            report.unchecked[name] = why
+            s_val, t_val = getattr(student, name), getattr(teacher_fp, name)
+        if name in _LOADED_FIELDS:  # known when the tokenizer loaded; None is a value here: that token is unset
+            s_unknown, t_unknown = not student.tokenizer_loaded, not teacher_fp.tokenizer_loaded
+            default = "tokenizer is not loaded"
+        else:
+            s_unknown, t_unknown, default = s_val is None, t_val is None, name + " is unknown"
+        if s_unknown or t_unknown:
+            who, side = ("student", student) if s_unknown else ("teacher", teacher_fp)
+            report.unchecked[name] = f"{who}: {side.unknown.get(name, default)}"
             continue
         if s_val != t_val:
             report.mismatches.append(Mismatch(teacher, name, s_val, t_val))
