@@ -200,20 +200,23 @@ def compare_fingerprints(side: str, mine: dict[str, str] | None, pinned: str | N
         )
 
 
-def _rollout_side_check(args: Any) -> dict[str, str] | None:
+def _check_side(args: Any, side: str) -> dict[str, str] | None:
+    """This side's fingerprint: published for the other side, compared with the pin and the other side's."""
     from ..plugins import runtime
 
     mine = _side_fingerprint(args)
     if mine is not None:
-        _publish("rollout", mine)
-    compare_fingerprints("rollout", mine, runtime.settings(args, "tito").tokenizer_revision, _peer("rollout"))
+        _publish(side, mine)
+        if side == "train":
+            logger.info("tito: train-side tokenizer revision %s", _describe(mine))
+    compare_fingerprints(side, mine, runtime.settings(args, "tito").tokenizer_revision, _peer(side))
     return mine
 
 
 # ---- hooks -----------------------------------------------------------------------------------------
 def record_sample(args: Any, sample: Any, *, rollout_id: int | None = None, evaluation: bool = False) -> Any:
     """rollout_sample_hook (order 900): record the token digest and tokenizer revision on the sample."""
-    fp = _rollout_side_check(args)
+    fp = _check_side(args, "rollout")
     if getattr(sample, "metadata", None) is None:
         sample.metadata = {}
     sample.metadata[META_KEY] = {
@@ -247,18 +250,17 @@ def check_samples(args: Any, samples: list, raw_rewards: list, rewards: list) ->
     """reward_post_process (order 900): fail when a sample's tokens differ from what was generated."""
     from ..plugins import runtime
 
-    fp = _rollout_side_check(args)
+    fp = _check_side(args, "rollout")
     require = runtime.settings(args, "tito").require_record
     bad, missing, checked = [], [], 0
     for sample in samples:
         record = (getattr(sample, "metadata", None) or {}).get(META_KEY)
-        if record is not None:
-            checked += 1
         if record is None:
             status = str(getattr(getattr(sample, "status", None), "name", "")).upper()
             if not getattr(sample, "remove_sample", False) and status not in ("ABORTED", "FAILED"):
                 missing.append(sample.index)  # aborted samples skip the hooks and train nothing once removed
             continue
+        checked += 1
         problems = _sample_problems(sample, record, None if fp is None else fp["revision"])
         if problems:
             bad.append(f"sample index={sample.index}: " + "; ".join(problems))
@@ -285,13 +287,7 @@ def check_samples(args: Any, samples: list, raw_rewards: list, rewards: list) ->
 
 def check_train_tokenizer(args: Any) -> None:
     """megatron_init (order 900): train-side fingerprint vs the pin and the rollout side's."""
-    from ..plugins import runtime
-
-    mine = _side_fingerprint(args)
-    if mine is not None:
-        _publish("train", mine)
-        logger.info("tito: train-side tokenizer revision %s", _describe(mine))
-    compare_fingerprints("train", mine, runtime.settings(args, "tito").tokenizer_revision, _peer("train"))
+    _check_side(args, "train")
 
 
 def check_train_rollout(args: Any, rollout_id: int, rollout_data: dict) -> None:
