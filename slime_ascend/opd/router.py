@@ -22,7 +22,8 @@ class DomainRouter:
     """Route each sample to the teacher owning its domain label.
 
     Args:
-        teachers: parsed teacher specs (domain labels unique across teachers).
+        teachers: teacher specs from :func:`~slime_ascend.opd.teachers.parse_teachers` (at least one;
+            each domain label belongs to one teacher).
         domain_key: metadata key holding the domain label (default ``"domain"``).
         default_teacher: teacher for samples whose label is missing or unknown; without one,
             such samples raise :class:`RoutingError`.
@@ -37,16 +38,9 @@ class DomainRouter:
         default_teacher: str | None = None,
         default_coef: float = 1.0,
     ) -> None:
-        if not teachers:
-            raise ValueError("DomainRouter needs at least one teacher")
         self.teachers: dict[str, TeacherSpec] = {t.name: t for t in teachers}
         self.domain_key = domain_key
-        self._by_domain: dict[str, str] = {}
-        for t in teachers:
-            for d in t.domains:
-                if d in self._by_domain:
-                    raise ValueError(f"domain {d!r} routed to both {self._by_domain[d]!r} and {t.name!r}")
-                self._by_domain[d] = t.name
+        self._by_domain: dict[str, str] = {d: t.name for t in teachers for d in t.domains}
         if default_teacher is not None and default_teacher not in self.teachers:
             raise ValueError(f"default_teacher {default_teacher!r} is not a configured teacher {sorted(self.teachers)}")
         self.default_teacher = default_teacher
@@ -54,32 +48,27 @@ class DomainRouter:
         self.counts: Counter[str] = Counter()
         self.defaulted_count = 0
 
-    def teacher_for_domain(self, domain: str | None) -> tuple[str, bool]:
-        """``(teacher name, defaulted)`` for a label, without recording anything."""
-        if domain is not None and domain in self._by_domain:
-            return self._by_domain[domain], False
-        if self.default_teacher is not None:
-            return self.default_teacher, True
-        if domain is None:
-            raise RoutingError(
-                f"sample metadata has no {self.domain_key!r} label and no default_teacher is configured"
-            )
-        raise RoutingError(
-            f"domain {domain!r} has no teacher (known domains: {sorted(self._by_domain)}); "
-            "add it to a teacher's 'domains' or configure default_teacher"
-        )
-
     def route(self, metadata: Mapping[str, Any] | None, sample_id: Hashable | None = None) -> TeacherSpec:
         """Route one sample by ``metadata[domain_key]``; counts it."""
         domain = None if metadata is None else metadata.get(self.domain_key)
         if domain is not None and not isinstance(domain, str):
             domain = str(domain)
-        try:
-            name, defaulted = self.teacher_for_domain(domain)
-        except RoutingError as e:
-            raise RoutingError(f"sample {sample_id!r}: {e}") from None
+        if domain in self._by_domain:
+            name = self._by_domain[domain]
+        elif self.default_teacher is not None:
+            name = self.default_teacher
+            self.defaulted_count += 1
+        elif domain is None:
+            raise RoutingError(
+                f"sample {sample_id!r}: sample metadata has no {self.domain_key!r} label and no default_teacher is "
+                "configured"
+            )
+        else:
+            raise RoutingError(
+                f"sample {sample_id!r}: domain {domain!r} has no teacher (known domains: {sorted(self._by_domain)}); "
+                "add it to a teacher's 'domains' or configure default_teacher"
+            )
         self.counts[name] += 1
-        self.defaulted_count += int(defaulted)
         return self.teachers[name]
 
     def coef_for(self, name: str) -> float:
