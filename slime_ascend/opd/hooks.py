@@ -291,13 +291,8 @@ def per_sample_coefs(ctx: OPDContext, rollout_data: Mapping[str, Any], n: int) -
     if metadata is not None:
         if len(metadata) != n:
             raise ValueError(f"rollout_data['metadata'] has {len(metadata)} entries for {n} samples")
-        out = []
-        for i, md in enumerate(metadata):
-            if not isinstance(md, Mapping) or TRAIN_META_COEF not in md:
-                break
-            out.append(float(md[TRAIN_META_COEF]))
-        else:
-            return out
+        if all(isinstance(md, Mapping) and TRAIN_META_COEF in md for md in metadata):
+            return [float(md[TRAIN_META_COEF]) for md in metadata]
     coef = ctx.uniform_coef
     if coef is None:
         raise RuntimeError(

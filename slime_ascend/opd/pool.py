@@ -432,8 +432,7 @@ def _require_ours(path: Path, teacher: str) -> None:
 
 
 def _same_tree(src: Path, dst: Path) -> bool:
-    if not dst.is_dir():
-        return False
+    """Same files and sizes (the marker aside); ``dst`` is a staged directory (``_require_ours``)."""
     a = {p.relative_to(src): p.stat().st_size for p in src.rglob("*") if p.is_file()}
     b = {p.relative_to(dst): p.stat().st_size for p in dst.rglob("*") if p.is_file()}
     b.pop(Path(STAGE_MARKER), None)

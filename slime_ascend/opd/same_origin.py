@@ -92,13 +92,11 @@ def report_from_kls(
         if others:
             med = statistics.median(others)
             ratio = kl / med if med > 0 else (math.inf if kl > 0 else 1.0)
-        flagged = (ratio is not None and ratio > threshold_ratio) or (max_kl is not None and kl > max_kl)
+        over_ratio = ratio is not None and ratio > threshold_ratio
+        flagged = over_ratio or (max_kl is not None and kl > max_kl)
         report.teachers[name] = TeacherKL(name, kl, ratio, flagged, int((tokens or {}).get(name, 0)))
         if flagged:
-            if ratio is not None and ratio > threshold_ratio:
-                why = f"{ratio:.2f}x the median of the other teachers"
-            else:
-                why = f"above max_kl={max_kl}"
+            why = f"{ratio:.2f}x the median of the other teachers" if over_ratio else f"above max_kl={max_kl}"
             msg = (
                 f"teacher {name!r}: initial per-token KL to the student {kl:.4g} is {why}; it may not be "
                 "same-origin (MOPD saw ~5x KL from a foreign teacher, with entropy contraction)"

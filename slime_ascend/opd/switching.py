@@ -38,11 +38,10 @@ class SwitchGate:
         self,
         switch: Callable[[str], Awaitable[Any]],
         prefetch: Callable[[str], Awaitable[Any]] | None = None,
-        active: str | None = None,
     ) -> None:
         self._switch = switch
         self._prefetch = prefetch
-        self.active = active
+        self.active: str | None = None
         self.inflight = 0
         self.switches = 0
         self.wait_s = 0.0
