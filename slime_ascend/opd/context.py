@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Mapping
@@ -118,11 +119,8 @@ def _student_info(args: Any) -> dict[str, Any]:
     vocab = getattr(args, "vocab_size", None)
     if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
         info["student_vocab_size"] = vocab
-    if isinstance(student_dir, str) and student_dir:
-        from pathlib import Path
-
-        if Path(student_dir).is_dir():
-            info["student_dir"] = student_dir
+    if isinstance(student_dir, str) and os.path.isdir(student_dir):
+        info["student_dir"] = student_dir
     return info
 
 def coefs_differ(args: Any) -> bool:

@@ -257,23 +257,20 @@ class TorchModuleLoader(TeacherLoader):
         return Staged(spec.name, state, nbytes)
 
     def activate(self, spec: TeacherSpec, staged: Staged) -> int:
-        state = staged.payload
+        state, on_cpu = staged.payload, self.device.type == "cpu"
         if self.mode == "assign":
             old = list(self.model.state_dict().values())  # freed later, off the stall path
-            if self.device.type != "cpu":
+            if not on_cpu:
                 state = {k: v.to(self.device, non_blocking=self.pin) for k, v in state.items()}
             self.model.load_state_dict(state, strict=self.strict, assign=True)
-            _synchronize(self.device)
-            resident = staged.host_bytes if self.device.type == "cpu" else 0
-            self._garbage = [old, staged.payload if self.device.type != "cpu" else None]
+            self._garbage = [old, None if on_cpu else staged.payload]
         else:
             with torch.no_grad():
                 self.model.load_state_dict(state, strict=self.strict)
-            _synchronize(self.device)
-            resident = 0
             self._garbage = staged.payload
+        _synchronize(self.device)
         staged.payload = None
-        return resident
+        return staged.host_bytes if self.mode == "assign" and on_cpu else 0  # assigned CPU tensors stay resident
 
 
 class WeightDictLoader(TeacherLoader):
