@@ -245,13 +245,8 @@ def load_state_dict_from_dir(
         for name in ("config.json", "quant_model_description.json"):
             if os.path.lexists(model_dir / name):
                 check_regular_file(model_dir / name)
-        try:
-            from slime_ascend.quant import load_state_dict_dequantized
-        except ImportError as exc:  # pragma: no cover - depends on the quant package being present
-            raise ValueError(
-                f"{str(model_dir)!r} is a quantized checkpoint but slime_ascend.quant.load_state_dict_dequantized "
-                f"is not available: {exc}"
-            ) from exc
+        from slime_ascend.quant import load_state_dict_dequantized
+
         try:
             state = load_state_dict_dequantized(str(model_dir), dtype)
         except Exception as exc:  # a malformed quantization_config surfaces as Key/Type/IndexError too
