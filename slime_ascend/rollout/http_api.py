@@ -157,11 +157,9 @@ def _routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[i
     def ok(value: Any) -> tuple[int, Any]:
         return 200, value
 
-    def health(_: dict) -> tuple[int, Any]:
-        return (200, {"status": "ok"}) if engine.health() else (503, {"error": f"{name} is not healthy"})
-
-    def health_generate(_: dict) -> tuple[int, Any]:
-        return (200, {"status": "ok"}) if engine.health_generate() else (503, {"error": f"{name} cannot generate"})
+    def probe(check: str, failure: str) -> Callable[[dict], tuple[int, Any]]:
+        return lambda body: ((200, {"status": "ok"}) if getattr(engine, check)()
+                             else (503, {"error": f"{name} {failure}"}))
 
     def update_from_disk(body: dict) -> tuple[int, Any]:
         if "model_path" not in body:
@@ -183,19 +181,21 @@ def _routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[i
             raise RequestError("abort_all must be true or false")
         return ok(engine.abort_request(rid=rid, abort_all=abort_all))
 
-    def memory(method: str) -> Callable[[dict], tuple[int, Any]]:
-        def call(body: dict) -> tuple[int, Any]:
-            fn = getattr(engine, method, None)
-            if fn is None:
-                return ok({"success": True, "message": f"no-op on {name}"})
-            if method == "resume_memory_occupation":
-                tags = body.get("tags")
-                if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
-                    raise RequestError("tags must be a list of strings")
-                return ok(fn(tags))
-            return ok(fn())
+    def no_op(body: dict) -> tuple[int, Any]:
+        return ok({"success": True, "message": f"no-op on {name}"})
 
-        return call
+    def release(body: dict) -> tuple[int, Any]:
+        fn = getattr(engine, "release_memory_occupation", None)
+        return no_op(body) if fn is None else ok(fn())
+
+    def resume(body: dict) -> tuple[int, Any]:
+        fn = getattr(engine, "resume_memory_occupation", None)
+        if fn is None:
+            return no_op(body)
+        tags = body.get("tags")
+        if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            raise RequestError("tags must be a list of strings")
+        return ok(fn(tags))
 
     def unsupported(body: dict) -> tuple[int, Any]:
         return 501, {"success": False, "error": f"{name} supports disk weight sync only (--update-weight-transport disk)"}
@@ -217,13 +217,13 @@ def _routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[i
         ("GET", "/server_info"): lambda body: ok(engine.server_info()),
         ("GET", "/get_server_info"): lambda body: ok(engine.server_info()),
         ("GET", "/v1/loads"): lambda body: ok(engine.loads()),
-        ("POST", "/release_memory_occupation"): memory("release_memory_occupation"),
-        ("POST", "/resume_memory_occupation"): memory("resume_memory_occupation"),
-        ("POST", "/post_process_weights"): lambda body: ok({"success": True, "message": f"no-op on {name}"}),
+        ("POST", "/release_memory_occupation"): release,
+        ("POST", "/resume_memory_occupation"): resume,
+        ("POST", "/post_process_weights"): no_op,
     }
     for method in ("GET", "POST"):
-        routes[(method, "/health")] = health
-        routes[(method, "/health_generate")] = health_generate
+        routes[(method, "/health")] = probe("health", "is not healthy")
+        routes[(method, "/health_generate")] = probe("health_generate", "cannot generate")
         routes[(method, "/flush_cache")] = lambda body: ok(engine.flush_cache())
     for path in _UNSUPPORTED_SYNC:
         routes[("POST", path)] = unsupported
@@ -307,7 +307,7 @@ class _Handler(BaseHTTPRequestHandler):
             except RequestError:
                 self.close_connection = True  # the body may be unread; do not reuse the connection
                 raise
-            if path in WORK_PATHS and getattr(self.server, "control_only", lambda _: False)(self.request):
+            if path in WORK_PATHS and self.server.control_only(self.request):  # a BoundedThreadingHTTPServer
                 self.close_connection = True
                 self._send(503, {"error": self.server.busy_message(), "success": False})
                 return

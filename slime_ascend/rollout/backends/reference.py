@@ -18,7 +18,6 @@ from . import RolloutBackend
 class ReferenceBackend(RolloutBackend):
     name = "reference"
     description = "CPU reference engine (torch + transformers) with SGLang's HTTP surface; attached as an external engine"
-    plugin = None
 
     def slime_flags(self, options: Mapping[str, Any], addrs: list[str] | None = None) -> list[str]:
         return ["--rollout-external-engine-addrs", *(addrs or ["127.0.0.1:30000"]), "--update-weight-transport",

@@ -131,26 +131,22 @@ def from_vllm_response(
     else:
         raise RequestError(f"vLLM finish_reason {reason!r} is not stop/length/abort", 502)
     usage = answer.get("usage") or {}
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": finish,
-        "prompt_tokens": int(usage.get("prompt_tokens", prompt_len)),
-        "completion_tokens": len(ids),
-        "cached_tokens": int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0),
-        "weight_version": weight_version,
-    }
-    if return_logprob:
-        meta["output_token_logprobs"] = [[float(lp), tid, None] for lp, tid in zip(token_logprobs, ids)]
-    return {"text": choice.get("text", ""), "output_ids": ids, "meta_info": meta}
+    return _sglang_answer(
+        rid, finish, ids, weight_version, int(usage.get("prompt_tokens", prompt_len)),
+        int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0),
+        [float(lp) for lp in token_logprobs] if return_logprob else None, choice.get("text", ""),
+    )
 
 
-def _aborted(rid: str, message: str, weight_version: str, prompt_len: int, return_logprob: bool) -> dict[str, Any]:
-    meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "abort", "message": message},
-                            "prompt_tokens": prompt_len, "completion_tokens": 0, "cached_tokens": 0,
+def _sglang_answer(rid: str, finish: dict[str, Any], ids: list[int], weight_version: str, prompt_tokens: int,
+                   cached_tokens: int, logprobs: list[float] | None, text: str = "") -> dict[str, Any]:
+    """SGLang's ``/generate`` answer; ``logprobs`` None: no ``output_token_logprobs`` (return_logprob off)."""
+    meta: dict[str, Any] = {"id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens,
+                            "completion_tokens": len(ids), "cached_tokens": cached_tokens,
                             "weight_version": weight_version}
-    if return_logprob:
-        meta["output_token_logprobs"] = []
-    return {"text": "", "output_ids": [], "meta_info": meta}
+    if logprobs is not None:
+        meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(logprobs, ids)]
+    return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
 class VLLMAdapter:
@@ -220,7 +216,8 @@ class VLLMAdapter:
                 was_aborted = rid in self._aborted
                 self._aborted.discard(rid)
             if was_aborted:
-                return _aborted(rid, "aborted by the adapter", self.weight_version, len(ids), return_logprob)
+                return _sglang_answer(rid, {"type": "abort", "message": "aborted by the adapter"}, [],
+                                      self.weight_version, len(ids), 0, [] if return_logprob else None)
             raise RequestError(f"vLLM at {self.host}:{self.port} unreachable: {exc}", 502) from exc
         return from_vllm_response(answer, rid=rid, prompt_len=len(ids), max_tokens=body.get("max_tokens"),
                                   return_logprob=return_logprob, weight_version=self.weight_version)
@@ -278,22 +275,19 @@ class VLLMAdapter:
         self._call("POST", "/reset_prefix_cache")
         return {"success": True}
 
-    def health(self) -> bool:
+    def _answers(self, method: str, path: str, body: Any = None) -> bool:
         try:
-            self._call("GET", "/health")
+            self._call(method, path, body)
             return True
         except (RequestError, OSError, http.client.HTTPException):
             return False
 
+    def health(self) -> bool:
+        return self._answers("GET", "/health")
+
     def health_generate(self) -> bool:
-        if not self.health():
-            return False
         body = to_vllm_request(self.model, [0], {"max_new_tokens": 1, "temperature": 0.0})
-        try:
-            self._call("POST", "/v1/completions", body)
-            return True
-        except (RequestError, OSError, http.client.HTTPException):
-            return False
+        return self.health() and self._answers("POST", "/v1/completions", body)
 
     def server_info(self) -> dict[str, Any]:
         """What slime's external-engine discovery and its server-args check read."""

@@ -179,31 +179,21 @@ def parse_sampling_params(params: Any, vocab_size: int) -> SamplingConfig:
             )
     cfg = SamplingConfig()
 
-    def number(key: str, default: float) -> float:
+    def get(key: str, default: Any, valid: Callable[[Any], bool], what: str) -> Any:
         value = params.get(key)
         if value is None:
             return default
-        if not _is_number(value) or not math.isfinite(value):
-            raise RequestError(f"sampling_params.{key} must be a finite number, got {value!r}")
-        return float(value)
-
-    def integer(key: str, default: int | None) -> int | None:
-        value = params.get(key)
-        if value is None:
-            return default
-        if not _is_int(value):
-            raise RequestError(f"sampling_params.{key} must be an integer, got {value!r}")
+        if not valid(value):
+            raise RequestError(f"sampling_params.{key} must be {what}, got {value!r}")
         return value
+
+    def number(key: str, default: float) -> float:
+        return float(get(key, default, lambda v: _is_number(v) and math.isfinite(v), "a finite number"))
 
     def boolean(key: str, default: bool) -> bool:
-        value = params.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise RequestError(f"sampling_params.{key} must be true or false, got {value!r}")
-        return value
+        return get(key, default, lambda v: isinstance(v, bool), "true or false")
 
-    cfg.max_new_tokens = integer("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
+    cfg.max_new_tokens = get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS, _is_int, "an integer")
     if cfg.max_new_tokens < 0:
         raise RequestError(f"sampling_params.max_new_tokens must be >= 0, got {cfg.max_new_tokens}")
     cfg.temperature = number("temperature", 1.0)
@@ -212,7 +202,7 @@ def parse_sampling_params(params: Any, vocab_size: int) -> SamplingConfig:
     cfg.top_p = number("top_p", 1.0)
     if not 0.0 < cfg.top_p <= 1.0:
         raise RequestError(f"sampling_params.top_p must be in (0, 1], got {cfg.top_p}")
-    cfg.top_k = integer("top_k", -1)
+    cfg.top_k = get("top_k", -1, _is_int, "an integer")
     if cfg.top_k != -1 and cfg.top_k < 1:
         raise RequestError(f"sampling_params.top_k must be -1 (disabled) or >= 1, got {cfg.top_k}")
     cfg.min_p = number("min_p", 0.0)
@@ -221,40 +211,24 @@ def parse_sampling_params(params: Any, vocab_size: int) -> SamplingConfig:
     if cfg.temperature < _GREEDY_EPS:  # SGLang: greedy == temperature 1 with top_k 1
         cfg.temperature, cfg.top_k = 1.0, 1
 
-    stop = params.get("stop")
-    if stop is None:
-        cfg.stop_strs = []
-    elif isinstance(stop, str):
-        cfg.stop_strs = [stop] if stop else []
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        cfg.stop_strs = [s for s in stop if s]
-    else:
-        raise RequestError(f"sampling_params.stop must be a string or a list of strings, got {stop!r}")
-
-    stop_ids = params.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-            raise RequestError(f"sampling_params.stop_token_ids must be a list of integers, got {stop_ids!r}")
-        bad = [t for t in stop_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"sampling_params.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
-        cfg.stop_token_ids = set(stop_ids)
+    stop = get("stop", [], lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+               "a string or a list of strings")
+    cfg.stop_strs = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+    stop_ids = get("stop_token_ids", [], lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
+                   "a list of integers")
+    bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"sampling_params.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+    cfg.stop_token_ids = set(stop_ids)
 
     cfg.ignore_eos = boolean("ignore_eos", False)
     cfg.skip_special_tokens = boolean("skip_special_tokens", True)
     cfg.spaces_between_special_tokens = boolean("spaces_between_special_tokens", True)
     cfg.no_stop_trim = boolean("no_stop_trim", False)
-    seed = params.get("sampling_seed")
-    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
-        raise RequestError(f"sampling_params.sampling_seed must be a 64-bit integer, got {seed!r}")
-    cfg.sampling_seed = seed
-    integer("stream_interval", None)
-
-    custom = params.get("custom_params")
-    if custom is not None:
-        if not isinstance(custom, dict):
-            raise RequestError(f"sampling_params.custom_params must be an object, got {custom!r}")
-        cfg.return_top_p_token_ids = bool(custom.get("return_top_p_token_ids", False))
+    cfg.sampling_seed = get("sampling_seed", None, lambda v: _is_int(v) and -(2**63) <= v < 2**63, "a 64-bit integer")
+    get("stream_interval", None, _is_int, "an integer")
+    custom = get("custom_params", {}, lambda v: isinstance(v, dict), "an object")
+    cfg.return_top_p_token_ids = bool(custom.get("return_top_p_token_ids", False))
     return cfg
 
 
@@ -271,14 +245,6 @@ class _Request:
     top_logprobs_num: int = 0
     abort_message: str | None = None
     is_disconnected: Callable[[], bool] | None = None  # the HTTP client went away
-
-
-class _Sequence:
-    """Running state of one sequence: KV cache and the last step's logits."""
-
-    def __init__(self) -> None:
-        self.past: Any = None
-        self.next_logits: torch.Tensor | None = None
 
 
 def _choose_token(
@@ -378,7 +344,7 @@ class ReferenceEngine:
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
         for source in (getattr(self.model, "generation_config", None), self.model.config):
-            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            eos = getattr(source, "eos_token_id", None)
             if eos is None:
                 continue
             ids.update(eos if isinstance(eos, list | tuple) else [eos])
@@ -691,16 +657,13 @@ class ReferenceEngine:
                     self._parked -= 1
             return req.abort_message
 
-    def _forward(self, seq: _Sequence, ids: list[int]) -> torch.Tensor:
-        """Feed ``ids`` after the cached prefix; returns float32 logits ``[len(ids), V]``."""
+    def _forward(self, past: Any, ids: list[int]) -> tuple[Any, torch.Tensor]:
+        """Feed ``ids`` after the KV cache ``past``; returns the new cache and float32 logits ``[len(ids), V]``."""
         with self._compute_lock, torch.no_grad():
             out = self.model(
-                input_ids=torch.tensor([ids], dtype=torch.long), **{self._cache_kwarg: seq.past}, use_cache=True
+                input_ids=torch.tensor([ids], dtype=torch.long), **{self._cache_kwarg: past}, use_cache=True
             )
-        seq.past = out.get(self._cache_kwarg)
-        logits = out.logits[0].float()
-        seq.next_logits = logits[-1]
-        return logits
+        return out.get(self._cache_kwarg), out.logits[0].float()
 
     def _entries(self, values: list[Any], ids: list[int], req: _Request) -> list[list[Any]]:
         """SGLang's log-prob entries ``[logprob, token_id, text]`` (text with ``return_text_in_logprobs``)."""
@@ -728,12 +691,11 @@ class ReferenceEngine:
         stop_trim_token = False
 
         with self._admitted(req):
-            seq = _Sequence()
-            need_prefill = max_new > 0 or (req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids))
+            input_logprobs = 0 <= req.logprob_start_len < len(req.input_ids)  # -1 unless return_logprob
             abort = self._check_step(req)
-            if abort is None and need_prefill:
-                logits = self._forward(seq, req.input_ids)
-                if req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids):
+            if abort is None and (max_new > 0 or input_logprobs):
+                past, logits = self._forward(None, req.input_ids)
+                if input_logprobs:
                     start = req.logprob_start_len
                     targets = torch.tensor(req.input_ids[start + 1 :], dtype=torch.long)
                     rows = torch.log_softmax(logits[start:-1], dim=-1)
@@ -746,12 +708,12 @@ class ReferenceEngine:
                 if abort is not None:
                     break
                 if step > 0:
-                    self._forward(seq, [out_ids[-1]])
-                token, logprob, kept = _choose_token(seq.next_logits, cfg, generator, self.return_original_logprob)
-                if req.return_logprob and req.top_logprobs_num:
+                    past, logits = self._forward(past, [out_ids[-1]])
+                token, logprob, kept = _choose_token(logits[-1], cfg, generator, self.return_original_logprob)
+                if req.top_logprobs_num:  # 0 unless return_logprob
                     # the distribution output_token_logprobs reports: T = 1 when greedy or original, else 1/T
                     t = 1.0 if cfg.greedy or self.return_original_logprob else cfg.temperature
-                    out_top.append(self._top_entries(torch.log_softmax(seq.next_logits / t, dim=-1), req))
+                    out_top.append(self._top_entries(torch.log_softmax(logits[-1] / t, dim=-1), req))
                 out_ids.append(token)
                 out_lps.append(logprob)
                 if kept is not None:

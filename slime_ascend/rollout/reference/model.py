@@ -206,6 +206,7 @@ def is_quantized_checkpoint(model_dir: str | Path) -> bool:
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
+    """The ``*.safetensors`` files of ``model_dir``, each checked to be a regular file (ValueError otherwise)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         bins = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
@@ -215,6 +216,8 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
                 "engine loads safetensors only. Convert with `save_pretrained(..., safe_serialization=True)`."
             )
         raise ValueError(f"model_dir {str(model_dir)!r} contains no *.safetensors weight files.")
+    for path in files:
+        check_regular_file(path)
     return files
 
 
@@ -232,8 +235,6 @@ def load_state_dict_from_dir(
     if not model_dir.is_dir():
         raise ValueError(f"model_path {str(model_dir)!r} is not a directory.")
     files = _safetensors_files(model_dir)
-    for path in files:
-        check_regular_file(path)
     if max_bytes is not None:
         total = sum(os.stat(p).st_size for p in files)
         if total > max_bytes:
@@ -245,13 +246,8 @@ def load_state_dict_from_dir(
         for name in ("config.json", "quant_model_description.json"):
             if os.path.lexists(model_dir / name):
                 check_regular_file(model_dir / name)
-        try:
-            from slime_ascend.quant import load_state_dict_dequantized
-        except ImportError as exc:  # pragma: no cover - depends on the quant package being present
-            raise ValueError(
-                f"{str(model_dir)!r} is a quantized checkpoint but slime_ascend.quant.load_state_dict_dequantized "
-                f"is not available: {exc}"
-            ) from exc
+        from slime_ascend.quant import load_state_dict_dequantized
+
         try:
             state = load_state_dict_dequantized(str(model_dir), dtype)
         except Exception as exc:  # a malformed quantization_config surfaces as Key/Type/IndexError too
@@ -371,8 +367,7 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
     model_dir = Path(model_dir)
     if read_config(model_dir) is None:
         raise ValueError(f"model_dir {str(model_dir)!r} has no config.json; pass an HF checkpoint directory.")
-    for path in _safetensors_files(model_dir):
-        check_regular_file(path)
+    _safetensors_files(model_dir)
     if is_quantized_checkpoint(model_dir):
         config = AutoConfig.from_pretrained(str(model_dir))
         if hasattr(config, "quantization_config"):
