@@ -218,10 +218,6 @@ def param_shapes(m: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
 @dataclass(frozen=True)
 class LayerParams:
     """Parameters of one decoder layer, split as Megatron shards them."""
@@ -567,12 +563,12 @@ def _quantised_bytes(shapes: list[tuple[str, tuple[int, ...]]], fmt: str, base: 
 
     payload = scales = 0.0
     for name, shape in shapes:
-        n = _numel(shape)
+        n = math.prod(shape)
         if fmt == "none" or not is_default_quantized(name, len(shape)):
             payload += n * base if passthrough else 0
             continue
         rows, cols = shape[-2], shape[-1]
-        lead = _numel(shape[:-2])
+        lead = math.prod(shape[:-2])
         if fmt == "fp8-block":
             payload += n
             scales += 4 * lead * math.ceil(rows / 128) * math.ceil(cols / 128)
@@ -744,7 +740,7 @@ def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sy
     add("logits fp32 (decode batch)", "operator workspace", lay.running_requests * 4 * m.vocab / tp * 2,
         "SGLang sampler", "serving", "running requests x V/TP x 4 B x 2 (logits + probs)")
     if synced:
-        bucket = max(_buckets(shapes, lay), key=lambda b: sum(_numel(s) for _, s in b))  # the largest in bf16
+        bucket = max(_buckets(shapes, lay), key=lambda b: sum(math.prod(s) for _, s in b))  # the largest in bf16
         pb, sb = _quantised_bytes(bucket, sync, base)
         add("received weight bucket", "communication buffers", pb + sb, "SGLang update_weights_from_tensor/disk",
             "weight sync", "one bucket in the sync format")
@@ -759,7 +755,7 @@ def _buckets(shapes: list[tuple[str, tuple[int, ...]]], lay: Layout) -> list[lis
     cur: list[tuple[str, tuple[int, ...]]] = []
     size = 0
     for name, shape in shapes:
-        b = _numel(shape) * 2
+        b = math.prod(shape) * 2
         if cur and size + b > cap:
             out.append(cur)
             cur, size = [], 0
@@ -783,7 +779,7 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
     # slime gathers every bucket to full size before any transport
     buckets = _buckets(param_shapes(m), layout)
     add("weight-sync bucket: TP/EP-gathered full-size bf16 tensors", "communication buffers",
-        max(sum(_numel(s) for _, s in b) for b in buckets) * 2, "slime update_weight (all-gather)", "weight sync",
+        max(sum(math.prod(s) for _, s in b) for b in buckets) * 2, "slime update_weight (all-gather)", "weight sync",
         "max(--update-weight-buffer-size, largest tensor)")
     if layout.sync_format != "none":
         pb, sb = max(_quantised_bytes(b, layout.sync_format, 2, passthrough=False) for b in buckets)
