@@ -312,17 +312,14 @@ class Layout:
 
     def validate(self) -> None:
         """One ``ValueError`` naming the field (its CLI flag spelled with dashes) and the fix."""
-        for name in ("tp", "pp", "cp", "ep", "dp", "micro_batch_size", "seq_length", "rollout_tp"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}. Fix: pass a "
-                                 f"positive integer")
-        for name in ("max_tokens_per_gpu", "kv_cache_tokens", "teachers", "teacher_tp", "num_microbatches",
-                     "chunked_prefill_tokens", "running_requests", "sync_bucket_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}. Fix: pass 0 "
-                                 f"or a positive integer")
+        for low, names in ((1, ("tp", "pp", "cp", "ep", "dp", "micro_batch_size", "seq_length", "rollout_tp")),
+                           (0, ("max_tokens_per_gpu", "kv_cache_tokens", "teachers", "teacher_tp", "num_microbatches",
+                                "chunked_prefill_tokens", "running_requests", "sync_bucket_bytes"))):
+            for name in names:
+                v = getattr(self, name)
+                if not isinstance(v, int) or v < low:
+                    raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {v!r}. Fix: pass "
+                                     f"{'0 or ' if low == 0 else ''}a positive integer")
         for name, allowed in (("param_dtype", ("bf16", "fp16", "fp32")), ("grad_dtype", ("fp32", "bf16", "fp16")),
                               ("recompute", RECOMPUTE), ("attention", ("flash", "eager")),
                               ("kv_dtype", ("bf16", "fp16", "fp32", "fp8")), ("sync_format", SYNC_FORMATS)):
