@@ -694,12 +694,11 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
     return out
 
 
-def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sync: str, synced: bool) -> None:
+def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sync: str) -> None:
     """One SGLang engine rank (rollout or teacher): weights / engine TP in the engine's format, KV cache,
-    the DSA indexer's key cache, prefill workspace, the received weight bucket."""
-    shapes = param_shapes(m)
+    the DSA indexer's key cache, prefill workspace."""
     base = DTYPE_BYTES["bf16"]
-    payload, scales = _quantised_bytes(shapes, sync, base)
+    payload, scales = _quantised_bytes(param_shapes(m), sync, base)
     led.processes[role] = role
     add = _adder(led, role)
     weights = (payload + scales) / tp
@@ -736,11 +735,6 @@ def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sy
         "SGLang forward (chunked prefill)", "serving", "chunk x e x (2h + 3 ffn/TP + qkv/TP)")
     add("logits fp32 (decode batch)", "operator workspace", lay.running_requests * 4 * m.vocab / tp * 2,
         "SGLang sampler", "serving", "running requests x V/TP x 4 B x 2 (logits + probs)")
-    if synced:
-        bucket = max(_buckets(shapes, lay), key=lambda b: sum(math.prod(s) for _, s in b))  # the largest in bf16
-        pb, sb = _quantised_bytes(bucket, sync, base)
-        add("received weight bucket", "communication buffers", pb + sb, "SGLang update_weights_from_tensor/disk",
-            "weight sync", "one bucket in the sync format")
 
 
 def _buckets(shapes: list[tuple[str, tuple[int, ...]]], lay: Layout) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -775,8 +769,9 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
     add = _adder(led, "actor")
     # slime gathers every bucket to full size before any transport
     buckets = _buckets(param_shapes(m), layout)
+    largest = max(buckets, key=lambda b: sum(math.prod(s) for _, s in b))  # in bf16; the rollout receives it too
     add("weight-sync bucket: TP/EP-gathered full-size bf16 tensors", "communication buffers",
-        max(sum(math.prod(s) for _, s in b) for b in buckets) * 2, "slime update_weight (all-gather)", "weight sync",
+        sum(math.prod(s) for _, s in largest) * 2, "slime update_weight (all-gather)", "weight sync",
         "max(--update-weight-buffer-size, largest tensor)")
     if layout.sync_format != "none":
         pb, sb = max(_quantised_bytes(b, layout.sync_format, 2, passthrough=False) for b in buckets)
@@ -802,7 +797,10 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
         add("ref log-probs [tokens] fp32", "live IO", 4 * T, "slime rollout data", "log-prob forward")
     if layout.critic:
         _train_role(led, "critic", m, layout, value_head=True)
-    _engine_role(led, "rollout", m, layout, layout.rollout_tp, layout.sync_format, synced=True)
+    _engine_role(led, "rollout", m, layout, layout.rollout_tp, layout.sync_format)
+    pb, sb = _quantised_bytes(largest, layout.sync_format, 2)
+    _adder(led, "rollout")("received weight bucket", "communication buffers", pb + sb,
+                           "SGLang update_weights_from_tensor/disk", "weight sync", "one bucket in the sync format")
     if layout.teachers:
         tm = m if teacher_config is None else (
             teacher_config if isinstance(teacher_config, ModelShape) else ModelShape.from_hf(teacher_config))
@@ -811,10 +809,9 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
             raise ValueError(f"--teacher-tp {ttp} does not divide the teacher's {tm.heads} heads. Fix: choose a "
                              f"--teacher-tp that divides {tm.heads}")
         for i in range(1, layout.teachers + 1):
-            _engine_role(led, f"teacher-{i}", tm, layout, ttp, "none", synced=False)
+            _engine_role(led, f"teacher-{i}", tm, layout, ttp, "none")
     # allocator margin: a fraction of each process's peak, booked on its main role
-    for proc in list(dict.fromkeys(led.processes.values())):
-        pk = led.process_peaks[proc]
+    for proc, pk in led.process_peaks.items():
         if layout.margin and pk:
             _adder(led, proc)(f"allocator margin ({layout.margin:.0%} of the peak)", "allocator margin",
                               pk * layout.margin, "PyTorch caching allocator (fragmentation, rounding)", WHOLE_RUN,
