@@ -599,8 +599,9 @@ def _rank_params(m: ModelShape, lay: Layout, layers: list[int], first: bool, las
     return dense, expert
 
 
-def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: bool) -> dict[str, float]:
-    """Entries of one Megatron train process (actor or critic) on its most loaded pipeline stage."""
+def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: bool) -> tuple[float, bool]:
+    """Entries of one Megatron train process (actor or critic) on its most loaded pipeline stage; returns that
+    rank's parameter count and whether the stage is the last."""
     e = DTYPE_BYTES[lay.param_dtype]
     T = lay.tokens
     stages = stage_layers(m, lay.pp)
@@ -618,7 +619,6 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
     inflight = min(lay.pp - s, n_mb)
     dp_dense = lay.dp * lay.cp if lay.distributed_optimizer else 1
     dp_expert = (lay.tp * lay.cp * lay.dp) // lay.ep if lay.distributed_optimizer else 1
-    out = {"stage": s, "dense_params": dense, "expert_params": expert}
     where = f"PP stage {s} of {lay.pp}" if lay.pp > 1 else "the one stage"
     led.notes.append(f"{role}: {where}, {dense + expert:,.0f} parameters per rank ({dense:,.0f} dense / TP {lay.tp}"
                      + (f", {expert:,.0f} expert / EP {lay.ep}" if expert else "") + f"); {T} tokens per micro-batch, "
@@ -691,7 +691,7 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
         add("forward transients (one layer) + logits fp32", "operator workspace",
             biggest + (e + 4) * m.vocab / lay.tp * T * (1 if last else 0), "slime compute_log_prob (no grad)",
             "log-prob forward", "one layer's activations + (e + 4) V/t per token")
-    return out
+    return dense + expert, last
 
 
 def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sync: str) -> None:
@@ -765,7 +765,7 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
     check_layout_fits(m, layout)
     led = Ledger(m, layout)
     e = DTYPE_BYTES[layout.param_dtype]
-    actor = _train_role(led, "actor", m, layout, value_head=False)
+    actor_params, actor_last = _train_role(led, "actor", m, layout, value_head=False)
     add = _adder(led, "actor")
     # slime gathers every bucket to full size before any transport
     buckets = _buckets(param_shapes(m), layout)
@@ -781,17 +781,16 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
             "slime-ascend weight_sync funnel", "weight sync")
     if layout.reference:
         add = _adder(led, "reference")
-        p = (actor["dense_params"] + actor["expert_params"]) * e
+        p = actor_params * e
         led.processes["reference"] = "actor"
         add(f"reference weights ({layout.param_dtype}, pinned host)", "model state", p,
             "slime TensorBackuper tag 'ref'", WHOLE_RUN, "actor rank's P x e", "host")
         add(f"actor weights backup ({layout.param_dtype}, pinned host)", "model state", p,
             "slime TensorBackuper tag 'actor'", WHOLE_RUN, "actor rank's P x e", "host")
-        last = actor["stage"] == layout.pp - 1
         T = layout.tokens
         biggest = max((layer_activation_bytes(m, layout, i in m.moe_layers, T) for i in range(m.layers)), default=0)
         add("reference forward transients (one layer) + logits fp32", "operator workspace",
-            biggest + ((e + 4) * m.vocab / layout.tp * T if last else 0),
+            biggest + ((e + 4) * m.vocab / layout.tp * T if actor_last else 0),
             "slime compute_log_prob (ref weights swapped in)", "log-prob forward",
             "one layer's activations + (e + 4) V/t per token")
         add("ref log-probs [tokens] fp32", "live IO", 4 * T, "slime rollout data", "log-prob forward")
