@@ -453,12 +453,8 @@ def layer_activation_bytes(m: ModelShape, lay: Layout, moe: bool, tokens: int) -
 def stage_layers(m: ModelShape, pp: int) -> list[list[int]]:
     """Megatron's even split of the layers over pipeline stages (earlier stages take the remainder)."""
     base, extra = divmod(m.layers, pp)
-    out, start = [], 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
+    starts = [s * base + min(s, extra) for s in range(pp + 1)]  # s full stages and their extra layers before s
+    return [list(range(starts[s], starts[s + 1])) for s in range(pp)]
 
 
 # ------------------------------------------------------------------------------------------- ledger
@@ -820,17 +816,14 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
 
 def format_table(led: Ledger) -> str:
     """One table per role (object, category, owner, lifetime, GiB) with its peak."""
-    lines = []
-    m = led.model
-    lines.append(f"model: {m.model_type or 'decoder'} {param_count(m) / 1e9:.3f}e9 params"
-                 + (f" ({active_param_count(m) / 1e9:.3f}e9 active)" if m.experts else "")
-                 + f"; layers {m.layers}, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}")
-    lay = led.layout
-    lines.append(f"layout: TP {lay.tp} PP {lay.pp} CP {lay.cp} EP {lay.ep} DP {lay.dp}; {lay.tokens} tokens/micro-batch; "
-                 f"recompute {lay.recompute}; {lay.param_dtype} params, {lay.grad_dtype} grads; rollout TP "
-                 f"{lay.rollout_tp}; sync {lay.sync_format}")
-    for note in led.notes:
-        lines.append(f"note: {note}")
+    m, lay = led.model, led.layout
+    lines = [f"model: {m.model_type or 'decoder'} {param_count(m) / 1e9:.3f}e9 params"
+             + (f" ({active_param_count(m) / 1e9:.3f}e9 active)" if m.experts else "")
+             + f"; layers {m.layers}, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}",
+             f"layout: TP {lay.tp} PP {lay.pp} CP {lay.cp} EP {lay.ep} DP {lay.dp}; {lay.tokens} tokens/micro-batch; "
+             f"recompute {lay.recompute}; {lay.param_dtype} params, {lay.grad_dtype} grads; rollout TP "
+             f"{lay.rollout_tp}; sync {lay.sync_format}",
+             *(f"note: {note}" for note in led.notes)]
     for role in led.roles():
         rows = led.role_entries(role)
         w = max(len(e.name) for e in rows)
