@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 CATEGORIES: tuple[str, ...] = (
@@ -848,5 +848,5 @@ def format_table(led: Ledger) -> str:
 __all__ = [
     "CATEGORIES", "Entry", "Layout", "Ledger", "ModelShape", "SYNC_FORMATS", "active_param_count", "build_ledger",
     "format_table", "layer_activation_bytes", "layer_activation_terms", "layer_params", "model_state_bytes_per_param",
-    "param_count", "param_shapes", "replace", "stage_layers",
+    "param_count", "param_shapes", "stage_layers",
 ]
