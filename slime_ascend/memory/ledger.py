@@ -141,6 +141,7 @@ class ModelShape:
                 shared = opt("shared_expert_intermediate_size")
             moe_ffn = moe_ffn or need("intermediate_size")
         kv_lora = opt("kv_lora_rank")
+        mla = ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # read only with a kv_lora_rank
         return cls(
             hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             ffn=need("intermediate_size"), vocab=need("vocab_size"),
@@ -149,10 +150,7 @@ class ModelShape:
             qkv_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))) and not kv_lora,
             experts=experts, moe_ffn=moe_ffn, experts_per_token=opt("num_experts_per_tok") if experts else 0,
             shared_ffn=shared, moe_layers=moe_layers, router_bias=experts > 0 and "n_routed_experts" in cfg,
-            q_lora_rank=opt("q_lora_rank") if kv_lora else 0, kv_lora_rank=kv_lora,
-            qk_rope_head_dim=opt("qk_rope_head_dim") if kv_lora else 0,
-            qk_nope_head_dim=opt("qk_nope_head_dim") if kv_lora else 0,
-            v_head_dim=opt("v_head_dim") if kv_lora else 0,
+            kv_lora_rank=kv_lora, **{k: opt(k) if kv_lora else 0 for k in mla},
             index_heads=opt("index_n_heads"), index_head_dim=opt("index_head_dim"), model_type=model_type,
         )
 
