@@ -492,12 +492,9 @@ class Ledger:
         return ENGINE_PHASES if proc.startswith(("rollout", "teacher")) else TRAIN_PHASES
 
     def _peak(self, entries: list[Entry], phases: tuple[str, ...], where: str) -> tuple[float, str]:
-        best, best_phase = 0.0, phases[0]
-        for ph in phases:
-            s = sum(e.bytes for e in entries if e.where == where and e.live_in(ph))
-            if s > best:
-                best, best_phase = s, ph
-        return best, best_phase
+        sums = {ph: sum((e.bytes for e in entries if e.where == where and e.live_in(ph)), 0.0) for ph in phases}
+        best = max(phases, key=sums.__getitem__)  # the first phase with the largest sum
+        return sums[best], best
 
     def peak(self, role: str, where: str = "device") -> tuple[float, str]:
         """(bytes, phase): the largest sum of this role's objects live together in one phase."""
