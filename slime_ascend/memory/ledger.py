@@ -670,7 +670,7 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
     if lay.pp > 1:
         add("pipeline send/recv activations", "communication buffers", 2 * e * m.hidden * T / lay.tp,
             "Megatron p2p communication", "train step", "2 x e*h/t per token")
-    if m.moe_layers and any(i in m.moe_layers for i in layers):
+    if any(i in m.moe_layers for i in layers):
         add("MoE all-to-all dispatch/combine", "communication buffers",
             2 * e * m.hidden * m.experts_per_token * T / lay.tp, "Megatron MoE token dispatcher", "train step",
             "2 x k x e*h per token / TP")
