@@ -15,12 +15,11 @@ import argparse
 import json
 import os
 import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
 from ..cli import ArgumentParser
-from .ledger import RECOMPUTE, SYNC_FORMATS, Layout
+from .ledger import RECOMPUTE, SYNC_FORMATS, Layout, build_ledger, format_table
 
 # slime / Megatron flag -> Layout field (value flags)
 SLIME_FLAGS: dict[str, str] = {
@@ -154,15 +153,8 @@ def layout_from_args(ns: argparse.Namespace) -> tuple[Layout, str | None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from ..cli import run_command
-
-    return run_command(_run, ns)
-
-
-def _run(ns: argparse.Namespace) -> int:
-    from .ledger import build_ledger, format_table
-
+    """Run by ``slime-ascend memory`` inside the CLI's one error handler (a ValueError: one line, exit 2)."""
+    ns = build_parser().parse_args(argv)
     layout, hf = layout_from_args(ns)
     path = ns.config or hf
     if not path:
