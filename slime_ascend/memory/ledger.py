@@ -258,11 +258,8 @@ def layer_params(m: ModelShape, i: int) -> LayerParams:
 
 def param_count(m: ModelShape) -> int:
     """Total parameters: ``V*h`` embedding (+ ``V*h`` ``lm_head`` unless tied) + ``h`` final norm + the layers."""
-    total = m.vocab * m.hidden * (1 if m.tied else 2) + m.hidden
-    for i in range(m.layers):
-        lp = layer_params(m, i)
-        total += lp.dense + lp.expert
-    return total
+    layers = (layer_params(m, i) for i in range(m.layers))
+    return m.vocab * m.hidden * (1 if m.tied else 2) + m.hidden + sum(lp.dense + lp.expert for lp in layers)
 
 
 def active_param_count(m: ModelShape) -> int:
