@@ -729,19 +729,15 @@ def _buckets(shapes: list[tuple[str, tuple[int, ...]]], lay: Layout) -> list[lis
     """slime's weight-sync buckets: full-size (TP-gathered) bf16 tensors in order, up to
     ``--update-weight-buffer-size`` bytes each; a bucket is flushed when the next tensor would overflow it, so
     one tensor larger than the cap is a bucket of its own (``slime/backends/megatron_utils/update_weight/``)."""
-    cap = lay.sync_bucket_bytes
-    out: list[list[tuple[str, tuple[int, ...]]]] = []
-    cur: list[tuple[str, tuple[int, ...]]] = []
+    out: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in shapes:
         b = math.prod(shape) * 2
-        if cur and size + b > cap:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append((name, shape))
+        if out[-1] and size + b > lay.sync_bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, shape))
         size += b
-    if cur:
-        out.append(cur)
     return out
 
 
