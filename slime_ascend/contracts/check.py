@@ -222,9 +222,7 @@ def _unstable_topk() -> Callable[[torch.Tensor, int], torch.Tensor]:
             return deterministic_topk_indices(scores, k)
         length = scores.shape[-1]
         rev = deterministic_topk_indices(scores.flip(-1), k)  # lowest index of the flipped = highest here
-        idx = torch.where(rev >= 0, length - 1 - rev, rev)
-        key = torch.where(idx >= 0, idx, torch.full_like(idx, length))
-        key = key.sort(-1).values
+        key = torch.where(rev >= 0, length - 1 - rev, torch.full_like(rev, length)).sort(-1).values
         return torch.where(key == length, torch.full_like(key, -1), key)
 
     return topk
@@ -428,11 +426,11 @@ def run_check(
 
     ref = paths["fp32"]
     deltas: dict[str, torch.Tensor] = {}
+    train = [r.cpu() for r in ref]
+    masks = [torch.ones_like(r, dtype=torch.bool) for r in train]
     for path in ("bf16", "int8"):
         lp = paths[path]
-        train = [r.cpu() for r in ref]
         roll = [r.cpu() for r in lp]
-        masks = [torch.ones_like(r, dtype=torch.bool) for r in train]
         dis_keep = [dis_mask(a, b, *DIS_PRESETS[_DIS_PRESET]) for a, b in zip(train, roll)]
         ice_keep = [icepop_weights(a, b, _ICEPOP_BETA)[1] for a, b in zip(train, roll)]
         stats = mismatch_stats(train, roll, masks, dis_keep)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ..cli import ArgumentParser
 
@@ -24,22 +23,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run by ``slime-ascend check`` inside the CLI's one error handler (a ValueError: one line, exit 2)."""
     ns = build_parser().parse_args(argv)
     if ns.device.startswith("npu"):
         from ..accelerator.npu import load_torch_npu
 
         if load_torch_npu() is None:
-            print("error: --device npu needs torch_npu. Fix: pip install 'slime-ascend[npu]' on an Ascend host",
-                  file=sys.stderr)
-            return 2
+            raise ValueError("--device npu needs torch_npu. Fix: pip install 'slime-ascend[npu]' on an Ascend host")
     import torch
 
     try:
         torch.device(ns.device)
     except RuntimeError:
-        print(f"error: --device {ns.device!r} is not a torch device. Fix: use cpu, cuda, cuda:N or npu",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"--device {ns.device!r} is not a torch device. Fix: use cpu, cuda, cuda:N or npu") from None
     from .check import format_table, run_check
 
     report = run_check(model_dir=ns.model, device=ns.device, seed=ns.seed, out_json=ns.out_json or None, plot=ns.plot)

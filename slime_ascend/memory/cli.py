@@ -15,12 +15,11 @@ import argparse
 import json
 import os
 import shlex
-import sys
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from ..cli import ArgumentParser
-from .ledger import RECOMPUTE, SYNC_FORMATS, Layout
+from .ledger import RECOMPUTE, SYNC_FORMATS, Layout, build_ledger, format_table
 
 # slime / Megatron flag -> Layout field (value flags)
 SLIME_FLAGS: dict[str, str] = {
@@ -132,10 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-gib", type=float, default=None, help="device memory in GiB (default 64)")
     p.add_argument("--margin", type=float, default=None, help="allocator margin, fraction of the peak (default 0.1)")
     p.add_argument("--teacher-config", help="the teachers' HF config (default: the model's)")
-    p.add_argument("--critic", action="store_true", help="a PPO critic")
-    p.add_argument("--no-reference", action="store_true", help="no reference model")
-    p.add_argument("--no-distributed-optimizer", action="store_true")
-    p.add_argument("--no-sequence-parallel", action="store_true")
+    # the switches default to None ("not given"), so that only a switch given here overrides --slime-args
+    p.add_argument("--critic", action="store_true", default=None, help="a PPO critic")
+    p.add_argument("--no-reference", dest="reference", action="store_false", default=None, help="no reference model")
+    p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false", default=None)
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false", default=None)
     p.add_argument("--json", action="store_true", help="print the ledger as JSON")
     return p
 
@@ -147,26 +147,14 @@ def layout_from_args(ns: argparse.Namespace) -> tuple[Layout, str | None]:
         values, hf = _layout_from_slime(ns.slime_args)
     names = {f.name for f in fields(Layout)}
     for key, val in vars(ns).items():
-        if key in names and val is not None and key != "critic":  # store_true: False means "not given"
+        if key in names and val is not None:
             values[key] = val
-    if ns.critic:
-        values["critic"] = True
-    for key in ("reference", "distributed_optimizer", "sequence_parallel"):
-        if getattr(ns, "no_" + key):  # --no-reference, --no-distributed-optimizer, --no-sequence-parallel
-            values[key] = False
-    return replace(Layout(), **values), hf
+    return Layout(**values), hf
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from ..cli import run_command
-
-    return run_command(_run, ns)
-
-
-def _run(ns: argparse.Namespace) -> int:
-    from .ledger import build_ledger, format_table
-
+    """Run by ``slime-ascend memory`` inside the CLI's one error handler (a ValueError: one line, exit 2)."""
+    ns = build_parser().parse_args(argv)
     layout, hf = layout_from_args(ns)
     path = ns.config or hf
     if not path:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 CATEGORIES: tuple[str, ...] = (
@@ -141,6 +141,7 @@ class ModelShape:
                 shared = opt("shared_expert_intermediate_size")
             moe_ffn = moe_ffn or need("intermediate_size")
         kv_lora = opt("kv_lora_rank")
+        mla = ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # read only with a kv_lora_rank
         return cls(
             hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             ffn=need("intermediate_size"), vocab=need("vocab_size"),
@@ -149,10 +150,7 @@ class ModelShape:
             qkv_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))) and not kv_lora,
             experts=experts, moe_ffn=moe_ffn, experts_per_token=opt("num_experts_per_tok") if experts else 0,
             shared_ffn=shared, moe_layers=moe_layers, router_bias=experts > 0 and "n_routed_experts" in cfg,
-            q_lora_rank=opt("q_lora_rank") if kv_lora else 0, kv_lora_rank=kv_lora,
-            qk_rope_head_dim=opt("qk_rope_head_dim") if kv_lora else 0,
-            qk_nope_head_dim=opt("qk_nope_head_dim") if kv_lora else 0,
-            v_head_dim=opt("v_head_dim") if kv_lora else 0,
+            kv_lora_rank=kv_lora, **{k: opt(k) if kv_lora else 0 for k in mla},
             index_heads=opt("index_n_heads"), index_head_dim=opt("index_head_dim"), model_type=model_type,
         )
 
@@ -218,10 +216,6 @@ def param_shapes(m: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
 @dataclass(frozen=True)
 class LayerParams:
     """Parameters of one decoder layer, split as Megatron shards them."""
@@ -264,11 +258,8 @@ def layer_params(m: ModelShape, i: int) -> LayerParams:
 
 def param_count(m: ModelShape) -> int:
     """Total parameters: ``V*h`` embedding (+ ``V*h`` ``lm_head`` unless tied) + ``h`` final norm + the layers."""
-    total = m.vocab * m.hidden * (1 if m.tied else 2) + m.hidden
-    for i in range(m.layers):
-        lp = layer_params(m, i)
-        total += lp.dense + lp.expert
-    return total
+    layers = (layer_params(m, i) for i in range(m.layers))
+    return m.vocab * m.hidden * (1 if m.tied else 2) + m.hidden + sum(lp.dense + lp.expert for lp in layers)
 
 
 def active_param_count(m: ModelShape) -> int:
@@ -316,17 +307,14 @@ class Layout:
 
     def validate(self) -> None:
         """One ``ValueError`` naming the field (its CLI flag spelled with dashes) and the fix."""
-        for name in ("tp", "pp", "cp", "ep", "dp", "micro_batch_size", "seq_length", "rollout_tp"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}. Fix: pass a "
-                                 f"positive integer")
-        for name in ("max_tokens_per_gpu", "kv_cache_tokens", "teachers", "teacher_tp", "num_microbatches",
-                     "chunked_prefill_tokens", "running_requests", "sync_bucket_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}. Fix: pass 0 "
-                                 f"or a positive integer")
+        for low, names in ((1, ("tp", "pp", "cp", "ep", "dp", "micro_batch_size", "seq_length", "rollout_tp")),
+                           (0, ("max_tokens_per_gpu", "kv_cache_tokens", "teachers", "teacher_tp", "num_microbatches",
+                                "chunked_prefill_tokens", "running_requests", "sync_bucket_bytes"))):
+            for name in names:
+                v = getattr(self, name)
+                if not isinstance(v, int) or v < low:
+                    raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {v!r}. Fix: pass "
+                                     f"{'0 or ' if low == 0 else ''}a positive integer")
         for name, allowed in (("param_dtype", ("bf16", "fp16", "fp32")), ("grad_dtype", ("fp32", "bf16", "fp16")),
                               ("recompute", RECOMPUTE), ("attention", ("flash", "eager")),
                               ("kv_dtype", ("bf16", "fp16", "fp32", "fp8")), ("sync_format", SYNC_FORMATS)):
@@ -460,12 +448,8 @@ def layer_activation_bytes(m: ModelShape, lay: Layout, moe: bool, tokens: int) -
 def stage_layers(m: ModelShape, pp: int) -> list[list[int]]:
     """Megatron's even split of the layers over pipeline stages (earlier stages take the remainder)."""
     base, extra = divmod(m.layers, pp)
-    out, start = [], 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
+    starts = [s * base + min(s, extra) for s in range(pp + 1)]  # s full stages and their extra layers before s
+    return [list(range(starts[s], starts[s + 1])) for s in range(pp)]
 
 
 # ------------------------------------------------------------------------------------------- ledger
@@ -505,12 +489,9 @@ class Ledger:
         return ENGINE_PHASES if proc.startswith(("rollout", "teacher")) else TRAIN_PHASES
 
     def _peak(self, entries: list[Entry], phases: tuple[str, ...], where: str) -> tuple[float, str]:
-        best, best_phase = 0.0, phases[0]
-        for ph in phases:
-            s = sum(e.bytes for e in entries if e.where == where and e.live_in(ph))
-            if s > best:
-                best, best_phase = s, ph
-        return best, best_phase
+        sums = {ph: sum((e.bytes for e in entries if e.where == where and e.live_in(ph)), 0.0) for ph in phases}
+        best = max(phases, key=sums.__getitem__)  # the first phase with the largest sum
+        return sums[best], best
 
     def peak(self, role: str, where: str = "device") -> tuple[float, str]:
         """(bytes, phase): the largest sum of this role's objects live together in one phase."""
@@ -567,12 +548,12 @@ def _quantised_bytes(shapes: list[tuple[str, tuple[int, ...]]], fmt: str, base: 
 
     payload = scales = 0.0
     for name, shape in shapes:
-        n = _numel(shape)
+        n = math.prod(shape)
         if fmt == "none" or not is_default_quantized(name, len(shape)):
             payload += n * base if passthrough else 0
             continue
         rows, cols = shape[-2], shape[-1]
-        lead = _numel(shape[:-2])
+        lead = math.prod(shape[:-2])
         if fmt == "fp8-block":
             payload += n
             scales += 4 * lead * math.ceil(rows / 128) * math.ceil(cols / 128)
@@ -606,8 +587,9 @@ def _rank_params(m: ModelShape, lay: Layout, layers: list[int], first: bool, las
     return dense, expert
 
 
-def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: bool) -> dict[str, float]:
-    """Entries of one Megatron train process (actor or critic) on its most loaded pipeline stage."""
+def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: bool) -> tuple[float, bool]:
+    """Entries of one Megatron train process (actor or critic) on its most loaded pipeline stage; returns that
+    rank's parameter count and whether the stage is the last."""
     e = DTYPE_BYTES[lay.param_dtype]
     T = lay.tokens
     stages = stage_layers(m, lay.pp)
@@ -625,7 +607,6 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
     inflight = min(lay.pp - s, n_mb)
     dp_dense = lay.dp * lay.cp if lay.distributed_optimizer else 1
     dp_expert = (lay.tp * lay.cp * lay.dp) // lay.ep if lay.distributed_optimizer else 1
-    out = {"stage": s, "dense_params": dense, "expert_params": expert}
     where = f"PP stage {s} of {lay.pp}" if lay.pp > 1 else "the one stage"
     led.notes.append(f"{role}: {where}, {dense + expert:,.0f} parameters per rank ({dense:,.0f} dense / TP {lay.tp}"
                      + (f", {expert:,.0f} expert / EP {lay.ep}" if expert else "") + f"); {T} tokens per micro-batch, "
@@ -686,7 +667,7 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
     if lay.pp > 1:
         add("pipeline send/recv activations", "communication buffers", 2 * e * m.hidden * T / lay.tp,
             "Megatron p2p communication", "train step", "2 x e*h/t per token")
-    if m.moe_layers and any(i in m.moe_layers for i in layers):
+    if any(i in m.moe_layers for i in layers):
         add("MoE all-to-all dispatch/combine", "communication buffers",
             2 * e * m.hidden * m.experts_per_token * T / lay.tp, "Megatron MoE token dispatcher", "train step",
             "2 x k x e*h per token / TP")
@@ -698,15 +679,14 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
         add("forward transients (one layer) + logits fp32", "operator workspace",
             biggest + (e + 4) * m.vocab / lay.tp * T * (1 if last else 0), "slime compute_log_prob (no grad)",
             "log-prob forward", "one layer's activations + (e + 4) V/t per token")
-    return out
+    return dense + expert, last
 
 
-def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sync: str, synced: bool) -> None:
+def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sync: str) -> None:
     """One SGLang engine rank (rollout or teacher): weights / engine TP in the engine's format, KV cache,
-    the DSA indexer's key cache, prefill workspace, the received weight bucket."""
-    shapes = param_shapes(m)
+    the DSA indexer's key cache, prefill workspace."""
     base = DTYPE_BYTES["bf16"]
-    payload, scales = _quantised_bytes(shapes, sync, base)
+    payload, scales = _quantised_bytes(param_shapes(m), sync, base)
     led.processes[role] = role
     add = _adder(led, role)
     weights = (payload + scales) / tp
@@ -743,30 +723,21 @@ def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sy
         "SGLang forward (chunked prefill)", "serving", "chunk x e x (2h + 3 ffn/TP + qkv/TP)")
     add("logits fp32 (decode batch)", "operator workspace", lay.running_requests * 4 * m.vocab / tp * 2,
         "SGLang sampler", "serving", "running requests x V/TP x 4 B x 2 (logits + probs)")
-    if synced:
-        bucket = max(_buckets(shapes, lay), key=lambda b: sum(_numel(s) for _, s in b))  # the largest in bf16
-        pb, sb = _quantised_bytes(bucket, sync, base)
-        add("received weight bucket", "communication buffers", pb + sb, "SGLang update_weights_from_tensor/disk",
-            "weight sync", "one bucket in the sync format")
 
 
 def _buckets(shapes: list[tuple[str, tuple[int, ...]]], lay: Layout) -> list[list[tuple[str, tuple[int, ...]]]]:
     """slime's weight-sync buckets: full-size (TP-gathered) bf16 tensors in order, up to
     ``--update-weight-buffer-size`` bytes each; a bucket is flushed when the next tensor would overflow it, so
     one tensor larger than the cap is a bucket of its own (``slime/backends/megatron_utils/update_weight/``)."""
-    cap = lay.sync_bucket_bytes
-    out: list[list[tuple[str, tuple[int, ...]]]] = []
-    cur: list[tuple[str, tuple[int, ...]]] = []
+    out: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in shapes:
-        b = _numel(shape) * 2
-        if cur and size + b > cap:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append((name, shape))
+        b = math.prod(shape) * 2
+        if out[-1] and size + b > lay.sync_bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, shape))
         size += b
-    if cur:
-        out.append(cur)
     return out
 
 
@@ -778,12 +749,13 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
     check_layout_fits(m, layout)
     led = Ledger(m, layout)
     e = DTYPE_BYTES[layout.param_dtype]
-    actor = _train_role(led, "actor", m, layout, value_head=False)
+    actor_params, actor_last = _train_role(led, "actor", m, layout, value_head=False)
     add = _adder(led, "actor")
     # slime gathers every bucket to full size before any transport
     buckets = _buckets(param_shapes(m), layout)
+    largest = max(buckets, key=lambda b: sum(math.prod(s) for _, s in b))  # in bf16; the rollout receives it too
     add("weight-sync bucket: TP/EP-gathered full-size bf16 tensors", "communication buffers",
-        max(sum(_numel(s) for _, s in b) for b in buckets) * 2, "slime update_weight (all-gather)", "weight sync",
+        sum(math.prod(s) for _, s in largest) * 2, "slime update_weight (all-gather)", "weight sync",
         "max(--update-weight-buffer-size, largest tensor)")
     if layout.sync_format != "none":
         pb, sb = max(_quantised_bytes(b, layout.sync_format, 2, passthrough=False) for b in buckets)
@@ -793,23 +765,25 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
             "slime-ascend weight_sync funnel", "weight sync")
     if layout.reference:
         add = _adder(led, "reference")
-        p = (actor["dense_params"] + actor["expert_params"]) * e
+        p = actor_params * e
         led.processes["reference"] = "actor"
         add(f"reference weights ({layout.param_dtype}, pinned host)", "model state", p,
             "slime TensorBackuper tag 'ref'", WHOLE_RUN, "actor rank's P x e", "host")
         add(f"actor weights backup ({layout.param_dtype}, pinned host)", "model state", p,
             "slime TensorBackuper tag 'actor'", WHOLE_RUN, "actor rank's P x e", "host")
-        last = actor["stage"] == layout.pp - 1
         T = layout.tokens
         biggest = max((layer_activation_bytes(m, layout, i in m.moe_layers, T) for i in range(m.layers)), default=0)
         add("reference forward transients (one layer) + logits fp32", "operator workspace",
-            biggest + ((e + 4) * m.vocab / layout.tp * T if last else 0),
+            biggest + ((e + 4) * m.vocab / layout.tp * T if actor_last else 0),
             "slime compute_log_prob (ref weights swapped in)", "log-prob forward",
             "one layer's activations + (e + 4) V/t per token")
         add("ref log-probs [tokens] fp32", "live IO", 4 * T, "slime rollout data", "log-prob forward")
     if layout.critic:
         _train_role(led, "critic", m, layout, value_head=True)
-    _engine_role(led, "rollout", m, layout, layout.rollout_tp, layout.sync_format, synced=True)
+    _engine_role(led, "rollout", m, layout, layout.rollout_tp, layout.sync_format)
+    pb, sb = _quantised_bytes(largest, layout.sync_format, 2)
+    _adder(led, "rollout")("received weight bucket", "communication buffers", pb + sb,
+                           "SGLang update_weights_from_tensor/disk", "weight sync", "one bucket in the sync format")
     if layout.teachers:
         tm = m if teacher_config is None else (
             teacher_config if isinstance(teacher_config, ModelShape) else ModelShape.from_hf(teacher_config))
@@ -818,10 +792,9 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
             raise ValueError(f"--teacher-tp {ttp} does not divide the teacher's {tm.heads} heads. Fix: choose a "
                              f"--teacher-tp that divides {tm.heads}")
         for i in range(1, layout.teachers + 1):
-            _engine_role(led, f"teacher-{i}", tm, layout, ttp, "none", synced=False)
+            _engine_role(led, f"teacher-{i}", tm, layout, ttp, "none")
     # allocator margin: a fraction of each process's peak, booked on its main role
-    for proc in list(dict.fromkeys(led.processes.values())):
-        pk = led.process_peaks[proc]
+    for proc, pk in led.process_peaks.items():
         if layout.margin and pk:
             _adder(led, proc)(f"allocator margin ({layout.margin:.0%} of the peak)", "allocator margin",
                               pk * layout.margin, "PyTorch caching allocator (fragmentation, rounding)", WHOLE_RUN,
@@ -831,17 +804,14 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
 
 def format_table(led: Ledger) -> str:
     """One table per role (object, category, owner, lifetime, GiB) with its peak."""
-    lines = []
-    m = led.model
-    lines.append(f"model: {m.model_type or 'decoder'} {param_count(m) / 1e9:.3f}e9 params"
-                 + (f" ({active_param_count(m) / 1e9:.3f}e9 active)" if m.experts else "")
-                 + f"; layers {m.layers}, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}")
-    lay = led.layout
-    lines.append(f"layout: TP {lay.tp} PP {lay.pp} CP {lay.cp} EP {lay.ep} DP {lay.dp}; {lay.tokens} tokens/micro-batch; "
-                 f"recompute {lay.recompute}; {lay.param_dtype} params, {lay.grad_dtype} grads; rollout TP "
-                 f"{lay.rollout_tp}; sync {lay.sync_format}")
-    for note in led.notes:
-        lines.append(f"note: {note}")
+    m, lay = led.model, led.layout
+    lines = [f"model: {m.model_type or 'decoder'} {param_count(m) / 1e9:.3f}e9 params"
+             + (f" ({active_param_count(m) / 1e9:.3f}e9 active)" if m.experts else "")
+             + f"; layers {m.layers}, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}",
+             f"layout: TP {lay.tp} PP {lay.pp} CP {lay.cp} EP {lay.ep} DP {lay.dp}; {lay.tokens} tokens/micro-batch; "
+             f"recompute {lay.recompute}; {lay.param_dtype} params, {lay.grad_dtype} grads; rollout TP "
+             f"{lay.rollout_tp}; sync {lay.sync_format}",
+             *(f"note: {note}" for note in led.notes)]
     for role in led.roles():
         rows = led.role_entries(role)
         w = max(len(e.name) for e in rows)
@@ -866,5 +836,5 @@ def format_table(led: Ledger) -> str:
 __all__ = [
     "CATEGORIES", "Entry", "Layout", "Ledger", "ModelShape", "SYNC_FORMATS", "active_param_count", "build_ledger",
     "format_table", "layer_activation_bytes", "layer_activation_terms", "layer_params", "model_state_bytes_per_param",
-    "param_count", "param_shapes", "replace", "stage_layers",
+    "param_count", "param_shapes", "stage_layers",
 ]
