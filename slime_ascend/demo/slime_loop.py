@@ -206,11 +206,6 @@ EVIDENCE_ENGINE_LOG: dict[str, tuple[str, ...]] = {
 }
 
 
-def critic_passes(log: str) -> dict[int, int]:
-    """How many critic updates slime logged per rollout (``critic-step N: {...}`` lines)."""
-    return dict(Counter(int(n) for n in re.findall(r"critic-step (\d+): \{", log)))
-
-
 def plugin_evidence(plugins: tuple[str, ...], steps: dict[int, dict[str, Any]], log: str,
                     engine_log: str = "") -> dict[str, Any]:
     """Per plugin: the matching metric series from slime's dicts and up to five matching log lines."""
@@ -227,8 +222,9 @@ def plugin_evidence(plugins: tuple[str, ...], steps: dict[int, dict[str, Any]], 
             for pattern in table.get(plugin, ()):
                 lines += [m.group(0)[:200] for m in re.finditer(pattern, text)]
         entry: dict[str, Any] = {"metrics": series, "log": sorted(set(lines))[:5]}
-        if plugin == "sao":
-            entry["critic_passes_per_rollout"] = critic_passes(log)
+        if plugin == "sao":  # how many critic updates slime logged per rollout (``critic-step N: {...}`` lines)
+            passes = re.findall(r"critic-step (\d+): \{", log)
+            entry["critic_passes_per_rollout"] = dict(Counter(int(n) for n in passes))
         entry["found"] = bool(series or lines)
         out[plugin] = entry
     return out
