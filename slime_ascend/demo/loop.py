@@ -128,7 +128,7 @@ def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str],
     host, port = urls["engine"].removeprefix("http://").rsplit(":", 1)
     args = argparse.Namespace(
         # the command line slime needs for these plugins (printed by `slime-ascend config`)
-        advantage_estimator="ppo", n_samples_per_prompt=1, megatron_config_path=paths.get("megatron_config"),
+        advantage_estimator="ppo", n_samples_per_prompt=1, megatron_config_path=paths["megatron_config"],
         rollout_batch_size=cfg.batch, global_batch_size=cfg.batch, num_rollout=cfg.steps,
         hf_checkpoint=paths["policy"], vocab_size=TINY_QWEN3_KWARGS["vocab_size"], seed=cfg.seed,
         sglang_router_ip=host, sglang_router_port=int(port), rollout_temperature=1.0,
@@ -141,10 +141,9 @@ def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str],
         calculate_per_token_loss=False, use_rollout_logprobs=False, log_probs_chunk_size=-1, allgather_cp=False,
         group_rm=False, partial_rollout=False, use_critic=True, freeze_params_name_list=None,
     )
-    # the demo's edits of the generated YAML (what a user edits before launching)
+    # the demo's edits of the generated YAML (what a user edits before launching); sao is always enabled (run_demo)
     edits: dict[str, Any] = {k: v for p in plugins for k, v in task_settings(p, cfg, paths, urls["teacher"]).items()}
-    if "sao" in plugins:
-        edits.update(ascend_sao_freeze_patterns=["self_attn"], ascend_sao_dis_preset="maths")
+    edits.update(ascend_sao_freeze_patterns=["self_attn"], ascend_sao_dis_preset="maths")
     write_yaml(plugins, edits, paths["yaml"])
     for key, value in yaml.safe_load(Path(paths["yaml"]).read_text()).items():  # slime's --custom-config-path
         setattr(args, key, value)
@@ -217,6 +216,7 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
 
     from slime_ascend.demo.rollout import RolloutWorker
     from slime_ascend.demo.trainer import Trainer
+    from slime_ascend.sao.critic import write_megatron_role_config
 
     log(f"slime-ascend demo: plugins {', '.join(plugins)}; seed {cfg.seed}; {cfg.steps} steps; output {out}")
     paths, start, seconds = prepare_task(cfg, out)
@@ -224,11 +224,8 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
                        + ", ".join(f"{dom} {p:.2f}" for dom, p in probs.items()) + ")" for name, probs in start.items())
     log(f"prepared the initial policy and two teachers in {seconds:.1f}s; p(right answer): {levels}")
     paths["yaml"] = str(out / "ascend.yaml")
-    if "sao" in plugins:
-        from slime_ascend.sao.critic import write_megatron_role_config
-
-        paths["megatron_config"] = str(out / "sao_megatron.yaml")
-        write_megatron_role_config(paths["megatron_config"], ["self_attn"], force=True)
+    paths["megatron_config"] = str(out / "sao_megatron.yaml")  # sao's critic role config (sao is always enabled)
+    write_megatron_role_config(paths["megatron_config"], ["self_attn"], force=True)
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
     history: list[dict[str, Any]] = []

@@ -18,10 +18,6 @@ PANELS: tuple[tuple[tuple[tuple[str, str], ...], str, str, tuple[float, float] |
 )
 
 
-def _points(history: Sequence[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    return [(h["step"] + 1, float(h[key])) for h in history if h.get(key) is not None]
-
-
 def plot_curves(history: Sequence[dict[str, Any]], path: str, title: str | None = None) -> str:
     """A 2 x 2 figure of :data:`PANELS` against the training step; a quantity the run did not measure
     says so in its panel instead of drawing an empty axis."""
@@ -34,7 +30,7 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str, title: str | None 
     for ax, (series, name, ylabel, ylim) in zip(axes.flat, PANELS):
         drawn = 0
         for key, label in series:
-            pts = _points(history, key)
+            pts = [(h["step"] + 1, float(h[key])) for h in history if h.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2 if drawn == 0 else 1, ls="-" if drawn == 0 else "--",
                         label=label or None)

@@ -29,7 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .loop import DemoConfig, task_settings, write_yaml
+from ..plugins.base import option_groups
+from .loop import DemoConfig, prepare_task, task_settings, write_yaml
+from .plots import plot_curves
 from .slime_job import (
     TINY_QWEN3_ARGS,
     Engine,
@@ -204,11 +206,6 @@ EVIDENCE_ENGINE_LOG: dict[str, tuple[str, ...]] = {
 }
 
 
-def critic_passes(log: str) -> dict[int, int]:
-    """How many critic updates slime logged per rollout (``critic-step N: {...}`` lines)."""
-    return dict(Counter(int(n) for n in re.findall(r"critic-step (\d+): \{", log)))
-
-
 def plugin_evidence(plugins: tuple[str, ...], steps: dict[int, dict[str, Any]], log: str,
                     engine_log: str = "") -> dict[str, Any]:
     """Per plugin: the matching metric series from slime's dicts and up to five matching log lines."""
@@ -225,8 +222,9 @@ def plugin_evidence(plugins: tuple[str, ...], steps: dict[int, dict[str, Any]], 
             for pattern in table.get(plugin, ()):
                 lines += [m.group(0)[:200] for m in re.finditer(pattern, text)]
         entry: dict[str, Any] = {"metrics": series, "log": sorted(set(lines))[:5]}
-        if plugin == "sao":
-            entry["critic_passes_per_rollout"] = critic_passes(log)
+        if plugin == "sao":  # how many critic updates slime logged per rollout (``critic-step N: {...}`` lines)
+            passes = re.findall(r"critic-step (\d+): \{", log)
+            entry["critic_passes_per_rollout"] = dict(Counter(int(n) for n in passes))
         entry["found"] = bool(series or lines)
         out[plugin] = entry
     return out
@@ -250,9 +248,6 @@ def _history_row(step: int, m: dict[str, Any]) -> dict[str, Any]:
 
 def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo's plugins in slime's ``train_async.py``; returns the summary (also ``summary.json``)."""
-    from .loop import prepare_task
-    from .plots import plot_curves
-
     t_start = time.perf_counter()
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -283,16 +278,10 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
         log(f"reference engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
         job.engines.append(engine)
         generated = write_yaml(plugins, job.yaml, out / "ascend.yaml")
-        merged = _base_flags(cfg, job, engine)
-        plugin_flags = generated.flags
-        i = 0
-        while i < len(plugin_flags):  # the plugins' flags, then the demo's own values where both set one
-            flag = plugin_flags[i]
-            value = plugin_flags[i + 1] if i + 1 < len(plugin_flags) and not plugin_flags[i + 1].startswith("--") else None
-            merged.setdefault(flag, value)
-            i += 2 if value is not None else 1
-        merged.update(job.flags)
-        words = [word for flag_value in merged.items() for word in flag_value if word is not None]  # None: a switch
+        own = {**_base_flags(cfg, job, engine), **job.flags}  # the demo's values, then the plugins' other flags
+        words = [word for flag_value in own.items() for word in flag_value if word is not None]  # None: a switch
+        words += [word for option, *values in option_groups(generated.flags) if option not in own
+                  for word in (option, *values)]
         cmd = [sys.executable, str(src / "train_async.py"), *TINY_QWEN3_ARGS.split(), *words,
                "--custom-config-path", str(out / "ascend.yaml")]
         (out / "command.txt").write_text(shlex.join(cmd) + "\n")

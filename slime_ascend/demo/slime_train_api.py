@@ -102,27 +102,14 @@ def sum_of_sample_mean(response_lengths: Sequence[int], loss_masks: Sequence[tor
     return reduce
 
 
-class _MpuStandin(types.ModuleType):
-    """``megatron.core.mpu`` of one process with no model parallelism."""
-
-    def get_context_parallel_rank(self) -> int:
-        return 0
-
-    def get_context_parallel_world_size(self) -> int:
-        return 1
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return 1
-
-    def model_parallel_is_initialized(self) -> bool:
-        return False
-
-
-def _package(name: str) -> types.ModuleType:
+def _standin(name: str, is_package: bool = False, **attrs: Any) -> types.ModuleType:
+    """A stand-in module ``name`` holding ``attrs``, marked as ours."""
     mod = types.ModuleType(name)
-    mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-    mod.__path__ = []  # a package with no files: other submodules stay unimportable
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=is_package)
+    if is_package:
+        mod.__path__ = []  # a package with no files: other submodules stay unimportable
     mod.__slime_ascend_standin__ = True
+    mod.__dict__.update(attrs)
     return mod
 
 
@@ -139,21 +126,19 @@ def install() -> str:
         _init_megatron_single_process()
         return "slime"
     for name in ("slime", "slime.backends", "slime.backends.megatron_utils"):
-        sys.modules.setdefault(name, _package(name))
-    loss = types.ModuleType(LOSS_MODULE)
-    loss.__spec__ = importlib.machinery.ModuleSpec(LOSS_MODULE, None)
-    loss.__slime_ascend_standin__ = True
-    loss.get_log_probs_and_entropy = get_log_probs_and_entropy
-    loss.get_values = get_values
+        sys.modules.setdefault(name, _standin(name, is_package=True))
+    loss = _standin(LOSS_MODULE, get_log_probs_and_entropy=get_log_probs_and_entropy, get_values=get_values)
     sys.modules[LOSS_MODULE] = loss
     sys.modules["slime.backends.megatron_utils"].loss = loss
     if importlib.util.find_spec("megatron") is not None:
         _init_megatron_single_process()  # an uninitialised Megatron reports CP world size 0
     else:
         for name in ("megatron", "megatron.core"):
-            sys.modules.setdefault(name, _package(name))
-        mpu = _MpuStandin("megatron.core.mpu")
-        mpu.__spec__ = importlib.machinery.ModuleSpec("megatron.core.mpu", None)
+            sys.modules.setdefault(name, _standin(name, is_package=True))
+        # megatron.core.mpu of one process with no model parallelism
+        mpu = _standin("megatron.core.mpu", get_context_parallel_rank=lambda: 0,
+                       get_context_parallel_world_size=lambda: 1, get_tensor_model_parallel_world_size=lambda: 1,
+                       model_parallel_is_initialized=lambda: False)
         sys.modules["megatron.core.mpu"] = mpu
         sys.modules["megatron.core"].mpu = mpu
     _installed = True

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from slime_ascend import hooks
+from slime_ascend.demo import slime_train_api
 from slime_ascend.demo.task import padded_batch
-from slime_ascend.plugins import runtime
+from slime_ascend.plugins import patch_plan, roles, runtime
 
 __all__ = ["Trainer", "build_rollout_data", "quantize_for_sync"]
 
@@ -104,7 +105,6 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, policy_dir: str, out_dir: str, *, lr: float, critic_lr: float,
                  seed: int, sync_format: str | None, lr_warmup_steps: int = 0) -> None:
-        from slime_ascend.demo import slime_train_api
         from slime_ascend.rollout.reference.model import load_model
         from slime_ascend.sao.freeze import matching_names
 
@@ -152,14 +152,10 @@ class Trainer:
         into slime's actor (``TrainRayActor.init``), then slime calls ``custom_megatron_init_path``. Without
         slime there is nothing to patch, and the trainer applies ``train.critic_advantage_function``'s effect
         on the critic's args itself (this miniature stands in for slime's actor) and marks critic passes."""
-        from slime_ascend.plugins import patch_plan
-
         state = runtime.active(self.args)
         if "megatron_init" not in state.selection.slots:
             return
         if self.slime_api == "slime":
-            from slime_ascend.plugins import roles
-
             previous = roles.train_role()
             try:
                 for role, args in (("actor", self.args), ("critic", self.critic_args)):
@@ -215,26 +211,18 @@ class Trainer:
         batch["unconcat_tokens"] = rd["tokens"]
         return batch
 
-    def _reducer(self, rd: dict[str, Any], args: Any):
-        from slime_ascend.demo.slime_train_api import sum_of_sample_mean
-
-        return sum_of_sample_mean(rd["response_lengths"], rd["loss_masks"], rd["rollout_mask_sums"].tolist(),
-                                  bool(getattr(args, "calculate_per_token_loss", False)))
-
-    def _normaliser(self, rd: dict[str, Any], args: Any) -> float:
-        """Megatron's divisor: trainable tokens (per-token loss) or rollouts in the step."""
-        if getattr(args, "calculate_per_token_loss", False):
-            return max(1.0, float(sum(int(m.sum()) for m in rd["loss_masks"])))
-        return float(max(1, len(set(rd["rollout_ids"]))))
-
     def _step(self, args: Any, rd: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer,
               logits_fn, step: int, sub: int) -> dict[str, float]:
-        hooks_slots = runtime.active(args).selection.slots
-        if "before_train_step" in hooks_slots:
+        if "before_train_step" in runtime.active(args).selection.slots:
             hooks.before_train_step(args, step, sub, model, opt, None)
         logits = logits_fn(rd)
-        loss, metrics = hooks.loss_function(args, self._batch(rd), logits, self._reducer(rd, args))
-        norm = self._normaliser(rd, args)
+        per_token = bool(getattr(args, "calculate_per_token_loss", False))
+        reducer = slime_train_api.sum_of_sample_mean(rd["response_lengths"], rd["loss_masks"],
+                                                     rd["rollout_mask_sums"].tolist(), per_token)
+        loss, metrics = hooks.loss_function(args, self._batch(rd), logits, reducer)
+        # Megatron's divisor: trainable tokens (per-token loss) or rollouts in the step
+        norm = (max(1.0, float(sum(int(m.sum()) for m in rd["loss_masks"]))) if per_token
+                else float(max(1, len(set(rd["rollout_ids"])))))
         opt.zero_grad(set_to_none=True)
         (loss / norm).backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
@@ -244,9 +232,6 @@ class Trainer:
     # ---------------------------------------------------------------- one rollout
     def train(self, step: int, train_data: dict[str, Any]) -> dict[str, Any]:
         """Critic then actor on one rollout, then export the synced weights. Returns metrics and the export."""
-        from slime_ascend.plugins import roles
-        from slime_ascend.plugins.roles import critic_pass
-
         t0 = time.perf_counter()
         rd = build_rollout_data(train_data)
         with torch.no_grad():
@@ -255,7 +240,6 @@ class Trainer:
         # ---- critic (train_critic): value targets from the advantage chain, K value-loss passes
         critic_rd = dict(rd, values=[v.detach() for v in values], kl=[torch.zeros_like(v) for v in values])
         critic_rd["log_probs"] = [lp.detach() for lp in log_probs]
-        metrics: dict[str, Any] = {}
         critic_iters = int(runtime.settings(self.args, "sao").critic_iters) if "sao" in runtime.enabled_names(
             self.args) else 1
         cargs = argparse.Namespace(**vars(self.critic_args))
@@ -263,13 +247,13 @@ class Trainer:
         role = roles.train_role()  # one process trains both roles: the critic's hooks run as the critic's
         roles.set_train_role("critic")
         try:
-            with critic_pass():
+            with roles.critic_pass():
                 hooks.advantage_function(self.critic_args, critic_rd)
                 for k in range(critic_iters):
                     m = self._step(cargs, critic_rd, self.critic, self.critic_opt, self._critic_logits, step, k)
         finally:
             roles.set_train_role(role)
-        metrics.update({f"critic/{k}": v for k, v in m.items()})
+        metrics: dict[str, Any] = {f"critic/{k}": v for k, v in m.items()}
         # ---- actor: GAE with the critic's pre-update values, then one optimizer step
         actor_rd = dict(rd, values=[v.detach() for v in values], log_probs=[lp.detach() for lp in log_probs],
                         kl=[torch.zeros_like(v) for v in values])
