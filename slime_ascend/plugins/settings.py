@@ -18,9 +18,6 @@ class SettingsError(ValueError):
     """A setting has a wrong value. The message names the key, the value and the fix."""
 
 
-_UNSET = object()
-
-
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One typed key on slime's ``args``.
@@ -128,10 +125,9 @@ def coerce(setting: Setting, value: Any) -> Any:
     return out
 
 
-def read(setting: Setting, args: Any, default: Any = _UNSET) -> Any:
+def read(setting: Setting, args: Any) -> Any:
     """Read one setting from ``args`` (missing means the declared default) and coerce it."""
-    fallback = setting.default if default is _UNSET else default
-    return coerce(setting, getattr(args, setting.key, fallback))
+    return coerce(setting, getattr(args, setting.key, setting.default))
 
 
 class SettingsView(Mapping):
