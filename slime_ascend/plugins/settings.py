@@ -138,13 +138,12 @@ class SettingsView(Mapping):
         self._values = values
 
     def __getitem__(self, name: str) -> Any:
-        key = name if name.startswith(PREFIX) else None
-        if key is None:
-            matches = [k for k in self._values if k.endswith("_" + name) or k == PREFIX + name]
-            if len(matches) != 1:
-                raise KeyError(f"plugin {self._plugin!r} has no setting {name!r}; it has {sorted(self._values)}")
-            key = matches[0]
-        return self._values[key]
+        if name.startswith(PREFIX):
+            return self._values[name]
+        matches = [k for k in self._values if k.endswith("_" + name) or k == PREFIX + name]
+        if len(matches) != 1:
+            raise KeyError(f"plugin {self._plugin!r} has no setting {name!r}; it has {sorted(self._values)}")
+        return self._values[matches[0]]
 
     def __getattr__(self, name: str) -> Any:
         try:
