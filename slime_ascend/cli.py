@@ -151,6 +151,8 @@ def _fix_for(exc: BaseException) -> str:
     """The ``Fix:`` for a user mistake that did not name its own."""
     import errno
 
+    if isinstance(exc, ImportError):
+        return "install the missing package (the README's install command installs what each command needs)"
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
         return "choose another --port, or stop the process that holds this one"
     if isinstance(exc, OSError) and exc.errno in (errno.EADDRNOTAVAIL, errno.EACCES) and "bind" in str(exc).lower():
@@ -166,13 +168,6 @@ def _fix_for(exc: BaseException) -> str:
     return "correct the value named above (`slime-ascend <command> --help` lists each option)"
 
 
-def _user_error(exc: BaseException) -> bool:
-    from .plugins.registry import PluginError
-    from .plugins.settings import SettingsError
-
-    return isinstance(exc, (PluginError, SettingsError, ValueError, OSError, ImportError))
-
-
 def run_command(fn, *args) -> int:
     """The one handler of every subcommand: a user mistake is one line with a ``Fix:`` on stderr and exit
     status 2; Ctrl-C is 130; anything else (a bug) is one line that says how to get the traceback."""
@@ -183,18 +178,15 @@ def run_command(fn, *args) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except SystemExit:
-        raise
     except Exception as exc:  # noqa: BLE001 - a CLI prints the reason, not a traceback
         if os.environ.get(TRACEBACK_ENV) == "1":
             raise
+        from .plugins.registry import PluginError
+
         text = " ".join(str(exc).split()) or type(exc).__name__
-        if _user_error(exc):
-            if isinstance(exc, ImportError):
-                fix = "install the missing package (the README's install command installs what each command needs)"
-            else:
-                fix = _fix_for(exc)
-            print(f"error: {text}" if "Fix:" in text else f"error: {text.rstrip('.')}. Fix: {fix}", file=sys.stderr)
+        if isinstance(exc, (PluginError, ValueError, OSError, ImportError)):  # a user mistake (a SettingsError too)
+            print(f"error: {text}" if "Fix:" in text else f"error: {text.rstrip('.')}. Fix: {_fix_for(exc)}",
+                  file=sys.stderr)
             return 2
         print(f"error: internal error ({type(exc).__name__}: {text}). Fix: none needed from you; rerun with "
               f"{TRACEBACK_ENV}=1 and report the traceback", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import shlex
 from typing import Any
 
@@ -43,8 +44,6 @@ class GeneratedConfig:
     def write_files(self, directory: str, force: bool = False) -> dict[str, str]:
         """Write the plugins' companion files (``Plugin.config_files``) into ``directory`` with the YAML's
         settings; returns file name -> path. An existing file is kept unless ``force`` (FileExistsError)."""
-        import os
-
         values = yaml.safe_load(self.yaml_text) or {}
         self.check_files(directory, force)
         written: dict[str, str] = {}
@@ -56,8 +55,6 @@ class GeneratedConfig:
 
     def check_files(self, directory: str, force: bool = False) -> None:
         """Refuse (FileExistsError) before anything is written when a companion file exists and not ``force``."""
-        import os
-
         for name, _plugin, _writer in self.files:
             path = os.path.join(directory, name)
             if os.path.exists(path) and not force:
@@ -102,10 +99,8 @@ class GeneratedConfig:
 
 
 def _dump_value(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10_000).strip()
-    if text.endswith("\n..."):
-        text = text[: -len("\n...")]
-    return text.removesuffix("...").strip()
+    # a plain scalar ends with the document end marker "\n..."
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10_000).strip().removesuffix("\n...")
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
@@ -271,9 +266,7 @@ def check_combination(selection: registry.Selection, overrides: dict[str, Any] |
             together = _problem(selection, plugin, overrides)
             if together is None:
                 continue
-            alone_selection = registry.resolve_selection([plugin.name])
-            own = {s.key for p in alone_selection.plugins for s in p.settings}
-            alone = _problem(alone_selection, plugin, {k: v for k, v in overrides.items() if k in own})
+            alone = _problem(registry.resolve_selection([plugin.name]), plugin, overrides)
         except Exception as exc:  # noqa: BLE001 - e.g. torch missing on this machine: the check runs at start
             notes.append(f"plugin {plugin.name!r}: its start-up check could not run here ({type(exc).__name__}: "
                          f"{exc}); it runs at process start")
@@ -293,9 +286,7 @@ def _culprits(selection: registry.Selection, plugin: Plugin, overrides: dict[str
     others = [n for n in selection.names if n != plugin.name and n not in plugin.requires]
     found = []
     for other in others:
-        pair = registry.resolve_selection([plugin.name, other])
-        own = {s.key for p in pair.plugins for s in p.settings}
-        if _problem(pair, plugin, {k: v for k, v in overrides.items() if k in own}) == problem:
+        if _problem(registry.resolve_selection([plugin.name, other]), plugin, overrides) == problem:
             found.append(other)
     return " and ".join(repr(n) for n in found or others)
 

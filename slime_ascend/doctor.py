@@ -63,12 +63,10 @@ def versions() -> list[Line]:
     slime = slime_version()
     spec = importlib.util.find_spec("slime")
     where = next(iter(spec.submodule_search_locations)) if spec and spec.submodule_search_locations else ""
-    lines.append(Line("slime", "ok" if slime not in ("absent",) else "warn",
+    lines.append(Line("slime", "ok" if slime != "absent" else "warn",
                       f"{slime} at {where}" if where else "not importable (install THUDM/slime from source)"))
-    for dist in ("ray", "megatron-core", "sglang", "mindspeed", "transformers"):
-        v = _dist_version(dist)
-        lines.append(Line(dist, "info", v or "not installed"))
-    return lines
+    dists = ("ray", "megatron-core", "sglang", "mindspeed", "transformers")
+    return lines + [Line(dist, "info", _dist_version(dist) or "not installed") for dist in dists]
 
 
 def activation() -> list[Line]:
@@ -100,10 +98,9 @@ def ray_probe() -> Line:
     """Ask a live Ray cluster's worker what it sees (connects to RAY_ADDRESS or starts a local one)."""
     import ray
 
-    started = False
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
-        started = True
     try:
         @ray.remote(num_cpus=0)
         def probe():

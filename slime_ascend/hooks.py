@@ -175,12 +175,6 @@ def rollout_sample_hook(args, sample, *, rollout_id=None, evaluation=False):
     return sample
 
 
-def reward_value(args, sample):
-    """``Sample.get_reward_value`` that also accepts args without ``reward_key`` (contract stubs)."""
-    key = getattr(args, "reward_key", None)
-    return sample.reward[key] if key else sample.reward
-
-
 GROUP_NORMALISED = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 
 
@@ -192,7 +186,8 @@ def reward_post_process(args, samples):
     """
     from .algorithms.reward_norm import group_normalise
 
-    raw_rewards = [reward_value(args, sample) for sample in samples]
+    key = getattr(args, "reward_key", None)  # Sample.get_reward_value, also for args without it (contract stubs)
+    raw_rewards = [sample.reward[key] if key else sample.reward for sample in samples]
     rewards = list(raw_rewards)
     for _, fn in _contributions(args, "reward_post_process"):
         raw_rewards, rewards = fn(args, samples, raw_rewards, rewards)

@@ -39,12 +39,12 @@ def dp_group() -> Any:
 def cp_state() -> tuple[int, int, AllGather | None]:
     """(cp_rank, cp_size, all_gather over the CP group); (0, 1, None) with one CP rank."""
     mpu = mpu_or_none()
-    if mpu is None or mpu.get_context_parallel_world_size() == 1:
+    size = 1 if mpu is None else mpu.get_context_parallel_world_size()
+    if size == 1:
         return 0, 1, None
     import torch.distributed as dist
 
     group = mpu.get_context_parallel_group()
-    size = mpu.get_context_parallel_world_size()
 
     def all_gather(x: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(x) for _ in range(size)]

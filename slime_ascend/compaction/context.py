@@ -113,12 +113,9 @@ def rebuild_context(head: Sequence[int], pairs: Sequence[Pair], keep_pairs: int)
     tokens = [int(t) for t in head]
     spans = [Span("resume", 0, len(tokens), False)]
     for pair in tail_pairs(pairs, keep_pairs):
-        start = len(tokens)
-        tokens.extend(pair.action)
-        spans.append(Span("tail_action", start, len(tokens), False))
-        start = len(tokens)
-        tokens.extend(pair.observation)
-        spans.append(Span("tail_observation", start, len(tokens), False))
+        for kind, part in (("tail_action", pair.action), ("tail_observation", pair.observation)):
+            spans.append(Span(kind, len(tokens), len(tokens) + len(part), False))
+            tokens.extend(part)
     return tokens, [s for s in spans if s.end > s.start]
 
 

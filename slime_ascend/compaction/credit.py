@@ -100,9 +100,14 @@ def validate(args: Any, settings: Any) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _rollout_key(sample: Any) -> Hashable:
-    rid = getattr(sample, "rollout_id", None)
-    return rid if rid is not None else sample.index
+def _compaction_rollouts(samples: Sequence[Any]) -> dict[Hashable, list[int]]:
+    """Indices of the samples with ``metadata["compaction"]``, by rollout (``rollout_id``, else ``index``)."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, sample in enumerate(samples):
+        if (getattr(sample, "metadata", None) or {}).get("compaction"):
+            rid = getattr(sample, "rollout_id", None)
+            groups.setdefault(rid if rid is not None else sample.index, []).append(i)
+    return groups
 
 
 def share_final_reward(args: Any, samples: Sequence[Any], raw_rewards: list, rewards: list) -> tuple[list, list]:
@@ -115,11 +120,7 @@ def share_final_reward(args: Any, samples: Sequence[Any], raw_rewards: list, rew
         raise ValueError(
             f"share_final_reward: {len(samples)} samples but {len(raw_rewards)} raw rewards and {len(rewards)} rewards"
         )
-    groups: dict[Hashable, list[int]] = {}
-    for i, sample in enumerate(samples):
-        metadata = getattr(sample, "metadata", None) or {}
-        if metadata.get("compaction"):
-            groups.setdefault(_rollout_key(sample), []).append(i)
+    groups = _compaction_rollouts(samples)
     raw_out, out = list(raw_rewards), list(rewards)
     for key, idx in groups.items():
         seg = [int(samples[i].metadata["segment_index"]) for i in idx]
@@ -143,12 +144,7 @@ def segment_counts(samples: Sequence[Any]) -> dict[str, float]:
     """Per-rollout counts of a batch's compaction rollouts (samples with ``metadata["compaction"]``):
     rollouts, segments, compactions (a rollout of n segments was compacted n - 1 times), rollouts
     compacted at least once, mean and max segments per rollout."""
-    segments: dict[Hashable, int] = {}
-    for sample in samples:
-        metadata = getattr(sample, "metadata", None) or {}
-        if metadata.get("compaction"):
-            key = _rollout_key(sample)
-            segments[key] = segments.get(key, 0) + 1
+    segments = {key: len(idx) for key, idx in _compaction_rollouts(samples).items()}
     n = len(segments)
     total = sum(segments.values())
     return {

@@ -144,13 +144,12 @@ BUILTIN_ENVS: dict[str, type] = {"kv_lookup": KeyValueLookupEnv}
 def make_env(spec: str | None, kwargs: dict[str, Any] | None = None) -> Environment:
     """Build an environment from a built-in name (``kv_lookup``) or a dotted ``package.module.attr`` factory."""
     spec = spec or "kv_lookup"
-    kwargs = dict(kwargs or {})
     if spec not in BUILTIN_ENVS and "." not in spec:
         raise ValueError(
             f"ascend_compaction_env={spec!r} is neither a built-in ({sorted(BUILTIN_ENVS)}) "
             "nor a dotted 'package.module.attr' path"
         )
-    env = (BUILTIN_ENVS[spec] if spec in BUILTIN_ENVS else resolve(spec))(**kwargs)
+    env = (BUILTIN_ENVS[spec] if spec in BUILTIN_ENVS else resolve(spec))(**(kwargs or {}))
     if not isinstance(env, Environment):
         raise TypeError(f"environment factory {spec!r} returned {type(env).__name__}, which lacks reset/step/system_prompt")
     return env

@@ -352,9 +352,10 @@ def validate_icepop(args: Any, settings: Any) -> None:
 # ``action`` (keep, drop_stale, drop_env_failed, drop_group, pad; a pad also has ``reason``: stale or
 # env_failed, ``original_rollout_id`` and ``padded_from_index``), ``lag`` and ``trainer_version``; the
 # counts are kept for :func:`last_staleness_report` and reported on slime's rollout metrics as
-# ``rollout/staleness_*`` (:func:`report_metrics`).
+# ``rollout/staleness_*``: a ``staleness <rollout_id>: {...}`` line in the RolloutManager's log and slime's
+# trackers (:func:`slime_ascend.plugins.rollout_metrics.report`).
 
-__all__ += ["last_staleness_report", "report_metrics", "reset_state", "staleness_post_process", "validate_staleness"]
+__all__ += ["last_staleness_report", "reset_state", "staleness_post_process", "validate_staleness"]
 
 logger = logging.getLogger("slime_ascend.staleness")
 
@@ -511,7 +512,9 @@ def staleness_post_process(args: Any, samples: list, raw_rewards: list, rewards:
     }
     with _lock:
         _state["report"] = report
-    report_metrics(args, report)
+    from ..plugins.rollout_metrics import report as report_rollout
+
+    report_rollout(args, logger, "staleness", {METRIC_PREFIX + key: float(report[key]) for key in METRIC_KEYS})
     if report["kept"] != report["rollouts"] or unversioned:
         logger.info(
             "staleness: trainer version %d, tau %d: of %d rollouts kept %d, padded %d, dropped %d; invalid: %d stale "
@@ -545,15 +548,6 @@ def _acknowledged_version() -> int | None:
         logger.warning("staleness: could not read the acknowledged weight version (%s); using the newest seen",
                        " ".join(str(exc).split())[:200])
         return None
-
-
-def report_metrics(args: Any, report: dict[str, Any]) -> dict[str, float]:
-    """Put the counts of one call on slime's rollout metrics (``rollout/staleness_*``): a ``staleness
-    <rollout_id>: {...}`` line in the RolloutManager's log and slime's trackers
-    (:func:`slime_ascend.plugins.rollout_metrics.report`). Returns the metrics."""
-    from ..plugins.rollout_metrics import report as report_rollout
-
-    return report_rollout(args, logger, "staleness", {METRIC_PREFIX + key: float(report[key]) for key in METRIC_KEYS})
 
 
 def validate_staleness(args: Any, settings: Any) -> None:

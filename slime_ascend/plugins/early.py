@@ -108,26 +108,11 @@ def _report_device() -> None:
         roles.train_role() or "?", acc.name, backend, env, os.environ.get(env, ""), os.environ.get("LOCAL_RANK", ""))
 
 
-def _wrap_attr(owner: Any, name: str, make) -> bool:
+def _wrap_attr(owner: Any, name: str, make) -> None:
+    """Wrap ``owner.name`` with ``make`` once (nothing when the owner or the function is missing)."""
     fn = getattr(owner, name, None)
-    if fn is None or getattr(fn, "__slime_ascend_early__", False):
-        return False
-    setattr(owner, name, make(fn))
-    return True
-
-
-def _on_arguments(module) -> None:
-    _wrap_attr(module, "parse_args", _driver_parse_args)
-
-
-def _on_http_utils(module) -> None:
-    _wrap_attr(module, "init_http_client", _args_at("rollout", 0))
-
-
-def _on_train_actor(module) -> None:
-    cls = getattr(module, "TrainRayActor", None)
-    if cls is not None:
-        _wrap_attr(cls, "init", _args_at("train", 1))  # (self, args, role, ...)
+    if fn is not None and not getattr(fn, "__slime_ascend_early__", False):
+        setattr(owner, name, make(fn))
 
 
 def install() -> None:
@@ -139,6 +124,8 @@ def install() -> None:
         _installed = True
     from .. import _import_hooks
 
-    _import_hooks.when_imported(ARGUMENTS, _on_arguments)
-    _import_hooks.when_imported(HTTP_UTILS, _on_http_utils)
-    _import_hooks.when_imported(TRAIN_ACTOR, _on_train_actor)
+    _import_hooks.when_imported(ARGUMENTS, lambda m: _wrap_attr(m, "parse_args", _driver_parse_args))
+    _import_hooks.when_imported(HTTP_UTILS, lambda m: _wrap_attr(m, "init_http_client", _args_at("rollout", 0)))
+    # TrainRayActor.init(self, args, role, ...)
+    _import_hooks.when_imported(TRAIN_ACTOR, lambda m: _wrap_attr(getattr(m, "TrainRayActor", None), "init",
+                                                                   _args_at("train", 1)))

@@ -29,18 +29,14 @@ from .base import PatchUse, resolve
 logger = logging.getLogger("slime_ascend.plugins")
 
 
-def _ledger_order() -> dict[str, int]:
-    from .. import patch
-
-    return {patch_id: i for i, patch_id in enumerate(patch.LEDGER)}
-
-
 def planned(plugins) -> list[PatchUse]:
     """The declared patch uses of ``plugins`` in install order (ledger order), once per patch id.
 
     Raises ValueError for an unknown id, one patch declared at two moments, or an ``after`` that the
     ledger order contradicts."""
-    order = _ledger_order()
+    from .. import patch
+
+    order = {patch_id: i for i, patch_id in enumerate(patch.LEDGER)}
     uses: dict[str, PatchUse] = {}
     for plugin in plugins:
         for use in plugin.patches:

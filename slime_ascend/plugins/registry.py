@@ -78,13 +78,8 @@ def parse_names(text: str | Iterable[str] | None) -> list[str]:
     if text is None:
         return []
     items = [text] if isinstance(text, str) else list(text)
-    parts = [part for item in items for part in str(item).split(",")]
-    names: list[str] = []
-    for part in parts:
-        name = str(part).strip().lower()
-        if name and name not in names:
-            names.append(name)
-    return names
+    names = (part.strip().lower() for item in items for part in str(item).split(","))
+    return list(dict.fromkeys(name for name in names if name))
 
 
 @dataclasses.dataclass(frozen=True)

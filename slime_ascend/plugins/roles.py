@@ -47,9 +47,3 @@ def critic_pass() -> Iterator[None]:
         yield
     finally:
         _CRITIC_PASS.reset(token)
-
-
-def reset() -> None:
-    """Forget the train role (tests)."""
-    global _train_role
-    _train_role = None

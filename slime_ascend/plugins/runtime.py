@@ -76,15 +76,6 @@ def settings_values(plugin, args: Any) -> dict[str, Any]:
     return {s.key: read(s, args) for s in plugin.settings}
 
 
-def known_setting_keys() -> dict[str, str]:
-    """Every setting key of every installed plugin -> the plugin that declares it (plus ``ascend_plugins``)."""
-    keys = {ARGS_KEY: "-"}
-    for plugin in registry.available().values():
-        for setting in plugin.settings:
-            keys[setting.key] = plugin.name
-    return keys
-
-
 def check_keys(args: Any, selection: Selection) -> None:
     """Refuse an ``ascend_*`` key on ``args`` that no installed plugin declares (a misspelling would
     otherwise leave the setting silently at its default); the error names the closest real key."""
@@ -92,7 +83,8 @@ def check_keys(args: Any, selection: Selection) -> None:
         present = [k for k in vars(args) if isinstance(k, str) and k.startswith(PREFIX)]
     except TypeError:  # args without __dict__: nothing to scan
         return
-    known = known_setting_keys()
+    # every setting key of every installed plugin -> the plugin that declares it
+    known = {ARGS_KEY: "-", **{s.key: p.name for p in registry.available().values() for s in p.settings}}
     for key in sorted(present):
         owner = known.get(key)
         if owner is None:
@@ -120,9 +112,7 @@ def check(args: Any, names: list[str] | None = None, *, command_line: bool = Tru
     names = enabled_names(args) if names is None else list(names)
     selection = registry.resolve_selection(names)
     check_keys(args, selection)
-    views: dict[str, SettingsView] = {}
-    for plugin in selection.plugins:
-        views[plugin.name] = SettingsView(plugin.name, settings_values(plugin, args))
+    views = {plugin.name: SettingsView(plugin.name, settings_values(plugin, args)) for plugin in selection.plugins}
     for plugin in selection.plugins:
         if command_line:
             for flag in plugin.command_line:
@@ -172,4 +162,4 @@ def reset() -> None:
 
     with _lock:
         _validated.clear()
-    roles.reset()
+    roles.set_train_role(None)

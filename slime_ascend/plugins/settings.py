@@ -18,9 +18,6 @@ class SettingsError(ValueError):
     """A setting has a wrong value. The message names the key, the value and the fix."""
 
 
-_UNSET = object()
-
-
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One typed key on slime's ``args``.
@@ -128,10 +125,9 @@ def coerce(setting: Setting, value: Any) -> Any:
     return out
 
 
-def read(setting: Setting, args: Any, default: Any = _UNSET) -> Any:
+def read(setting: Setting, args: Any) -> Any:
     """Read one setting from ``args`` (missing means the declared default) and coerce it."""
-    fallback = setting.default if default is _UNSET else default
-    return coerce(setting, getattr(args, setting.key, fallback))
+    return coerce(setting, getattr(args, setting.key, setting.default))
 
 
 class SettingsView(Mapping):
@@ -142,13 +138,12 @@ class SettingsView(Mapping):
         self._values = values
 
     def __getitem__(self, name: str) -> Any:
-        key = name if name.startswith(PREFIX) else None
-        if key is None:
-            matches = [k for k in self._values if k.endswith("_" + name) or k == PREFIX + name]
-            if len(matches) != 1:
-                raise KeyError(f"plugin {self._plugin!r} has no setting {name!r}; it has {sorted(self._values)}")
-            key = matches[0]
-        return self._values[key]
+        if name.startswith(PREFIX):
+            return self._values[name]
+        matches = [k for k in self._values if k.endswith("_" + name) or k == PREFIX + name]
+        if len(matches) != 1:
+            raise KeyError(f"plugin {self._plugin!r} has no setting {name!r}; it has {sorted(self._values)}")
+        return self._values[matches[0]]
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import logging
 import threading
@@ -29,7 +30,6 @@ META = "reward_mix"
 _lock = threading.Lock()
 _parsed: dict[int, tuple[tuple[Term, ...], tuple[Term, ...]]] = {}
 _rule_args: dict[tuple[int, str], Any] = {}
-_functions: dict[str, Any] = {}
 
 
 def terms(args: Any) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
@@ -54,11 +54,9 @@ def validate(args: Any, settings: Any) -> None:
                        "[{name: correctness, rm_type: math}]")
 
 
+@functools.cache
 def _function(path: str):
-    fn = _functions.get(path)
-    if fn is None:
-        fn = _functions[path] = resolve(path)
-    return fn
+    return resolve(path)
 
 
 def _args_with_rm_type(args: Any, rm_type: str) -> Any:
@@ -159,4 +157,4 @@ def reset() -> None:
     with _lock:
         _parsed.clear()
         _rule_args.clear()
-        _functions.clear()
+        _function.cache_clear()

@@ -90,11 +90,9 @@ def _chunks(model: Any) -> list[Any]:
 
 
 def _named_parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    out = []
-    for i, chunk in enumerate(_chunks(model)):
-        prefix = f"chunk{i}." if len(_chunks(model)) > 1 else ""
-        out += [(prefix + n, p) for n, p in chunk.named_parameters()]
-    return out
+    chunks = _chunks(model)
+    return [((f"chunk{i}." if len(chunks) > 1 else "") + n, p) for i, chunk in enumerate(chunks)
+            for n, p in chunk.named_parameters()]
 
 
 def _optimizer_param_ids(optimizer: Any) -> set[int]:
@@ -176,10 +174,6 @@ class FrozenSnapshot:
 _state: dict[int, dict[str, Any]] = {}
 
 
-def _role(model: Any) -> str | None:
-    return getattr(_chunks(model)[0], "role", None)
-
-
 def before_train_step(args: Any, rollout_id: int, step_id: int, model: Any, optimizer: Any,
                       opt_param_scheduler: Any) -> None:
     """slime before-train-step hook: freeze checks in the critic (steps 1 and 2), leak check in the actor."""
@@ -188,14 +182,13 @@ def before_train_step(args: Any, rollout_id: int, step_id: int, model: Any, opti
     settings = runtime.settings(args, PLUGIN_NAME)
     if not (settings.freeze_critic_attention and settings.verify_frozen):
         return
-    key = id(_chunks(model)[0])
-    st = _state.setdefault(key, {"calls": 0})
+    first = _chunks(model)[0]
+    st = _state.setdefault(id(first), {"calls": 0})
     st["calls"] += 1
     if st["calls"] > 2:
         return
-    role = _role(model)
     patterns = list(settings.freeze_patterns)
-    if role != "critic":
+    if getattr(first, "role", None) != "critic":
         own = list(getattr(args, "freeze_params_name_list", None) or [])
         if st["calls"] == 1 and all(p in own for p in patterns):
             raise RuntimeError(

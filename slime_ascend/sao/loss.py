@@ -25,6 +25,7 @@ import torch
 from slime_ascend.algorithms.cp import cp_slice
 from slime_ascend.algorithms.masks import DISBand, dis_policy_loss, dis_ratio, resolve_dis_band
 from slime_ascend.algorithms.value_loss import clipped_value_loss
+from slime_ascend.megatron_state import cp_state
 
 __all__ = ["dis_band", "dis_loss", "local_loss_masks", "sao_loss", "value_loss"]
 
@@ -80,12 +81,6 @@ def value_loss(
     return loss, {"value_loss": loss.detach(), "value_clipfrac": reducer(clipped).detach()}
 
 
-def _cp() -> tuple[int, int]:
-    from megatron.core import mpu
-
-    return mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
-
-
 def sao_loss(args: Any, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Reducer) -> tuple[torch.Tensor, dict]:
     """slime custom loss: value loss in the critic (``loss_type == "value_loss"``), DIS in the actor."""
     from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, get_values
@@ -113,7 +108,7 @@ def sao_loss(args: Any, batch: dict, logits: torch.Tensor, sum_of_sample_mean: R
     train_lp = torch.cat(out["log_probs"], dim=0)
     rollout_lp = torch.cat(batch["rollout_log_probs"], dim=0).to(train_lp.device)
     advantages = torch.cat(batch["advantages"], dim=0).to(train_lp.device)
-    cp_rank, cp_size = _cp()
+    cp_rank, cp_size, _ = cp_state()
     masks = local_loss_masks(batch["loss_masks"], batch["total_lengths"], batch["response_lengths"], cp_rank, cp_size)
     mask = torch.cat(masks, dim=0).to(train_lp.device) if masks else torch.zeros_like(train_lp)
     loss, metrics = dis_loss(train_lp, rollout_lp, advantages, mask, sum_of_sample_mean, dis_band(settings))

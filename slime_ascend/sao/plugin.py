@@ -25,22 +25,15 @@ with ``python -m slime_ascend.sao.critic -o sao_megatron.yaml``.
 from __future__ import annotations
 
 from slime_ascend.plugins.base import CommandLineFlag, Contribution, PatchUse, Plugin
-from slime_ascend.plugins.settings import Setting
+from slime_ascend.plugins.settings import Setting, read
 
 _P = "ascend_sao_"
 _S = "slime_ascend.sao."
 
 
-def _truthy(value: object) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("true", "1", "yes")
-    return bool(value)
-
-
 def _freeze_config_given(args: object) -> bool:
-    if not _truthy(getattr(args, _P + "freeze_critic_attention", True)):
-        return True
-    return getattr(args, "megatron_config_path", None) is not None
+    # a command-line check runs after the settings' own (runtime.check), so the value reads cleanly here
+    return not read(_FREEZE_ATTENTION, args) or getattr(args, "megatron_config_path", None) is not None
 
 
 def _patterns_check(value: object) -> str | None:
@@ -55,6 +48,10 @@ def _patterns_check(value: object) -> str | None:
             return f"{v!r} is not a valid regular expression ({exc})"
     return None
 
+
+_FREEZE_ATTENTION = Setting(
+    _P + "freeze_critic_attention", bool, True,
+    help="freeze the critic's attention; needs the critic freeze list in --megatron-config-path")
 
 SETTINGS = (
     Setting(_P + "critic_iters", int, 2, minimum=1,
@@ -74,8 +71,7 @@ SETTINGS = (
             help="DIS eps_low (keep r > 1 - eps_low); required with dis_preset custom, else must be null"),
     Setting(_P + "dis_eps_high", float, None, optional=True,
             help="DIS eps_high (keep r < 1 + eps_high); required with dis_preset custom, else must be null"),
-    Setting(_P + "freeze_critic_attention", bool, True,
-            help="freeze the critic's attention; needs the critic freeze list in --megatron-config-path"),
+    _FREEZE_ATTENTION,
     Setting(_P + "freeze_patterns", list, ["self_attention"], check=_patterns_check,
             help="regexes (re.search) naming the critic's frozen parameters; 'self_attention' covers QKV, output "
                  "projection, q/k layernorms, fused input layernorm, MLA and DSA-indexer weights"),
