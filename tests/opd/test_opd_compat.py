@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_ascend.opd import compat, hooks
+from slime_ascend.opd import compat
 from slime_ascend.opd.plugin import PLUGIN
 from slime_ascend.opd.teachers import TeacherMismatchError, check_teacher_compatible, parse_teachers
 from slime_ascend.plugins.settings import SettingsError
@@ -268,15 +268,7 @@ def make_args(**overrides):
     return types.SimpleNamespace(**values)
 
 
-@pytest.fixture
-def plugin_runtime(fresh_runtime, monkeypatch):
-    monkeypatch.delenv("SLIME_ASCEND_PLUGINS", raising=False)
-    hooks.reset_state()
-    yield
-    hooks.reset_state()
-
-
-def test_plugin_validation_refuses_a_mismatched_teacher(ckpts, plugin_runtime, caplog):
+def test_plugin_validation_refuses_a_mismatched_teacher(ckpts, opd_state, caplog):
     from slime_ascend.plugins import runtime
 
     teachers = [{"name": "math", "checkpoint_dir": str(ckpts["same"]), "domains": ["math"], "url": "http://127.0.0.1:1"},
@@ -296,7 +288,7 @@ def test_plugin_validation_refuses_a_mismatched_teacher(ckpts, plugin_runtime, c
     runtime.settings(make_args(ascend_opd_teachers=teachers, hf_checkpoint=str(ckpts["student"])), "opd")
 
 
-def test_train_actors_do_not_check(ckpts, plugin_runtime, monkeypatch):
+def test_train_actors_do_not_check(ckpts, opd_state, monkeypatch):
     """Train actors never ask a teacher: the check runs in the driver and the rollout manager only."""
     from slime_ascend.plugins import roles, runtime
 
