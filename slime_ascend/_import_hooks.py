@@ -11,15 +11,29 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 _lock = threading.RLock()
 _after: dict[str, list[Callable[[ModuleType], None]]] = {}
 _before: dict[str, list[Callable[[], None]]] = {}
 _resolving = threading.local()
+
+
+def module_file(module_name: str) -> Path | None:
+    """The source file of ``module_name`` without importing it (its parent packages are imported); None when
+    it cannot be found or is not a plain file."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return None
+    return Path(spec.origin)
 
 
 def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:

@@ -19,12 +19,12 @@ Upstream: patches/0013-dsa-indexer-deterministic-topk.patch (the same rule insid
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..._import_hooks import module_file
 from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
 
 INDEXER = "slime_plugins.models.glm5.ops.indexer"
@@ -89,13 +89,7 @@ class DSADeterministicTopk(RuntimePatch):
 
 
 def _source_file() -> Path | None:
-    try:
-        spec = importlib.util.find_spec(INDEXER)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or not Path(spec.origin).is_file():
-        return None
-    return Path(spec.origin)
+    return module_file(INDEXER)
 
 
 PATCH = DSADeterministicTopk(

@@ -24,9 +24,9 @@ import importlib.util
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from ..._import_hooks import module_file
 from . import RolloutBackend
 
 logger = logging.getLogger("slime_ascend.rollout")
@@ -280,13 +280,8 @@ SGLANG_FIXES: tuple[tuple[str, str, str], ...] = (
 
 
 def _module_source(module_name: str) -> str | None:
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or not Path(spec.origin).is_file():
-        return None
-    return Path(spec.origin).read_text(errors="replace")
+    path = module_file(module_name)
+    return None if path is None else path.read_text(errors="replace")
 
 
 def check_sglang_fixes() -> list[str]:
