@@ -29,8 +29,8 @@ class CudaShims(RuntimePatch):
             if torch_module.cuda.is_available():
                 problems.append("torch.cuda.is_available() is True: the cpu shims must not replace a working CUDA "
                                 "(drop the `cpu` plugin on this host)")
-        except Exception as exc:  # noqa: BLE001 - a broken CUDA build reads as absent
-            del exc
+        except Exception:  # noqa: BLE001 - a broken CUDA build reads as absent
+            pass
         return problems
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
