@@ -96,9 +96,53 @@ def test_a_changed_target_is_refused():
     assert any("UpdateWeightFromDisk.update_weights is missing" in problem for problem in problems), problems
 
 
+def test_reset_zeroes_every_state_tensor_sgd_momentum_and_amsgrad_included():
+    """slime's reset knows Adam's two moments only; SGD's momentum buffer and AMSGrad's running maximum are
+    accumulated moments too: after the reset the next SGD step is the plain first step (lr * grad)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    for _ in range(3):
+        sgd.zero_grad()
+        (p * torch.arange(3.0)).sum().backward()
+        sgd.step()
+    buf = sgd.state[p]["momentum_buffer"]
+    assert buf.abs().sum() > 0
+    assert reset_optimizer_states(sgd) == 1
+    assert sgd.state[p]["momentum_buffer"] is buf and buf.abs().sum() == 0
+    before = p.detach().clone()
+    sgd.zero_grad()
+    (p * torch.arange(3.0)).sum().backward()
+    sgd.step()
+    # momentum 0.9 on a zeroed buffer: buf = 0.9 * 0 + grad, the update is lr * grad = [0, 0.1, 0.2]
+    assert torch.allclose(before - p.detach(), torch.tensor([0.0, 0.1, 0.2]), atol=1e-6)
+
+    q = torch.nn.Parameter(torch.ones(2))
+    ams = torch.optim.Adam([q], lr=0.1, amsgrad=True)
+    ams.zero_grad()
+    (q * torch.tensor([1.0, 2.0])).sum().backward()
+    ams.step()
+    assert reset_optimizer_states(ams) == 1
+    assert all(float(v.abs().sum()) == 0 for v in ams.state[q].values())
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)  # no momentum: nothing held
+    plain.state[plain.param_groups[0]["params"][0]] = {"momentum_buffer": None}
+    assert reset_optimizer_states(plain) == 0
+
+
+@pytest.mark.parametrize(("value", "expected"), [("false", False), ("no", False), (False, False), ("true", True),
+                                                 (None, True)])
+def test_patch_condition_reads_the_coerced_setting(value, expected):
+    """A quoted "false" in the YAML validates as False and must also switch the reset off."""
+    from slime_ascend.sync_cadence.plugin import RESET_ARG, resets
+
+    args = types.SimpleNamespace() if value is None else types.SimpleNamespace(**{RESET_ARG: value})
+    assert resets(args) is expected
+
+
 def test_plugin_refuses_slimes_per_rollout_reset_alongside():
+    from slime_ascend.plugins.settings import SettingsError
     from slime_ascend.sync_cadence.plugin import validate
 
-    with pytest.raises(ValueError, match="Fix: drop --reset-optimizer-states"):
+    # a SettingsError: the driver's parse_args prints it as one line and exits 2 (no traceback)
+    with pytest.raises(SettingsError, match="Fix: drop --reset-optimizer-states"):
         validate(types.SimpleNamespace(reset_optimizer_states=True),
                  types.SimpleNamespace(reset_optimizer_on_push=True))
