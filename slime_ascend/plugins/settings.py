@@ -92,6 +92,8 @@ def coerce(setting: Setting, value: Any) -> Any:
             raise _fail(setting, value, "not a number") from None
         if out != out:
             raise _fail(setting, value, "NaN is not allowed")
+        if out in (float("inf"), float("-inf")):  # e.g. an IcePop beta of .inf would keep every token
+            raise _fail(setting, value, "an infinite value is not allowed (leave an optional setting unset instead)")
     elif kind is str:
         if not isinstance(value, str):
             raise _fail(setting, value, "not a string")
