@@ -295,6 +295,10 @@ def build(names: list[str], overrides: dict[str, Any] | None = None) -> Generate
     """The YAML for ``names`` (settings at their defaults, or the values in ``overrides``), refused when
     the plugins' start-up checks would reject the combination (:func:`check_combination`)."""
     overrides = dict(overrides or {})
+    if not registry.parse_names(names):  # `config ""` would write a YAML that enables nothing
+        raise registry.PluginError(f"no plugin named in {' '.join(map(repr, names)) or 'the command'}. Fix: name "
+                                   "at least one plugin, e.g. `slime-ascend config cpu dis -o ascend.yaml` "
+                                   "(`slime-ascend plugins` lists them)")
     selection = registry.resolve_selection(names)
     _check_overrides(selection, overrides)
     text = _render(selection, overrides)

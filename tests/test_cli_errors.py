@@ -29,6 +29,8 @@ def busy_port():
 MISTAKES = [
     (("config", "nope", "-o", "-"), "unknown plugin 'nope'"),
     (("config", "dis", "-o", "{tmp}/exists.yaml"), "exists"),
+    (("config", "", "-o", "{tmp}/empty.yaml"), "no plugin named"),
+    (("config", " , ", "--flags"), "no plugin named"),
     (("serve-reference", "--model", "{tmp}/no-model", "--port", "0"), "no-model"),
     (("serve-reference", "--port", "{busy}"), "Address already in use"),
     (("serve-reference", "--port", "x"), "invalid int value"),
