@@ -160,14 +160,15 @@ def quantize_params(args, megatron_name, converted_named_params, quantization_co
 
 
 # ---------------------------------------------------------------------------------------------- init
-def check_engine_format(args: Any, plugin: str) -> CheckpointFormat:
-    """Fail clearly unless ``--hf-checkpoint`` holds a format of ``plugin``."""
+def check_engine_format(args: Any, plugin: str, settings: Any = None) -> CheckpointFormat:
+    """Fail clearly unless ``--hf-checkpoint`` holds a format of ``plugin`` (``settings``: the plugin's view,
+    default the validated one)."""
     ckpt = checkpoint_format(args)
     allowed = PLUGIN_FORMATS[plugin]
     prefix = "ascend_" + plugin.replace("-", "_") + "_"
     wanted = allowed[0]
     if plugin == "int8-sync":
-        choice = runtime.settings(args, plugin)["ascend_int8_sync_format"]
+        choice = (runtime.settings(args, plugin) if settings is None else settings)["ascend_int8_sync_format"]
         if choice != "auto":
             allowed = (choice,)
             wanted = choice
@@ -190,13 +191,20 @@ def check_engine_format(args: Any, plugin: str) -> CheckpointFormat:
     return ckpt
 
 
+def validate(args: Any, settings: Any) -> None:
+    """Start-up check of each sync plugin (every role, the driver's ``parse_args`` first, so a wrong
+    ``--hf-checkpoint`` stops before Ray and the engines start): the engine's format."""
+    plugin = next(n for n in NAMES if f"ascend_{n.replace('-', '_')}_check_engine_format" in settings)
+    if settings[f"ascend_{plugin.replace('-', '_')}_check_engine_format"]:
+        check_engine_format(args, plugin, settings)
+
+
 def megatron_init(args: Any) -> None:
-    """megatron_init contribution (order 300): check the engine's format."""
+    """megatron_init contribution (order 300): name the engine's format in the train actor's log (checked at
+    start by :func:`validate`)."""
     plugin = sync_plugin(args)
-    if plugin is None:
-        return
-    if runtime.settings(args, plugin).check_engine_format:
-        ckpt = check_engine_format(args, plugin)
+    if plugin is not None and runtime.settings(args, plugin).check_engine_format:
+        ckpt = checkpoint_format(args)
         logger.info("%s: rollout checkpoint %s is %s", plugin, ckpt.path, ckpt.fmt)
 
 

@@ -9,9 +9,10 @@ bit-identical to ``slime-ascend quantize`` (the offline converter), over every t
   around the sync for formats whose engine layout differs from the checkpoint's) and, with the
   ``metrics`` setting, ``train.weight_sync_metrics`` (bytes, quantisation time and GB/s on slime's
   perf log).
-* megatron_init (order 300, :func:`slime_ascend.weight_sync.funnel.megatron_init`): reads the
-  format of ``--hf-checkpoint`` (config.json ``quantization_config``, or msModelSlim's
-  ``quant_model_description.json``) and fails clearly when it is not the plugin's format.
+* validate (every process, the driver's ``parse_args`` first): reads the format of ``--hf-checkpoint``
+  (config.json ``quantization_config``, or msModelSlim's ``quant_model_description.json``) and fails
+  with one line when it is not the plugin's format, before Ray and the engines start; megatron_init
+  (order 300) names it in the train actor's log.
 * quantize_params (exclusive, :func:`slime_ascend.weight_sync.funnel.quantize_params`): quantises
   what the checkpoint quantises (its ignore list / FLOAT entries; embeddings, norms, router and
   lm_head stay in the model dtype unless it says otherwise); returns None for configs that are
@@ -62,6 +63,7 @@ def _sync_plugin(name: str, label: str, description: str, *extra: Setting) -> Pl
                          note="check the rollout checkpoint's format"),
         ),
         patches=PATCHES,
+        validate=_W + "funnel.validate",
     )
 
 

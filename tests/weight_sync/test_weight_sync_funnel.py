@@ -163,3 +163,21 @@ def test_int4_numerics_setting_changes_the_bytes(ckpts):
     b = dict(funnel.quantize_params(fresh(sync_args("int4-sync", ckpts["int4-group"], ascend_int4_sync_numerics="slime")),
                                     "n", [(name, SRC[name])], qc))
     assert not torch.equal(a[name[:-6] + "weight_scale"], b[name[:-6] + "weight_scale"])
+
+
+@pytest.mark.parametrize("plugin", ["fp8-sync", "int8-sync", "int4-sync"])
+def test_an_unquantised_engine_checkpoint_stops_the_driver_in_one_line(plugin, ckpts, capsys):
+    """Checked where the driver first holds args (slime's parse_args, wrapped by plugins.early), so the job stops
+    before Ray and the engines start, not as a Ray traceback from the train actor's megatron_init."""
+    from slime_ascend.plugins import early
+
+    args = fresh(sync_args(plugin, ckpts["hf"]))
+    with pytest.raises(SettingsError, match="is unquantised"):
+        runtime.check(args)
+    with pytest.raises(SystemExit) as info:
+        early._driver_parse_args(lambda: args)()
+    assert info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"slime-ascend: error: plugin {plugin!r} syncs") and "Fix:" in lines[0]
+    key = f"ascend_{plugin.replace('-', '_')}_check_engine_format"
+    runtime.check(fresh(sync_args(plugin, ckpts["hf"], **{key: False})))  # the documented way out
