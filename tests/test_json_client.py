@@ -86,3 +86,62 @@ def test_4xx_is_not_retried_and_failures_name_url_attempts_and_answer(server, ki
     with pytest.raises(JSONRequestError, match="failed after 3 attempt") as err:
         call(kind, dead, {}, retries=2, backoff_s=0.01, timeout_s=5)
     assert err.value.status is None and dead in str(err.value)
+
+
+@pytest.fixture
+def trickle():
+    """Answers every request with a valid JSON body, one byte a second (headers too): each read succeeds well
+    inside any per-read timeout, so only a whole-request deadline stops the client."""
+    stop = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+    answer = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"a": true}'
+
+    def serve(conn):
+        with conn:
+            conn.recv(65536)
+            for i in range(len(answer)):
+                if stop.wait(1.0):
+                    return
+                try:
+                    conn.sendall(answer[i:i + 1])
+                except OSError:
+                    return
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    listener.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_deadline_bounds_a_trickling_answer(trickle, kind):
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(JSONRequestError, match=r"no complete answer within 1\.5 s \(the request's deadline\)") as err:
+        call(kind, trickle + "/x", {}, timeout_s=5, deadline_s=1.5, retries=3, backoff_s=0.01)
+    elapsed = time.monotonic() - t0
+    assert 1.4 < elapsed < 3.0, elapsed  # the answer would take ~80 s; each byte comes within the 5 s timeout
+    assert err.value.status is None and err.value.attempts == 1  # a passed deadline is not retried
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_deadline_leaves_a_prompt_answer_alone_and_caps_the_retries(server, kind):
+    import time
+
+    url, state = server
+    assert call(kind, url + "/x", {"a": 1}, deadline_s=5) == {"got": {"a": 1}}
+    state["statuses"][:] = [503] * 10
+    t0 = time.monotonic()
+    with pytest.raises(JSONRequestError, match=r"HTTP 503: .*the next attempt would start past the 1 s deadline") as err:
+        call(kind, url + "/x", {}, retries=9, backoff_s=0.2, deadline_s=1)
+    # waits 0.2 + 0.4 s, then the 0.8 s wait would end past the deadline (0.4 s left): three attempts, not ten
+    assert err.value.attempts == 3 and time.monotonic() - t0 < 1.0

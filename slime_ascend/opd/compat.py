@@ -46,10 +46,15 @@ Rules (:func:`compare`, strict by design; every field known on both sides must b
 Opt-out: ``compat_check`` per teacher (in ``ascend_opd_teachers``) or ``ascend_opd_compat_check`` for
 all: ``strict`` (refuse to start), ``warn`` (log the mismatches and go on), ``off`` (skip, no reads).
 
-A teacher served at a URL whose ``checkpoint_dir`` is not a local directory is asked
-(:func:`probe_engine`): ``/get_model_info`` (``model_path``, ``tokenizer_path``) and ``/get_server_info``
-(``vocab_size`` where the engine reports it, as the reference engine does); a ``tokenizer_path`` or
-``model_path`` that is a directory here is then fingerprinted like a checkpoint.
+A teacher served at a URL whose ``checkpoint_dir`` is not a local directory is asked at its engine, all
+its requests under one deadline (``timeout_s``): ``/model_info`` and ``/server_info`` (``model_path``,
+``tokenizer_path``; ``vocab_size`` where the engine reports it, as the reference engine does); a
+``tokenizer_path`` or ``model_path`` that is a directory here is then fingerprinted like a checkpoint.
+Otherwise the engine is probed (:mod:`.engine_probe`: it tokenizes the student's special tokens and fixed
+texts, applies its chat template to a fixed conversation, scores a short prefix, and shows its vocabulary
+bound), and those answers are compared with the student's tokenizer's. An engine that does not answer
+within the deadline is refused like a mismatch (``strict``; ``warn`` logs it), naming the teacher and
+the address.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -76,12 +81,9 @@ __all__ = [
     "Mismatch",
     "Report",
     "fingerprint_dir",
-    "fingerprint_from_engine",
-    "probe_engine",
     "compare",
     "describe",
     "report_line",
-    "teacher_fingerprint",
     "check_teachers",
     "clear_cache",
 ]
@@ -104,12 +106,14 @@ Token = tuple[int, str]
 
 
 class Mismatch(NamedTuple):
-    """One field that differs: ``(teacher, field, student value, teacher value)``."""
+    """One field that differs: ``(teacher, field, student value, teacher value)``; ``detail`` (set by
+    the engine probe, whose values are answers rather than fields) says how, in words."""
 
     teacher: str
     field: str
     student: Any
     teacher_value: Any
+    detail: str | None = None
 
 
 @dataclass(frozen=True)
@@ -287,69 +291,69 @@ def fingerprint_dir(model_dir: str | Path) -> Fingerprint:
 def clear_cache() -> None:
     """Forget fingerprints and the lines already logged (tests)."""
     _fingerprint_cached.cache_clear()
+    _student_side_cached.cache_clear()
     _logged.clear()
     tito_fingerprint.cache_clear()
 
 
 # ---- engines ----------------------------------------------------------------------------------------
-def probe_engine(url: str, *, timeout_s: float = 5.0,
-                 get: Callable[[str], Any] | None = None) -> tuple[dict[str, Any], list[str]]:
-    """What a serving engine says about its model: ``(info, errors)``.
+@functools.lru_cache(maxsize=8)
+def _student_side_cached(path: str, stamp: tuple, vocab_size: int | None) -> Any:
+    from .engine_probe import StudentSide, student_side
 
-    ``info`` merges ``/get_model_info`` and ``/get_server_info`` (``/server_info`` when the former is
-    absent): ``model_path``, ``tokenizer_path`` and, when the engine reports it, ``vocab_size``.
-    ``errors`` names each endpoint that did not answer, with why."""
-    if get is None:
-        from ..json_client import request_json
-
-        def get(u: str) -> Any:
-            return request_json(u, timeout_s=timeout_s, retries=0)
-
-    base = url.rstrip("/")
-    info: dict[str, Any] = {}
-    errors: list[str] = []
-    for group in (("/get_model_info", "/model_info"), ("/get_server_info", "/server_info")):
-        last = None
-        for path in group:
-            try:
-                answer = get(base + path)
-            except Exception as e:  # noqa: BLE001 - an unreachable engine is reported, not raised
-                why = str(e).split("attempt(s): ", 1)[-1]
-                last = f"{base} did not answer {path} ({why})"
-                if getattr(e, "status", None) is None:  # no answer at all: asking again will not help
-                    errors.append(last)
-                    return info, errors
-                continue
-            if isinstance(answer, Mapping):
-                for key in ("model_path", "tokenizer_path", "vocab_size"):
-                    if answer.get(key) is not None and key not in info:
-                        info[key] = answer[key]
-            last = None
-            break
-        if last is not None:
-            errors.append(last)
-    return info, errors
+    try:
+        return student_side(_load_tokenizer(Path(path)), vocab_size)
+    except Exception as e:  # noqa: BLE001 - the probe's tokenizer fields are then "not checked", with why
+        why = f"no tokenizer loads from {path} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        return StudentSide(vocab_size=vocab_size, why=why)
 
 
-def fingerprint_from_engine(url: str, *, timeout_s: float = 5.0,
-                            get: Callable[[str], Any] | None = None) -> Fingerprint:
-    """A teacher's fingerprint as far as its engine at ``url`` can tell (see :func:`probe_engine`)."""
-    info, errors = probe_engine(url, timeout_s=timeout_s, get=get)
-    reason = "; ".join(errors) if errors else None
+def _student_side(student: Fingerprint) -> Any:
+    """What the student's tokenizer makes of the engine probe's fixed set (cached like fingerprints)."""
+    from .engine_probe import StudentSide
+
+    path = Path(student.source)
+    if not path.is_dir():
+        return StudentSide(vocab_size=student.vocab_size, why=student.unknown.get("tokenizer", "no tokenizer"))
+    return _student_side_cached(str(path), _stamp(path), student.vocab_size)
+
+
+# fields the engine probe checks (the four roles' tokens are among its special tokens)
+_PROBED = ("special_tokens", *SPECIAL_ROLES, "tokenizer", "chat_template")
+
+
+def engine_report(spec: Any, student: Fingerprint, *, timeout_s: float = 10.0) -> Report:
+    """The teacher compared through its engine at ``spec.url`` (see the module docstring); raises
+    :class:`~slime_ascend.opd.engine_probe.Unreachable` when the engine does not answer in ``timeout_s``."""
+    from .engine_probe import EngineAsker, check_engine, engine_info
+
+    ask = EngineAsker(spec.url, timeout_s)
+    info, errors = engine_info(ask)
     vocab = info.get("vocab_size")
     vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+    here = f"checkpoint_dir {spec.checkpoint_dir} is not a directory here"
     for key in ("tokenizer_path", "model_path"):
         path = info.get(key)
         if isinstance(path, str) and path and os.path.isdir(path):
-            fp = replace(fingerprint_dir(path), source=f"{url} ({key} {path})")
-            return _with_vocab(fp, vocab) if fp.vocab_size is None and vocab is not None else fp
+            fp = replace(fingerprint_dir(path), source=f"{spec.url} ({key} {path})")
+            fp = _with_vocab(fp, vocab) if fp.vocab_size is None and vocab is not None else fp
+            return _compare_spec(spec, student, fp)
     path = info.get("tokenizer_path") or info.get("model_path")
-    why = reason or (f"the engine's tokenizer path {path!r} is not a directory here" if path
-                     else "the engine reports no model or tokenizer path")
-    unknown = {name: why for name in FIELDS if name not in ("vocab_size", "tokenizer_revision")}
+    why = (f"{here} and the engine's tokenizer path {path!r} is not one either" if path
+           else f"{here} and the engine reports no model or tokenizer path")
+    unknown = {name: why for name in FIELDS}
     if vocab is None:
-        unknown["vocab_size"] = reason or "the engine does not report vocab_size"
-    return Fingerprint(source=url, vocab_size=vocab, unknown=unknown)
+        unknown["vocab_size"] = f"{here} and the engine does not report vocab_size" + (
+            f" ({'; '.join(errors)})" if errors else "")
+    fp = Fingerprint(source=spec.url, vocab_size=vocab, unknown=unknown)
+    report = _compare_spec(spec, student, fp)
+    mismatches, unchecked = check_engine(spec.name, ask, _student_side(student), reported_vocab_size=vocab)
+    for name in (*_PROBED, "vocab_size"):
+        if name != "vocab_size" or vocab is None:
+            report.unchecked.pop(name, None)
+    report.unchecked.update(unchecked)
+    report.mismatches += mismatches
+    return report
 
 
 def _with_vocab(fp: Fingerprint, vocab: int) -> Fingerprint:
@@ -394,6 +398,11 @@ def compare(teacher: str, student: Fingerprint, teacher_fp: Fingerprint, *,
     return report
 
 
+def _compare_spec(spec: Any, student: Fingerprint, teacher_fp: Fingerprint) -> Report:
+    return compare(spec.name, student, teacher_fp, declared_vocab_size=getattr(spec, "vocab_size", None),
+                   declared_revision=getattr(spec, "tokenizer_revision", None))
+
+
 def _fmt(name: str, value: Any, other: Any = None) -> str:
     if value is None:
         return "unset"
@@ -409,6 +418,8 @@ def _fmt(name: str, value: Any, other: Any = None) -> str:
 
 def describe(m: Mismatch) -> str:
     """``vocab_size 151936 differs from the student's 151552``."""
+    if m.detail:
+        return f"{m.field}: {m.detail}"
     if m.field == "special_tokens":
         return (f"special_tokens differ: the teacher has {_fmt(m.field, m.teacher_value, m.student)} that the "
                 f"student has not, the student {_fmt(m.field, m.student, m.teacher_value)}")
@@ -445,19 +456,22 @@ def teacher_mode(spec: Any, default: str) -> str:
     return getattr(spec, "compat_check", None) or default
 
 
-def teacher_fingerprint(spec: Any, *, probe: bool = True, timeout_s: float = 5.0,
-                        get: Callable[[str], Any] | None = None) -> Fingerprint:
-    """Read from the teacher's ``checkpoint_dir`` when it is a directory here, else ask its engine
-    (``url``, when ``probe``); otherwise every field is unknown, with why."""
+def teacher_report(spec: Any, student: Fingerprint, *, probe: bool = True, timeout_s: float = 10.0) -> Report:
+    """The teacher compared with the student: from its ``checkpoint_dir`` when it is a directory here, else
+    at its engine (``url``, when ``probe``; :func:`engine_report`); otherwise every field is unknown, with why."""
     ckpt = Path(spec.checkpoint_dir)
     if ckpt.is_dir():
-        return fingerprint_dir(ckpt)
+        return _compare_spec(spec, student, fingerprint_dir(ckpt))
     if spec.url and probe:
-        fp = fingerprint_from_engine(spec.url, timeout_s=timeout_s, get=get)
-        unknown = {k: f"checkpoint_dir {ckpt} is not a directory here and {v}" for k, v in fp.unknown.items()}
-        return replace(fp, unknown=unknown)
+        return engine_report(spec, student, timeout_s=timeout_s)
     why = f"checkpoint_dir {ckpt} is not a directory here" + ("" if spec.url else " and the teacher has no url")
-    return Fingerprint(source=f"checkpoint_dir {ckpt}", unknown={name: why for name in FIELDS})
+    return _compare_spec(spec, student, Fingerprint(source=f"checkpoint_dir {ckpt}",
+                                                    unknown={name: why for name in FIELDS}))
+
+
+def unreachable_hint(names: Sequence[str]) -> str:
+    return (f"start the engine of {', '.join(repr(n) for n in names)} before the job (or correct its url), make "
+            "its checkpoint_dir readable here, or skip the check with compat_check: off in its ascend_opd_teachers entry")
 
 
 def unchecked_line(report: Report) -> str:
@@ -470,15 +484,18 @@ def unchecked_line(report: Report) -> str:
 
 def check_teachers(teachers: Sequence[Any], student_dir: str | Path | None, *, mode: str = "strict",
                    student_vocab_size: int | None = None, student_flag: str = "--hf-checkpoint",
-                   probe: bool = True, timeout_s: float = 5.0, get: Callable[[str], Any] | None = None,
-                   log: logging.Logger = logger) -> list[Report]:
+                   probe: bool = True, timeout_s: float = 10.0, log: logging.Logger = logger) -> list[Report]:
     """Compare every teacher (a :class:`~slime_ascend.opd.teachers.TeacherSpec`) with the student.
 
-    Each teacher's mode is its ``compat_check``, else ``mode``. ``strict`` teachers with a mismatch raise
-    :class:`~slime_ascend.opd.teachers.TeacherMismatchError` (one line: each such teacher's mismatches and
-    the Fix); ``warn`` teachers' mismatches are logged; ``off`` teachers are skipped (nothing is read).
-    Fields that could not be compared are logged once per process, naming the teacher and why.
-    ``student_vocab_size`` stands in when the student's config.json has none. Returns the reports."""
+    Each teacher's mode is its ``compat_check``, else ``mode``. ``strict`` teachers with a mismatch, or
+    asked at an engine that does not answer within ``timeout_s`` (all of that teacher's requests together),
+    raise :class:`~slime_ascend.opd.teachers.TeacherMismatchError` (one line: each such teacher's mismatches
+    or its address, and the Fix); ``warn`` teachers' are logged; ``off`` teachers are skipped (nothing is
+    read or asked). Fields that could not be compared are logged once per process, naming the teacher and
+    why. ``student_vocab_size`` stands in when the student's config.json has none. Returns the reports of
+    the teachers that were compared."""
+    from .engine_probe import Unreachable
+
     if mode not in MODES:
         raise ValueError(f"compat_check mode must be one of {MODES}, got {mode!r}")
     active = [t for t in teachers if teacher_mode(t, mode) != "off"]
@@ -496,20 +513,29 @@ def check_teachers(teachers: Sequence[Any], student_dir: str | Path | None, *, m
     if not student_ok and student.vocab_size is None:
         _log_once(log, f"opd teacher compatibility not checked: {student.unknown['vocab_size']}")
         return []
-    reports, refused = [], []
+    reports, refused, silent = [], [], []
     for spec in active:
-        fp = teacher_fingerprint(spec, probe=probe, timeout_s=timeout_s, get=get)
-        report = compare(spec.name, student, fp, declared_vocab_size=getattr(spec, "vocab_size", None),
-                         declared_revision=getattr(spec, "tokenizer_revision", None))
+        strict = teacher_mode(spec, mode) == "strict"
+        try:
+            report = teacher_report(spec, student, probe=probe, timeout_s=timeout_s)
+        except Unreachable as e:
+            line = f"opd teacher {spec.name!r}: {e}"
+            if strict:
+                silent.append((spec.name, line))
+            else:
+                _log_once(log, line + " (compat_check: warn: starting unchecked)")
+            continue
         reports.append(report)
         if report.unchecked:
             _log_once(log, unchecked_line(report))
         if report.mismatches:
-            if teacher_mode(spec, mode) == "strict":
+            if strict:
                 refused.append(report)
             else:
                 _log_once(log, report_line(report, student_flag) + " (compat_check: warn: starting anyway)")
-    if refused:
-        raise TeacherMismatchError(
-            "; ".join(report_line(r, student_flag) for r in refused) + ". " + fix_hint([r.teacher for r in refused]))
+    if refused or silent:
+        lines = [report_line(r, student_flag) for r in refused] + [line for _, line in silent]
+        hints = ([fix_hint([r.teacher for r in refused])] if refused else []) + (
+            [("Fix: " if not refused else "and ") + unreachable_hint([n for n, _ in silent])] if silent else [])
+        raise TeacherMismatchError("; ".join(lines) + ". " + "; ".join(hints))
     return reports

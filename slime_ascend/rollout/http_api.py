@@ -13,6 +13,8 @@ sync call):
   for an engine without them), ``/post_process_weights`` (a no-op)
 * ``POST /update_weights_from_distributed``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
   ``/destroy_weights_update_group``: 501 (disk sync only).
+* ``POST /tokenize``, ``/v1/tokenize`` for an engine with a ``tokenize`` method (the reference engine;
+  the OPD teacher check asks a remote teacher's engine through it): SGLang's request and answer.
 
 Client errors (:class:`RequestError`, the one error type of both engines) answer 4xx/5xx with
 ``{"error": message, "success": false}``; an unexpected failure answers 500 and the server keeps
@@ -113,7 +115,8 @@ def abort_matches(candidate: str, rid: str | None, abort_all: bool) -> bool:
 class SGLangEngine(Protocol):
     """What :func:`make_server` serves: SGLang's endpoint semantics as methods (dicts in, dicts out;
     :class:`RequestError` for a refused request). ``engine_name`` names it in messages. Optional:
-    ``release_memory_occupation()`` and ``resume_memory_occupation(tags)`` (absent: a no-op)."""
+    ``release_memory_occupation()`` and ``resume_memory_occupation(tags)`` (absent: a no-op), and
+    ``tokenize(body)`` (absent: no ``/tokenize`` route, a 404 as from a server without it)."""
 
     engine_name: str
     weight_version: str
@@ -227,6 +230,10 @@ def _routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[i
         routes[(method, "/flush_cache")] = lambda body: ok(engine.flush_cache())
     for path in _UNSUPPORTED_SYNC:
         routes[("POST", path)] = unsupported
+    tokenize = getattr(engine, "tokenize", None)
+    if tokenize is not None:
+        # SGLang 0.5.15 serves one handler under both names (sglang/srt/entrypoints/http_server.py:1648-1663)
+        routes[("POST", "/tokenize")] = routes[("POST", "/v1/tokenize")] = lambda body: ok(tokenize(body))
     return routes
 
 

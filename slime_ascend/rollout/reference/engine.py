@@ -392,6 +392,64 @@ class ReferenceEngine:
             "architectures": getattr(self.model.config, "architectures", None),
         }
 
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang 0.5.15's ``POST /tokenize``: ``{"prompt": str | [str], "add_special_tokens": true}`` or
+        ``{"messages": [...], "chat_template_kwargs": {...}}`` -> ``{"tokens", "count", "max_model_len"}``.
+
+        As sglang/srt/entrypoints/openai: protocol.py:1225-1267 (TokenizeRequest/Response: exactly one of
+        ``prompt`` / ``messages``), serving_tokenize.py:39-115 (a prompt is ``tokenizer.encode(text,
+        add_special_tokens=...)``, a list one such list each; ``max_model_len`` is the tokenizer's
+        ``model_max_length``), serving_chat.py:235-275 and 855-875 (messages: a final assistant turn becomes
+        a user turn, the chat template is rendered with ``add_generation_prompt=True`` and encoded without
+        added special tokens when the tokenizer adds some; a message's other keys are not passed on).
+        Not implemented (400): ``tools``, ``continue_final_message``, content given as parts. Bounded: at most ``max_prompt_tokens``
+        characters a request (each prompt counts at least one; 413 beyond)."""
+        if self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer (its model directory has none); /tokenize needs one")
+        prompt, messages = body.get("prompt"), body.get("messages")
+        if (prompt is None) == (messages is None):
+            raise RequestError("Exactly one of 'prompt' or 'messages' must be provided.")
+        for key in ("tools", "continue_final_message"):
+            if body.get(key):
+                raise RequestError(f"/tokenize field {key!r} is not supported by {self.engine_name}")
+        add_special = body.get("add_special_tokens", True)
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(add_special, bool) or not isinstance(kwargs, dict):
+            raise RequestError("add_special_tokens must be true or false and chat_template_kwargs an object")
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if messages is not None:
+            ok = isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str | None)
+                for m in messages)
+            if not ok:
+                raise RequestError("messages must be a non-empty list of {role, content} objects with string content")
+            texts = [m.get("content") or "" for m in messages]
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise RequestError(f"Invalid prompt type: {type(prompt).__name__}. Expected str or List[str].")
+        size = sum(max(1, len(t)) for t in texts)
+        if size > self.max_prompt_tokens:
+            raise RequestError(f"/tokenize request of {size} characters is above this server's limit "
+                               f"max_prompt_tokens={self.max_prompt_tokens} (split it, or raise it with "
+                               "serve-reference --max-prompt-tokens)", status=413)
+        max_model_len = getattr(self.tokenizer, "model_max_length", -1)
+        if messages is None:
+            tokens = [self.tokenizer.encode(t, add_special_tokens=add_special) for t in texts]
+            if isinstance(prompt, str):
+                return {"tokens": tokens[0], "count": len(tokens[0]), "max_model_len": max_model_len}
+            return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": max_model_len}
+        turns = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+        if turns[-1]["role"] == "assistant":
+            turns[-1]["role"] = "user"
+        if not self.tokenizer.chat_template:
+            raise RequestError("the tokenizer has no chat template; /tokenize with messages needs one")
+        try:
+            rendered = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages is a client error
+            raise RequestError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
+        auto_specials = len(self.tokenizer.encode("")) > 0
+        ids = self.tokenizer.encode(rendered, **({"add_special_tokens": False} if auto_specials else {}))
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
     def loads(self) -> dict[str, Any]:
         with self._state:
             running, waiting = len(self._running), len(self._live) - len(self._running)
