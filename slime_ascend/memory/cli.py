@@ -3,10 +3,14 @@
     slime-ascend memory --config CONFIG_JSON_OR_HF_DIR [--tp N --pp N --cp N --ep N --dp N]
         [--max-tokens-per-gpu N | --micro-batch-size N --seq-length N] [--recompute full|selective|none]
         [--kv-cache-tokens N | --mem-fraction F --device-gib G] [--teachers N --teacher-config C]
-        [--sync-format none|fp8-block|int8-w8a8|int4-group] [--slime-args "..."] [--json]
+        [--sync-format none|fp8-block|int8-w8a8|int4-group] [--kernels fused|cpu] [--slime-args "..."] [--json]
+        [--measure]
 
 ``--slime-args`` takes the layout from a slime command line (the flags slime and Megatron use); flags given
-here as well win. No torch is imported.
+here as well win. No torch is imported, except by ``--measure``: it runs the measurement job of
+:mod:`.measure` (slime's ``train.py`` with the ``cpu`` plugin, this host) for the config at the layout's tokens
+per micro-batch and prints the measured train-step memory next to the ledger's (one line where it cannot:
+no slime, a layout or model the cpu plugin does not train, a model too large for the host).
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ import json
 import os
 import shlex
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from ..cli import ArgumentParser
-from .ledger import RECOMPUTE, SYNC_FORMATS, Layout, build_ledger, format_table
+from .ledger import KERNELS, RECOMPUTE, SYNC_FORMATS, Layout, build_ledger, format_table
 
 # slime / Megatron flag -> Layout field (value flags)
 SLIME_FLAGS: dict[str, str] = {
@@ -127,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-dtype", default=None, help="fp32|bf16 (default fp32 main_grad)")
     p.add_argument("--kv-dtype", default=None, help="bf16|fp8|fp32 (default bf16)")
     p.add_argument("--attention", default=None, help="flash|eager (default flash)")
+    p.add_argument("--kernels", default=None, help=f"{'|'.join(KERNELS)}: the device's fused kernels (default), or "
+                                                   "those of the cpu plugin's spec")
     p.add_argument("--mem-fraction", type=float, default=None, help="SGLang mem fraction static (default 0.8)")
     p.add_argument("--device-gib", type=float, default=None, help="device memory in GiB (default 64)")
     p.add_argument("--margin", type=float, default=None, help="allocator margin, fraction of the peak (default 0.1)")
@@ -137,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false", default=None)
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false", default=None)
     p.add_argument("--json", action="store_true", help="print the ledger as JSON")
+    p.add_argument("--measure", action="store_true",
+                   help="also run the job's train actor on this host (slime's train.py, cpu plugin) and print its "
+                        "measured train-step memory next to the estimate")
     return p
 
 
@@ -163,5 +172,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = _read_config(path)
     teacher = _read_config(ns.teacher_config) if ns.teacher_config else None
     led = build_ledger(cfg, layout, teacher)
-    print(json.dumps(led.to_dict(), indent=2) if ns.json else format_table(led))
+    measured = _measure(cfg, layout) if ns.measure else None
+    if ns.json:
+        print(json.dumps(led.to_dict() | ({"measured": measured} if measured else {}), indent=2))
+    else:
+        print(format_table(led))
+        if measured:
+            print(_measured_line(measured))
     return 0
+
+
+def _measure(cfg: dict, layout: Layout) -> dict:
+    """The measurement of :mod:`.measure` for ``cfg`` at ``layout.tokens``, the ledger of that job (cpu
+    kernels) and the same step's ledger with the device's fused kernels."""
+    from . import measure
+
+    measure.check_measurable(cfg, layout)  # before any output: a refusal is the one line
+    measure.preflight(cfg, [layout.tokens])
+    try:
+        c = measure.compare(cfg, [layout.tokens])[0]
+    except RuntimeError as exc:
+        raise ValueError(f"--measure: {str(exc).splitlines()[0]}. Fix: read the job's log named there") from None
+    fused = build_ledger(cfg, replace(layout, kernels="fused", margin=0.0))
+    return {"host": measure.cpu_name(), "tokens": c.measured.tokens, "step_bytes": c.measured.step_bytes,
+            "ledger_step_bytes": int(c.estimate_bytes), "ratio": round(c.ratio, 4),
+            "model_state_bytes": c.measured.model_state_bytes, "ledger_model_state_bytes": int(c.model_state_estimate),
+            "baseline_rss": c.measured.baseline_rss,
+            "fused_ledger_step_bytes": int(fused.total("actor", lifetime="train step")), "job_dir": str(c.work)}
+
+
+def _measured_line(d: dict) -> str:
+    mib = 1024**2
+    return (f"measured on this host ({d['host']}), slime's train actor with the cpu plugin, {d['tokens']:,} tokens "
+            f"per step: {d['step_bytes'] / mib:.1f} MiB peak RSS above the step's start; ledger (cpu kernels) "
+            f"{d['ledger_step_bytes'] / mib:.1f} MiB, ratio {d['ratio']:.3f}; model state counted "
+            f"{d['model_state_bytes'] / mib:.2f} MiB, ledger {d['ledger_model_state_bytes'] / mib:.2f} MiB; the "
+            f"same step with the device's fused kernels: {d['fused_ledger_step_bytes'] / mib:.1f} MiB (job files: "
+            f"{d['job_dir']})")

@@ -33,7 +33,14 @@ Assumptions stated once (each formula's docstring gives its source):
   scripts pass ``--sequence-parallel``; Megatron requires it for MoE with TP); expert TP = 1; experts
   split evenly over EP; routed tokens balanced over experts.
 * Activations are Megatron's fused kernels (TransformerEngine/MindSpeed): flash attention (no s^2
-  scores) unless ``Layout.attention == "eager"``; no dropout unless ``Layout.dropout``.
+  scores) unless ``Layout.attention == "eager"``; no dropout unless ``Layout.dropout``. ``Layout.kernels ==
+  "cpu"`` counts the unfused kernels of ``slime_ascend.cpu.spec`` instead (:func:`layer_activation_terms`), the
+  job ``slime-ascend memory --measure`` runs on the host.
+* The loss path of the last stage: Megatron's ``Float16Module`` casts the logits to fp32 and drops the 16-bit
+  ones (``megatron/core/transformer/module.py``, ``float16_to_fp32``); slime's ``_VocabParallelLogProbEntropy``
+  keeps one fp32 softmax buffer for backward and, off CUDA (Ascend, CPU), its entropy term materialises
+  ``softmax * logits`` (``slime/utils/ppo_utils.py``, ``sum_softmax_logits``; einsum on CUDA): ``12 V/t`` bytes
+  per token in all.
 * Not included: CUDA/ACL graphs and NCCL/HCCL internal buffers, the framework context (~0.5-1 GiB per
   device on a real accelerator), the MTP layers, the DSA indexer's training activations, kernel
   autotuning caches.
@@ -53,6 +60,7 @@ CATEGORIES: tuple[str, ...] = (
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 SYNC_FORMATS: tuple[str, ...] = ("none", "fp8-block", "int8-w8a8", "int4-group")
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+KERNELS: tuple[str, ...] = ("fused", "cpu")
 WHOLE_RUN = "whole run"
 TRAIN_PHASES: tuple[str, ...] = ("train step", "log-prob forward", "weight sync")
 ENGINE_PHASES: tuple[str, ...] = ("serving", "weight sync")
@@ -288,6 +296,7 @@ class Layout:
     distributed_optimizer: bool = True  # --use-distributed-optimizer
     recompute: str = "none"            # --recompute-granularity full|selective (none: not given)
     attention: str = "flash"           # flash (fused attention) | eager (stores the s^2 scores)
+    kernels: str = "fused"             # fused (TransformerEngine / MindSpeed) | cpu (slime_ascend.cpu.spec)
     dropout: bool = False              # attention/hidden dropout > 0 (masks saved)
     sequence_parallel: bool = True     # --sequence-parallel (slime's Megatron scripts pass it with TP > 1)
     critic: bool = False               # PPO critic train process
@@ -316,7 +325,7 @@ class Layout:
                     raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {v!r}. Fix: pass "
                                      f"{'0 or ' if low == 0 else ''}a positive integer")
         for name, allowed in (("param_dtype", ("bf16", "fp16", "fp32")), ("grad_dtype", ("fp32", "bf16", "fp16")),
-                              ("recompute", RECOMPUTE), ("attention", ("flash", "eager")),
+                              ("recompute", RECOMPUTE), ("attention", ("flash", "eager")), ("kernels", KERNELS),
                               ("kv_dtype", ("bf16", "fp16", "fp32", "fp8")), ("sync_format", SYNC_FORMATS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not known. Fix: use one "
@@ -353,6 +362,9 @@ def check_layout_fits(m: ModelShape, lay: Layout) -> None:
                          f"divides {m.experts}")
     if not m.experts and lay.ep > 1:
         raise ValueError(f"--ep {lay.ep} given for a dense model. Fix: drop --ep (or pass --ep 1)")
+    if lay.kernels == "cpu" and (m.experts or m.mla or lay.tp > 1 or lay.cp > 1 or lay.attention != "flash"):
+        raise ValueError("--kernels cpu is slime_ascend.cpu.spec: dense GQA models, TP = CP = 1, its SDPA attention. "
+                         "Fix: use --kernels fused for this model or layout")
     if m.heads % lay.rollout_tp:
         raise ValueError(f"--rollout-tp {lay.rollout_tp} does not divide the model's {m.heads} heads. Fix: choose "
                          f"a --rollout-tp that divides {m.heads}")
@@ -398,21 +410,33 @@ def layer_activation_terms(m: ModelShape, lay: Layout, moe: bool, e: float) -> d
     (``k`` per token), the permuted input ``e*h``, fc1 output ``e*2*moe_ffn`` and activation output
     ``e*moe_ffn``, plus the shared experts like a dense MLP. Keys ending in ``:rep`` are the terms that sequence
     parallelism shards (norm inputs, QKV/fc1 inputs, dropout masks: the paper's ``10sbh``); with TP but no SP
-    they stay whole on each TP rank."""
+    they stay whole on each TP rank.
+
+    ``Layout.kernels == "cpu"``: the unfused kernels of :mod:`slime_ascend.cpu.spec` (Megatron's local transformer),
+    each checked with ``torch.autograd.graph.saved_tensors_hooks``: each RMSNorm (the two in
+    ``NormColumnParallelLinear``, the q/k norms as ``torch.nn.RMSNorm``) saves its fp32 upcast and fp32
+    normalised value, ``8`` bytes per element whatever the dtype; ``PackedSDPAttention`` repeats k and v to
+    every head and SDPA saves q, k, v (``3*a*d``) and its own output (``a*d``) besides the packed output that
+    the projection saves; Megatron's unfused RoPE keeps ``cos`` and ``sin`` of q and of k (``4*d``); the
+    unfused SwiGLU (``silu(x0) * x1``) keeps fc1's output, the silu output and the product: ``4*ffn``."""
     h, a = m.hidden, m.heads
+    cpu = lay.kernels == "cpu"
     t: dict[str, float] = {}
-    t["norm inputs:rep"] = 2 * e * h
+    t["norm inputs:rep"] = 2 * (8 * h if cpu else e * h)
     t["qkv input:rep"] = e * h
     if m.mla:
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         t["mla latents"] = e * (2 * m.q_lora_rank + 2 * m.kv_lora_rank + m.qk_rope_head_dim)
         t["q, k, v"] = e * (2 * a * qk + a * m.v_head_dim)
-        out_dim = a * m.v_head_dim
+    elif cpu:
+        t["q, k, v (k, v repeated to every head)"] = e * 3 * a * m.head_dim
+        t["SDPA output"] = e * a * m.head_dim
+        t["RoPE cos, sin (q and k)"] = 4 * e * m.head_dim
     else:
         t["q, k, v"] = e * (a * m.head_dim + 2 * m.kv_heads * m.head_dim)
-        if m.qk_norm:
-            t["q/k norm inputs"] = e * (a * m.head_dim + m.kv_heads * m.head_dim)
-        out_dim = a * m.head_dim
+    if m.qk_norm and not m.mla:
+        t["q/k norm inputs"] = (8 if cpu else e) * (a * m.head_dim + m.kv_heads * m.head_dim)
+    out_dim = a * (m.v_head_dim if m.mla else m.head_dim)
     if lay.attention == "eager" and lay.recompute == "none":
         s = lay.seq_length
         t["attention scores (s^2)"] = (2 * e if lay.dropout else e) * a * s + (a * s if lay.dropout else 0)
@@ -428,7 +452,7 @@ def layer_activation_terms(m: ModelShape, lay: Layout, moe: bool, e: float) -> d
         if m.shared_ffn:
             t["shared expert fc1 out + act out"] = e * 3 * m.shared_ffn
     else:
-        t["fc1 out + act out"] = e * 3 * m.ffn
+        t["fc1 out + act out"] = e * (4 if cpu else 3) * m.ffn
     if lay.dropout:
         t["dropout masks:rep"] = 2 * h
     return t
@@ -641,20 +665,28 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
         add(f"layer activations ({len(layers)} layers x {inflight} micro-batch{'es' if inflight > 1 else ''})",
             "saved activations", sum(per_layer.values()) * inflight, "autograd (Megatron layers)", "train step",
             f"Korthikanti 2022 generalised: {how}")
-    if first:
+    cpu = lay.kernels == "cpu"
+    if first and not cpu:  # cpu: layer 0's first norm upcasts the embedding output and keeps only the copy
         add("embedding output", "saved activations", e * m.hidden * T / lay.tp * inflight, "autograd",
             "train step", "e*h per token (SP shard)")
     if last:
-        add("final norm input + output-layer input", "saved activations", e * m.hidden * T * (1 / lay.tp + 1),
-            "autograd", "train step", "final norm input / TP + gathered output-layer input e*h")
+        if cpu:
+            add("final norm (fp32 upcast + normalised) + output-layer input", "saved activations",
+                (8 + e) * m.hidden * T, "autograd (torch.nn.RMSNorm, output layer)", "train step", "(8 + e) h per token")
+        else:
+            add("final norm input + output-layer input", "saved activations", e * m.hidden * T * (1 / lay.tp + 1),
+                "autograd", "train step", "final norm input / TP + gathered output-layer input e*h")
         if value_head:
             add("values [tokens] fp32", "saved activations", 4 * T, "autograd (value head)", "train step")
         else:
-            add(f"logits [tokens, vocab/TP] ({lay.param_dtype}) + fp32 copy for the loss", "saved activations",
-                (e + 4) * m.vocab / lay.tp * T, "output layer + slime loss (log-softmax)", "train step",
-                "(e + 4) x V/t per token")
-            add("log-softmax / entropy fp32 temporary", "operator workspace", 4 * m.vocab / lay.tp * T,
-                "slime loss (log_probs, entropy)", "train step", "4 x V/t per token")
+            vt = m.vocab / lay.tp * T
+            add("logits fp32 [tokens, vocab/TP] (the loss input)", "saved activations", 4 * vt,
+                "Megatron Float16Module (fp32 output of the last stage)", "train step",
+                "4 x V/t per token; the 16-bit logits are freed by the cast")
+            add("softmax fp32 (saved for the log-prob backward)", "saved activations", 4 * vt,
+                "slime _VocabParallelLogProbEntropy", "train step", "4 x V/t per token (exp_, div_ in place)")
+            add("entropy temporary softmax x logits fp32", "operator workspace", 4 * vt,
+                "slime sum_softmax_logits (not CUDA: einsum there)", "train step", "4 x V/t per token")
     # operator workspace: activation gradients in flight during backward
     add("activation-gradient temporaries (one layer's backward)", "operator workspace",
         2 * max(e * 3 * (m.ffn if not m.moe_layers else max(m.ffn, m.experts_per_token * m.moe_ffn)),

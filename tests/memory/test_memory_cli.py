@@ -96,6 +96,29 @@ def test_the_command_imports_no_torch(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == "[] 0", proc.stderr
 
 
+@pytest.mark.parametrize("cfg, extra, needle", [
+    (TINY, ["--tp", "2"], "--measure runs one CPU train actor (--tp 2)"),
+    (TINY, ["--recompute", "full"], "no recompute"),
+    (TINY, ["--max-tokens-per-gpu", "30"], "is too small or not a multiple of 4"),
+    (dict(TINY, model_type="qwen3_moe", num_experts=8, moe_intermediate_size=32, num_experts_per_tok=2),
+     [], "dense Qwen3 models only"),
+    (QWEN3_8B, ["--max-tokens-per-gpu", "2048"], "too large for this host"),
+])
+def test_measure_refuses_with_one_line(tmp_path, capsys, cfg, extra, needle):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert cli.main(["memory", "--config", str(tmp_path), "--measure", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and needle in err and "Fix:" in err, err
+
+
+def test_measure_without_slime_is_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    monkeypatch.setenv("SLIME_SRC", str(tmp_path))  # not a slime tree
+    assert cli.main(["memory", "--config", str(tmp_path), "--measure", "--max-tokens-per-gpu", "2048"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "--measure needs slime" in err and "Fix:" in err, err
+
+
 class _nothing:
     def __enter__(self):
         return self

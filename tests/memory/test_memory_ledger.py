@@ -96,9 +96,10 @@ def test_tiny_ledger_numbers():
     assert by["actor", "grads (fp32 main_grad)"].bytes == 4 * P
     assert by["actor", "fp32 main params (shard 1/4)"].bytes == P
     assert by["actor", "Adam exp_avg + exp_avg_sq (shard 1/4)"].bytes == 2 * P
-    # logits [T, V] bf16 + fp32 copy; fp32 temporary
-    assert by["actor", "logits [tokens, vocab/TP] (bf16) + fp32 copy for the loss"].bytes == 6 * 1024 * T
-    assert by["actor", "log-softmax / entropy fp32 temporary"].bytes == 4 * 1024 * T
+    # the loss path: fp32 logits (Float16Module's cast), slime's fp32 softmax, its entropy product: 3 x 4 B x V
+    assert by["actor", "logits fp32 [tokens, vocab/TP] (the loss input)"].bytes == 4 * 1024 * T
+    assert by["actor", "softmax fp32 (saved for the log-prob backward)"].bytes == 4 * 1024 * T
+    assert by["actor", "entropy temporary softmax x logits fp32"].bytes == 4 * 1024 * T
     # KV: 2 * layers 2 * kv heads 2 * head_dim 16 * 2 B = 256 B per token
     assert by["rollout", "KV cache (1,000 tokens, bf16)"].bytes == 256 * 1000
     # one weight-sync bucket holds the whole tiny model in bf16
@@ -152,3 +153,38 @@ def test_bad_layout_names_the_flag(kw, flag):
 def test_bad_config():
     with pytest.raises(ValueError, match="hidden_size"):
         ModelShape.from_hf({"num_hidden_layers": 2})
+
+
+def test_cpu_kernels_tiny_by_hand():
+    """The cpu plugin's spec (unfused kernels), per token of the tiny Qwen3 (h 64, 4 heads, 2 KV heads, d 16,
+    ffn 128, V 1024, bf16), counted by hand from what each op saves."""
+    T = 2048
+    m = ModelShape.from_hf(TINY)
+    lay = Layout(max_tokens_per_gpu=T, kernels="cpu", reference=False, margin=0.0, kv_cache_tokens=1)
+    per_layer = (2 * 8 * 64      # two RMSNorms inside the fc1/qkv linears: fp32 upcast + fp32 normalised
+                 + 2 * 64        # qkv linear input
+                 + 2 * 3 * 64    # q and the k, v repeated to 4 heads (4 x 16), saved by SDPA
+                 + 2 * 64        # SDPA's own output
+                 + 4 * 2 * 16    # RoPE cos + sin, for q and for k
+                 + 8 * (64 + 32)  # q/k norms (torch.nn.RMSNorm): fp32 upcast + fp32 normalised
+                 + 4 * 4         # SDPA log-sum-exp, fp32 per head
+                 + 2 * 64        # output projection input
+                 + 2 * 64        # fc1 input
+                 + 2 * 4 * 128)  # fc1 out (2 x 128), silu out, the product (fc2 input)
+    assert per_layer == 3856
+    assert layer_activation_bytes(m, lay, False, T) == per_layer * T
+    led = build_ledger(TINY, lay)
+    step = led.total("actor", lifetime="train step")
+    by_hand = (2 * per_layer + (8 + 2) * 64 + 3 * 4 * 1024 + 2 * max(2 * 3 * 128, 2 * 64 * 4) + 32) * T
+    assert step == by_hand
+    assert not [e for e in led.entries if e.name == "embedding output"]  # the first norm keeps only its fp32 copy
+    # the fused kernels save less per layer: 1,872 B per token
+    assert layer_activation_bytes(m, Layout(max_tokens_per_gpu=T), False, T) == 1872 * T
+
+
+def test_cpu_kernels_refuse_what_the_cpu_spec_does_not_run():
+    with pytest.raises(ValueError, match="--kernels cpu") as ei:
+        build_ledger(QWEN3_8B, Layout(kernels="cpu", tp=2, kv_cache_tokens=1))
+    assert "Fix:" in str(ei.value)
+    with pytest.raises(ValueError, match="--kernels 'gpu' is not known"):
+        build_ledger(TINY, Layout(kernels="gpu"))
