@@ -109,11 +109,15 @@ def test_dis_policy_loss_value_grad_and_metrics() -> None:
     lo, hi = DIS_PRESETS["glm5"]
     loss, keep, m = dis_policy_loss(train, rollout, adv, mask, lo, hi)
 
-    ref_loss, ref_grad, kept = [], [], []
+    ref_loss, ref_grad, kept, below, above = [], [], [], 0, 0
+    lo_b, hi_b = torch.tensor(1.0 - lo).item(), torch.tensor(1.0 + hi).item()  # the band edges in float32
     for i in range(n):
         r = math.exp(train[i].item() - rollout[i].item())
         k = bool(mask[i]) and ref_dis_keep(train[i].item(), rollout[i].item(), lo, hi)
         kept.append(k)
+        r32 = ref_ratio(train[i].item(), rollout[i].item())
+        below += bool(mask[i]) and r32 <= lo_b
+        above += bool(mask[i]) and r32 >= hi_b
         ref_loss.append(-r * adv[i].item() * train[i].item() if k else 0.0)
         ref_grad.append(-r * adv[i].item() if k else 0.0)
     assert keep.tolist() == kept
@@ -126,7 +130,9 @@ def test_dis_policy_loss_value_grad_and_metrics() -> None:
     assert int(m["dis_trainable_tokens"]) == n_train
     assert int(m["dis_kept_tokens"]) == sum(kept)
     assert m["dis_masked_frac"].item() == pytest.approx((n_train - sum(kept)) / n_train)
-    assert m["dis_low_frac"].item() + m["dis_high_frac"].item() == pytest.approx(m["dis_masked_frac"].item())
+    assert below > 0 and above > 0  # both sides of the band are exercised
+    assert m["dis_low_frac"].item() == pytest.approx(below / n_train)
+    assert m["dis_high_frac"].item() == pytest.approx(above / n_train)
 
 
 def test_dis_policy_loss_no_nan_leak_from_masked_tokens() -> None:

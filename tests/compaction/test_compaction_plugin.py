@@ -86,8 +86,10 @@ def test_validate_rejects_settings_that_break_credit(fresh_runtime, extra, match
 def test_validate_accepts_every_slime_estimator(fresh_runtime):
     for est in ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"):
         runtime.reset()
-        runtime.active(SimpleNamespace(ascend_plugins=["compaction"], advantage_estimator=est,
-                                       custom_convert_samples_to_train_data_path=None))
+        state = runtime.active(SimpleNamespace(ascend_plugins=["compaction"], advantage_estimator=est,
+                                               custom_convert_samples_to_train_data_path=None))
+        assert list(state.selection.names) == ["compaction"], est  # validated, and nothing dropped
+        assert state.settings["compaction"]["ascend_compaction_lambda_mode"] == "fixed", est
 
 
 # ----------------------------------------------------------------------------------------------

@@ -238,6 +238,49 @@ def _teacher_top_k(engine_url: str, tokens: list[int], response_length: int, k: 
     return [[e[1] for e in row] for row in rows], [[e[0] for e in row] for row in rows]
 
 
+def _student_log_softmax(model, tokens, response_length: int):
+    """The student's full-vocabulary log-softmax at each response position ``[n, V]``: a plain Hugging Face
+    forward of the student checkpoint (not Megatron, not slime-ascend) over the dumped tokens; row ``p``
+    predicts response token ``p`` (``--rollout-temperature 1.0``: the logits are not rescaled)."""
+    import torch
+
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    length = ids.numel()
+    with torch.no_grad():
+        logits = model(input_ids=ids[None], use_cache=False).logits[0].float()
+    return torch.log_softmax(logits[length - response_length - 1:length - 1], dim=-1)
+
+
+def _slow_topk_kl(student_lp, ids, teacher_lp) -> list[float]:
+    """Per response position, one entry at a time: sum over the teacher's top-k ids v of
+    P_S(v) (log P_S(v) - log P_T(v)) - P_S(v) + P_T(v), P_S the student's full-vocabulary probability (not
+    renormalised over the k ids); a padding id (-1) or a non-finite teacher log-prob is skipped."""
+    out = []
+    for row, row_ids, row_t in zip(student_lp.tolist(), ids.tolist(), teacher_lp.tolist()):
+        total = 0.0
+        for v, lt in zip(row_ids, row_t):
+            if v < 0 or not math.isfinite(lt):
+                continue
+            ls = row[v]
+            total += math.exp(ls) * (ls - lt) - math.exp(ls) + math.exp(lt)
+        out.append(total)
+    return out
+
+
+def _slime_step_mean(samples, per_token: dict[int, list[float]]) -> float:
+    """slime's reported value of a per-token loss term (``sum_of_sample_mean`` over the micro-batches, divided
+    by the step's rollout count): sum over samples of sum_t x_t * mask_t / (the loss-mask total of the sample's
+    rollout), over the number of rollouts."""
+    rollout_mask = {}
+    for t in samples:
+        rollout_mask[t["rollout_ids"]] = rollout_mask.get(t["rollout_ids"], 0.0) + float(t["loss_masks"].sum())
+    total = 0.0
+    for i, t in enumerate(samples):
+        masked = sum(x * float(m) for x, m in zip(per_token[i], t["loss_masks"].tolist()))
+        total += masked / max(rollout_mask[t["rollout_ids"]], 1.0)
+    return total / len(rollout_mask)
+
+
 def test_train_py_opd_topk_mode(models, engines, tmp_path):
     """``ascend_opd_mode: topk``: the teacher's top-k ids and log-probs travel from the RolloutManager to the
     train actor in each sample's train_metadata (rollout.forward_metadata), into slime's loss batch
@@ -284,15 +327,49 @@ def test_train_py_opd_topk_mode(models, engines, tmp_path):
             adv = t["advantages"].float()
             assert torch.allclose(adv, torch.full_like(adv, float(t["rewards"])), atol=1e-5), adv
 
-    # ---- slime's step metrics: the top-k KL and its loss term every step; slime's reported loss is the
-    # policy loss plus the term (entropy coef 0, no KL loss)
+    # ---- slime's step metrics: the top-k KL and its loss term every step
     steps = [m for m in run.metrics() if "train/opd_topk_kl" in m]
     assert len(steps) == NUM_ROLLOUT, run.metric_keys()
     for m in steps:
         assert math.isfinite(m["train/opd_topk_kl"]) and m["train/opd_topk_kl"] > 0, m
         assert 0 < m["train/opd_topk_loss"] < m["train/opd_topk_kl"], m  # mean coef 0.75
-        assert m["train/loss"] == pytest.approx(m["train/pg_loss"] + m["train/opd_topk_loss"], rel=1e-4, abs=1e-6), m
         assert math.isfinite(m["train/grad_norm"]) and m["train/grad_norm"] > 0, m
+
+    # ---- step 0, recomputed here from slime's train dump: one optimizer step per rollout (global batch 8 =
+    # the rollout), so step 0 trained the student checkpoint itself (step 1's weights are not kept). The
+    # student's full-vocabulary log-probs come from a Hugging Face forward of that checkpoint in bf16 (slime
+    # trains with --bf16), the loss from the slow loop above on each sample's dumped teacher top-k.
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(str(models["student"]), dtype=torch.bfloat16).eval()
+    train = torch.load(dumps / "train_0.pt", weights_only=False)["samples"]
+    kl_tokens, loss_tokens, pg_tokens = {}, {}, {}
+    for i, t in enumerate(train):
+        n = t["response_lengths"]
+        student_lp = _student_log_softmax(student, t["tokens"], n)
+        # the recomputation sees what slime trained with: its sampled-token log-probs are slime's (Megatron's)
+        # log_probs (measured: max |diff| 4.8e-7 on the Intel Xeon host; an fp32 forward is off by 2.2e-3)
+        sampled = student_lp.gather(-1, torch.as_tensor(t["tokens"][-n:]).long()[:, None]).squeeze(-1)
+        assert torch.allclose(sampled, t["log_probs"].float(), rtol=0, atol=2e-5), (i, sampled, t["log_probs"])
+        payload = t["metadata"]["opd_topk"]
+        kl_tokens[i] = _slow_topk_kl(student_lp, payload["ids"], payload["log_probs"])
+        loss_tokens[i] = [COEFS[t["metadata"]["opd_teacher"]] * x for x in kl_tokens[i]]
+        # slime's policy loss on step 0 is on-policy (ratio 1, ppo_kl 0): -A_t per token
+        pg_tokens[i] = [-a for a in t["advantages"].tolist()]
+    want_kl, want_loss = _slime_step_mean(train, kl_tokens), _slime_step_mean(train, loss_tokens)
+    want_pg = _slime_step_mean(train, pg_tokens)
+    m = steps[0]
+    assert m["train/step"] == 0 and m["train/ppo_kl"] == 0, m
+    # measured: slime's kl and loss agree with the recomputation to 1.3e-7 relative (an fp32 forward: 2e-4;
+    # a top-k renormalised KL is 5.09, i.e. 9000x, and dropping the -P_S + P_T correction makes it negative)
+    assert m["train/opd_topk_kl"] == pytest.approx(want_kl, rel=2e-5), (m, want_kl)
+    assert m["train/opd_topk_loss"] == pytest.approx(want_loss, rel=2e-5), (m, want_loss)
+    # slime's reported loss: the policy loss plus the coefficient-weighted top-k term (entropy coef 0, no KL
+    # loss). The GRPO advantages of each prompt's two samples cancel, so the step's policy loss is ~0, but each
+    # one-sample micro-batch's is ~±0.09: its float32 sum with the 5e-5 term rounds (measured |diff| 6.9e-9 on
+    # a loss of 4.5e-4; a missing term is off by 4.5e-4, an uncoefficiented one by 1.3e-4)
+    assert m["train/pg_loss"] == pytest.approx(want_pg, abs=1e-7), (m, want_pg)
+    assert m["train/loss"] == pytest.approx(want_pg + want_loss, rel=0, abs=2e-8), (m, want_pg, want_loss)
 
 
 def test_train_py_refuses_a_teacher_with_another_vocabulary(models, tmp_path):
