@@ -4,12 +4,26 @@ slime talks SGLang's HTTP API to its engines; vLLM serves an OpenAI-compatible A
 is a small stdlib HTTP server in front of one vLLM server, attached to slime with
 ``--rollout-external-engine-addrs``:
 
-* ``POST /generate`` (``input_ids`` + SGLang sampling params + ``return_logprob``) ->
-  ``POST /v1/completions`` with the token ids as the prompt, ``logprobs: 0`` (the sampled token's
-  log-prob) and ``return_tokens_as_token_ids`` (tokens come back as ``token_id:<n>``); the answer is
-  rebuilt as SGLang's ``{text, output_ids, meta_info: {finish_reason, output_token_logprobs, ...}}``;
+* ``POST /generate`` (``input_ids`` + SGLang sampling params + ``return_logprob``, ``logprob_start_len``,
+  ``top_logprobs_num``) -> ``POST /v1/completions`` with the token ids as the prompt,
+  ``return_token_ids``, ``return_tokens_as_token_ids`` and ``return_weight_versions``; output log-probs
+  with ``logprobs: k`` (``k = top_logprobs_num``, 0: the sampled token only), prompt log-probs with
+  ``prompt_logprobs: k``; ``max_new_tokens: 0`` (scoring, as slime's and slime_ascend's OPD teachers
+  send) becomes vLLM's prompt-only ``echo: true, max_tokens: 0``. The answer is rebuilt as SGLang's
+  ``{text, output_ids, meta_info}``: ``output_token_logprobs`` ``[[logprob, id, None], ...]``;
+  ``input_token_logprobs`` for ``input_ids[logprob_start_len:]``, the first entry's log-prob ``None``;
+  ``input_top_logprobs`` / ``output_top_logprobs``: per position ``None`` (the first input position)
+  or the ``k`` largest ``[logprob, id, None]``, largest first (SGLang's order; vLLM's per-position dict
+  lists the prompt token first and may hold ``k + 1`` entries). vLLM's prompt log-probs are raw
+  (temperature 1), as SGLang's ``input_token_logprobs``; vLLM writes ``-inf`` as ``-9999.0``;
+* ``meta_info.weight_version``: the version of the weights that sampled the last output token, from
+  vLLM's ``choices[0].weight_versions`` spans; when there are none, vLLM's current version;
 * ``POST /update_weights_from_disk`` -> vLLM's dev-mode ``/collective_rpc``: ``update_config``
-  (``model_config.model`` = the new checkpoint) then ``reload_weights``, then ``/reset_prefix_cache``;
+  (``model_config.model`` = the new checkpoint) then ``reload_weights``, then ``/reset_prefix_cache``,
+  then ``POST /update_weight_version`` (the requested version, else the engine's numeric version + 1,
+  else ``"1"``); the answer's version is the one vLLM reports afterwards;
+* ``GET /get_weight_version`` (and ``/server_info``, ``/model_info``): vLLM's ``GET /weight_info``,
+  read on every call (the adapter keeps no version of its own);
 * ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` -> ``/sleep?level=N`` / ``/wake_up``;
 * ``POST /pause_generation`` / ``/continue_generation`` / ``/abort_request``: handled in the adapter
   (new requests wait while paused; ``abort`` closes the upstream connections of in-flight requests,
@@ -18,11 +32,19 @@ is a small stdlib HTTP server in front of one vLLM server, attached to slime wit
   (``/server_info``, ``/model_info``, ``/v1/loads``, ``/health*``, ``/flush_cache``, the same input checks,
   501 for the distributed weight-sync endpoints).
 
-The dev-mode endpoints need ``VLLM_SERVER_DEV_MODE=1`` in vLLM's environment (vllm-ascend's
-``rl_config`` sets it). Log-probs: start vLLM with ``--logprobs-mode processed_logprobs`` so they are
-taken after temperature, as SGLang reports them. Verified here: the mapping against a stub that
-answers in vLLM's response shape; not verified: a real vLLM / vllm-ascend server (neither installs
-on this CPU host).
+Needs a vLLM with the dev-mode RL endpoints ``GET /weight_info`` / ``POST /update_weight_version`` and
+``return_weight_versions`` (vllm-project/vllm#49040; present in vLLM 0.33.0) started with
+``VLLM_SERVER_DEV_MODE=1`` (vllm-ascend's ``rl_config`` sets it); a vLLM without them is refused at the
+first weight update or version read, before anything changes. Start vLLM with ``--logprobs-mode
+processed_logprobs`` (output log-probs after temperature, as SGLang reports them) and ``--max-logprobs``
+at least the largest ``top_logprobs_num`` (vLLM's default is 20; slime_ascend's OPD top-k default is 32).
+A request vLLM refuses (400/422) is answered 400 with vLLM's message; other vLLM failures 502.
+
+Tested (``tests/rollout/test_vllm_ascend.py``) end to end over loopback HTTP against vLLM 0.33.0's own
+server code (its FastAPI routers, ``CompletionRequest`` validation, ``OpenAIServingCompletion`` answer
+building) around a toy model (``tests/rollout/vllm_toy_server.py``) where vLLM imports, and everywhere
+against the exchanges recorded from it (``tests/rollout/data/vllm_0.33.0.json``). Not tested: a vLLM /
+vllm-ascend engine running a real model (neither runs on this CPU host).
 """
 
 from __future__ import annotations
@@ -34,7 +56,7 @@ import logging
 import socket
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -66,19 +88,40 @@ SAMPLING_MAP = {
 # accepted and dropped: SGLang-only hints with no vLLM counterpart
 IGNORED_SAMPLING = {"custom_params"}
 # top-level /generate keys honoured (http_api.check_generate_keys refuses the rest)
-GENERATE_KEYS = frozenset({"input_ids", "sampling_params", "return_logprob", "rid"})
+GENERATE_KEYS = frozenset({"input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len",
+                           "top_logprobs_num"})
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default (vLLM's is 16)
+VLLM_DEV_MODE_HINT = ("the adapter needs vLLM's dev-mode RL endpoints (GET /weight_info, POST /update_weight_version: "
+                      "vllm-project/vllm#49040, vLLM 0.33.0 has them) with VLLM_SERVER_DEV_MODE=1")
 
 
-def to_vllm_request(model: str, input_ids: list[int], sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:
+def _int_field(name: str, value: Any, default: int, low: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise RequestError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def to_vllm_request(
+    model: str, input_ids: list[int], sampling_params: Mapping[str, Any] | None, *, return_logprob: bool = False,
+    logprob_start_len: int = -1, top_logprobs_num: int = 0,
+) -> dict[str, Any]:
     """SGLang ``/generate`` fields -> a vLLM ``/v1/completions`` body (raises :class:`RequestError`)."""
-    if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
+    if not isinstance(input_ids, list) or not input_ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids):
         raise RequestError("input_ids must be a non-empty list of token ids (the adapter does not tokenize text)")
+    if logprob_start_len >= len(input_ids):
+        raise RequestError(f"logprob_start_len={logprob_start_len} must be below the number of input tokens "
+                           f"{len(input_ids)} (or -1 for no input log-probs)")
     params = dict(sampling_params or {})
     body: dict[str, Any] = {
         "model": model,
         "prompt": input_ids,
-        "logprobs": 0,  # the sampled token's log-prob
+        "max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS,
+        "return_token_ids": True,
         "return_tokens_as_token_ids": True,
+        "return_weight_versions": True,
         "echo": False,
         "stream": False,
         "n": 1,
@@ -92,6 +135,13 @@ def to_vllm_request(model: str, input_ids: list[int], sampling_params: Mapping[s
         if key not in SAMPLING_MAP:
             raise RequestError(f"sampling_params.{key} has no vLLM counterpart in the adapter; drop it")
         body[SAMPLING_MAP[key]] = value
+    top = top_logprobs_num if return_logprob else 0
+    if body["max_tokens"] == 0:
+        body["echo"] = True  # vLLM's prompt-only path: it accepts max_tokens 0 only with echo
+    else:
+        body["logprobs"] = top  # the sampled token's log-prob, plus the top-k with top_logprobs_num
+    if return_logprob and logprob_start_len >= 0:
+        body["prompt_logprobs"] = top
     return body
 
 
@@ -101,26 +151,55 @@ def _token_id(token: str) -> int:
     return int(token.split(":", 1)[1])
 
 
+def _top_entries(row: Mapping[int, float], k: int) -> list[list[Any]]:
+    """The ``k`` largest of one position's ``{token_id: logprob}``, SGLang's ``[logprob, id, None]``, largest first."""
+    ranked = sorted(row.items(), key=lambda item: -item[1])[:k]
+    return [[lp, tid, None] for tid, lp in ranked]
+
+
+def _input_logprobs(choice: Mapping[str, Any], input_ids: list[int], start: int, k: int) -> dict[str, Any]:
+    """SGLang's ``input_token_logprobs`` (and ``input_top_logprobs`` when ``k``) from vLLM's
+    ``prompt_logprobs``: one ``{"<token_id>": {"logprob", "rank", "decoded_token"}}`` (or None) per prompt token."""
+    rows = choice.get("prompt_logprobs")
+    if not isinstance(rows, list) or len(rows) != len(input_ids):
+        raise RequestError("vLLM answer lacks one choices[0].prompt_logprobs entry per prompt token "
+                           f"({len(input_ids)}); got {str(rows)[:200]}", 502)
+    tokens: list[list[Any]] = [[None, input_ids[start], None]]
+    tops: list[Any] = [None]
+    for pos in range(start + 1, len(input_ids)):
+        try:
+            row = {int(t): float(v["logprob"]) for t, v in rows[pos].items()}
+            tokens.append([row[input_ids[pos]], input_ids[pos], None])
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise RequestError(f"vLLM prompt_logprobs[{pos}] has no log-prob for prompt token {input_ids[pos]}: "
+                               f"{str(rows[pos])[:200]}", 502) from exc
+        tops.append(_top_entries(row, k))
+    out: dict[str, Any] = {"input_token_logprobs": tokens}
+    if k:
+        out["input_top_logprobs"] = tops
+    return out
+
+
 def from_vllm_response(
-    answer: Mapping[str, Any], *, rid: str, prompt_len: int, max_tokens: int | None, return_logprob: bool,
-    weight_version: str,
+    answer: Mapping[str, Any], *, rid: str, input_ids: list[int], max_tokens: int | None, return_logprob: bool,
+    current_version: Callable[[], str], logprob_start_len: int = -1, top_logprobs_num: int = 0,
 ) -> dict[str, Any]:
-    """A vLLM completions answer -> SGLang's ``/generate`` answer."""
+    """A vLLM completions answer -> SGLang's ``/generate`` answer (``current_version()``: vLLM's weight
+    version, asked only when the answer carries no ``weight_versions`` span)."""
     try:
         choice = answer["choices"][0]
     except (KeyError, IndexError, TypeError) as exc:
         raise RequestError(f"vLLM answer has no choices[0]: {answer!r}"[:500], 502) from exc
     logprobs = choice.get("logprobs") or {}
-    tokens = logprobs.get("tokens")
-    if choice.get("token_ids") is not None:  # vLLM's return_token_ids extension
+    k = top_logprobs_num if return_logprob else 0
+    if max_tokens == 0:  # echo without generation: vLLM samples one token internally and reports it; SGLang none
+        ids: list[int] = []
+    elif choice.get("token_ids") is not None:  # vLLM's return_token_ids
         ids = [int(t) for t in choice["token_ids"]]
-    elif tokens is not None:
-        ids = [_token_id(t) for t in tokens]
+    elif logprobs.get("tokens") is not None:
+        ids = [_token_id(t) for t in logprobs["tokens"]]
     else:
         raise RequestError("vLLM answer carries neither token_ids nor logprobs.tokens", 502)
-    token_logprobs = logprobs.get("token_logprobs")
-    if return_logprob and (token_logprobs is None or len(token_logprobs) != len(ids)):
-        raise RequestError("vLLM answer lacks one log-prob per output token (logprobs.token_logprobs)", 502)
     reason = choice.get("finish_reason")
     if reason == "stop":
         finish: dict[str, Any] = {"type": "stop", "matched": choice.get("stop_reason")}
@@ -130,22 +209,47 @@ def from_vllm_response(
         finish = {"type": "abort", "message": "aborted by vLLM"}
     else:
         raise RequestError(f"vLLM finish_reason {reason!r} is not stop/length/abort", 502)
+    lps: dict[str, Any] | None = None
+    if return_logprob:
+        lps = _empty_logprobs(k)
+        if ids:
+            values = logprobs.get("token_logprobs")
+            if values is None or len(values) != len(ids):
+                raise RequestError("vLLM answer lacks one log-prob per output token (logprobs.token_logprobs)", 502)
+            lps["output_token_logprobs"] = [[float(lp), tid, None] for lp, tid in zip(values, ids)]
+            if k:
+                rows = logprobs.get("top_logprobs")
+                if rows is None or len(rows) != len(ids) or not all(isinstance(r, Mapping) for r in rows):
+                    raise RequestError("vLLM answer lacks one top-logprobs map per output token "
+                                       "(logprobs.top_logprobs)", 502)
+                lps["output_top_logprobs"] = [_top_entries({_token_id(t): float(v) for t, v in r.items()}, k)
+                                              for r in rows]
+        if logprob_start_len >= 0:
+            lps.update(_input_logprobs(choice, input_ids, logprob_start_len, k))
+    spans = choice.get("weight_versions") or []
+    version = str(spans[-1]["version"]) if spans else current_version()
     usage = answer.get("usage") or {}
     return _sglang_answer(
-        rid, finish, ids, weight_version, int(usage.get("prompt_tokens", prompt_len)),
-        int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0),
-        [float(lp) for lp in token_logprobs] if return_logprob else None, choice.get("text", ""),
+        rid, finish, ids, version, int(usage.get("prompt_tokens", len(input_ids))),
+        int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0), lps,
+        choice.get("text", "") if ids else "",
     )
 
 
+def _empty_logprobs(k: int) -> dict[str, Any]:
+    """SGLang's log-prob fields of an answer with no tokens scored (``return_logprob`` on)."""
+    out: dict[str, Any] = {"input_token_logprobs": [], "output_token_logprobs": []}
+    if k:
+        out.update(input_top_logprobs=[], output_top_logprobs=[])
+    return out
+
+
 def _sglang_answer(rid: str, finish: dict[str, Any], ids: list[int], weight_version: str, prompt_tokens: int,
-                   cached_tokens: int, logprobs: list[float] | None, text: str = "") -> dict[str, Any]:
-    """SGLang's ``/generate`` answer; ``logprobs`` None: no ``output_token_logprobs`` (return_logprob off)."""
+                   cached_tokens: int, logprobs: dict[str, Any] | None, text: str = "") -> dict[str, Any]:
+    """SGLang's ``/generate`` answer; ``logprobs``: its log-prob fields (None: return_logprob off)."""
     meta: dict[str, Any] = {"id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens,
                             "completion_tokens": len(ids), "cached_tokens": cached_tokens,
-                            "weight_version": weight_version}
-    if logprobs is not None:
-        meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(logprobs, ids)]
+                            "weight_version": weight_version, **(logprobs or {})}
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
@@ -156,8 +260,7 @@ class VLLMAdapter:
     engine_name = "the vllm-ascend adapter"
 
     def __init__(
-        self, vllm_url: str, model: str, *, tp_size: int = 1, sleep_level: int = 1,
-        weight_version: str = "default", timeout: float = 3600.0,
+        self, vllm_url: str, model: str, *, tp_size: int = 1, sleep_level: int = 1, timeout: float = 3600.0,
     ) -> None:
         parts = urlsplit(vllm_url if "://" in vllm_url else f"http://{vllm_url}")
         if parts.scheme != "http" or not parts.hostname or not parts.port:
@@ -166,7 +269,6 @@ class VLLMAdapter:
         self.model = model
         self.tp_size = int(tp_size)
         self.sleep_level = int(sleep_level)
-        self.weight_version = str(weight_version)
         self.timeout = timeout
         self._state = threading.Condition()
         self._paused = False
@@ -185,13 +287,32 @@ class VLLMAdapter:
             response = conn.getresponse()
             raw = response.read()
             if response.status >= 400:
-                raise RequestError(f"vLLM {method} {path} answered {response.status}: {raw[:500]!r}", 502)
+                # a request vLLM refuses as invalid is the client's to fix; anything else is vLLM's failure
+                status = 400 if response.status in (400, 422) else 502
+                raise RequestError(f"vLLM {method} {path} answered {response.status}: {raw[:500]!r}", status)
             return json.loads(raw) if raw.strip() else {}
         finally:
             if rid is not None:
                 with self._state:
                     self._inflight.pop(rid, None)
             conn.close()
+
+    def _engine_version(self) -> str:
+        """The weight version vLLM reports now (dev-mode ``GET /weight_info``)."""
+        try:
+            answer = self._call("GET", "/weight_info")
+        except (RequestError, OSError, http.client.HTTPException) as exc:
+            raise RequestError(f"cannot read vLLM's weight version ({exc}); {VLLM_DEV_MODE_HINT}", 502) from exc
+        version = answer.get("weight_version") if isinstance(answer, dict) else None
+        if not isinstance(version, str):
+            raise RequestError(f"vLLM GET /weight_info answered {answer!r}, expected {{'weight_version': str}}"[:500],
+                               502)
+        return version
+
+    @property
+    def weight_version(self) -> str:
+        """vLLM's weight version, read from the engine on every call."""
+        return self._engine_version()
 
     # -- SGLang surface -------------------------------------------------------------------
     def generate(self, payload: Mapping[str, Any], is_disconnected: Any = None) -> Any:
@@ -206,7 +327,10 @@ class VLLMAdapter:
             raise RequestError(f"rid must be a string, got {rid!r}")
         if not isinstance(return_logprob, bool):
             raise RequestError(f"return_logprob must be true or false, got {return_logprob!r}")
-        body = to_vllm_request(self.model, ids, payload.get("sampling_params"))
+        start = _int_field("logprob_start_len", payload.get("logprob_start_len"), -1, -1) if return_logprob else -1
+        top = _int_field("top_logprobs_num", payload.get("top_logprobs_num"), 0, 0) if return_logprob else 0
+        body = to_vllm_request(self.model, ids, payload.get("sampling_params"), return_logprob=return_logprob,
+                               logprob_start_len=start, top_logprobs_num=top)
         with self._state:
             self._state.wait_for(lambda: not self._paused)
         try:
@@ -217,10 +341,12 @@ class VLLMAdapter:
                 self._aborted.discard(rid)
             if was_aborted:
                 return _sglang_answer(rid, {"type": "abort", "message": "aborted by the adapter"}, [],
-                                      self.weight_version, len(ids), 0, [] if return_logprob else None)
+                                      self.weight_version, len(ids), 0,
+                                      _empty_logprobs(top) if return_logprob else None)
             raise RequestError(f"vLLM at {self.host}:{self.port} unreachable: {exc}", 502) from exc
-        return from_vllm_response(answer, rid=rid, prompt_len=len(ids), max_tokens=body.get("max_tokens"),
-                                  return_logprob=return_logprob, weight_version=self.weight_version)
+        return from_vllm_response(answer, rid=rid, input_ids=ids, max_tokens=body["max_tokens"],
+                                  return_logprob=return_logprob, current_version=self._engine_version,
+                                  logprob_start_len=start, top_logprobs_num=top)
 
     def _abort(self, rids: list[str]) -> int:
         with self._state:
@@ -252,15 +378,27 @@ class VLLMAdapter:
             rids = [r for r in self._inflight if abort_matches(r, rid, abort_all)]
         return {"success": True, "num_aborted": self._abort(rids)}
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **_: Any) -> dict[str, Any]:
+    def update_weights_from_disk(self, model_path: str, weight_version: Any = None, **_: Any) -> dict[str, Any]:
         if not isinstance(model_path, str) or not model_path:
             raise RequestError("update_weights_from_disk needs 'model_path'")
+        if weight_version is not None and (not isinstance(weight_version, str | int)
+                                           or isinstance(weight_version, bool)):
+            raise RequestError(f"weight_version must be a string, got {weight_version!r}")
+        current = self._engine_version()  # first: a vLLM without the version API is refused before anything changes
         self._call("POST", "/collective_rpc", {"method": "update_config",
                                                "args": [{"model_config": {"model": model_path}}]})
         self._call("POST", "/collective_rpc", {"method": "reload_weights"})
-        self._call("POST", "/reset_prefix_cache")
-        self.weight_version = next_weight_version(self.weight_version, weight_version)
-        return {"success": True, "message": f"reloaded {model_path}", "weight_version": self.weight_version}
+        if self._call("POST", "/reset_prefix_cache").get("success") is False:
+            raise RequestError(f"vLLM reloaded {model_path} but could not reset its prefix cache (requests still "
+                               f"running: pause generation before a weight update); its weight version stays "
+                               f"{current!r}", 409)
+        target = next_weight_version(current, weight_version)
+        self._call("POST", "/update_weight_version", {"new_version": target})
+        reported = self._engine_version()
+        if reported != target:
+            raise RequestError(f"vLLM reports weight version {reported!r} after POST /update_weight_version "
+                               f"{target!r}", 502)
+        return {"success": True, "message": f"reloaded {model_path}", "weight_version": reported}
 
     def release_memory_occupation(self) -> dict[str, Any]:
         self._call("POST", f"/sleep?level={self.sleep_level}")
@@ -272,8 +410,7 @@ class VLLMAdapter:
         return {"success": True}
 
     def flush_cache(self) -> dict[str, Any]:
-        self._call("POST", "/reset_prefix_cache")
-        return {"success": True}
+        return {"success": self._call("POST", "/reset_prefix_cache").get("success") is not False}
 
     def _answers(self, method: str, path: str, body: Any = None) -> bool:
         try:
@@ -322,9 +459,14 @@ class VLLMAscendBackend(RolloutBackend):
         # for the vLLM server: dev-mode endpoints (sleep/wake, collective_rpc), no expandable segments
         return {"VLLM_SERVER_DEV_MODE": "1", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}
 
-    def vllm_command(self, options: Mapping[str, Any], model_path: str, port: int = 8000, tp_size: int = 1) -> list[str]:
+    def vllm_command(self, options: Mapping[str, Any], model_path: str, port: int = 8000, tp_size: int = 1,
+                     max_logprobs: int | None = None) -> list[str]:
+        """``vllm serve`` argv; ``max_logprobs``: the largest top-k a client will ask (OPD's ``ascend_opd_topk``;
+        vLLM refuses more than its ``--max-logprobs``, default 20)."""
         argv = ["vllm", "serve", model_path, "--port", str(port), "--tensor-parallel-size", str(tp_size),
                 "--enable-sleep-mode", "--logprobs-mode", "processed_logprobs"]
+        if max_logprobs is not None:
+            argv += ["--max-logprobs", str(int(max_logprobs))]
         if options["vllm_rl_config"]:
             argv += ["--additional-config", json.dumps({"rl_config": {"enabled": True}})]
         return argv
