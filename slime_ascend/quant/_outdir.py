@@ -68,7 +68,8 @@ def check_out_dir(src: str, dst: str, overwrite: bool, *, label: str = "OUT_DIR"
     return dst_real
 
 
-def _dir_mode() -> int:
+def creation_mode() -> int:
+    """The mode mkdir gives a new directory (0777 less the umask); files get it less 0111."""
     mask = os.umask(0)
     os.umask(mask)
     return 0o777 & ~mask
@@ -105,11 +106,11 @@ def staged_dir(final: str) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix=f".{name}{TMP_MARK}", dir=parent)  # mode 0700
     try:
         yield tmp
-        os.chmod(tmp, _dir_mode())
+        os.chmod(tmp, creation_mode())
         _swap_in(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-__all__ = ["check_out_dir", "looks_like_checkpoint", "staged_dir"]
+__all__ = ["check_out_dir", "creation_mode", "looks_like_checkpoint", "staged_dir"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from ._common import all_finite, raise_if_not_finite
 from ._outdir import check_out_dir, staged_dir
+from ._source import INDEX_SUFFIX, SourceFile, check_source, copy_no_wider, open_checked, publish_mode
 from .hf_config import (
     ASCEND_DESCRIPTION_FILE, ASCEND_FLOAT, ASCEND_W8A8_DYNAMIC, ascend_quant_description,
     quantization_config_for, read_checkpoint_quant_config, spec_from_checkpoint, spec_from_quantization_config,
@@ -29,8 +30,6 @@ from .params import SpecLike, as_spec, dequantize_named_params, quantize_named_p
 from .schemes import INT8_W8A8, QuantSpec
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-_WEIGHT_FILES_SKIP = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
-_INDEX_SUFFIX = ".safetensors.index.json"
 
 
 # ----------------------------------------------------------------------------- reading
@@ -45,6 +44,11 @@ class CheckpointReader:
         if not files:
             raise ValueError(f"{self.path}: no *.safetensors files (only safetensors checkpoints are "
                              f"supported; convert .bin/.pt files with a trusted tool first)")
+        for fname in files:  # stat, not open: a FIFO would block
+            mode = os.stat(os.path.join(self.path, fname)).st_mode
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"{os.path.join(self.path, fname)!r} is not a regular file; it is not opened. "
+                                 f"Fix: remove it, or replace it with the safetensors file")
         self.device = device
         self._handles: dict[str, Any] = {}
         self.file_of: dict[str, str] = {}
@@ -118,7 +122,7 @@ class _ShardWriter:
             for k in names:
                 weight_map[k] = final
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        with open(os.path.join(self.out_dir, f"{self.prefix}{_INDEX_SUFFIX}"), "w") as f:
+        with open(os.path.join(self.out_dir, f"{self.prefix}{INDEX_SUFFIX}"), "w") as f:
             json.dump(index, f, indent=2)
         return weight_map
 
@@ -149,6 +153,9 @@ def convert_checkpoint(
     `quant_model_weights*.safetensors` for Ascend) with an index, config.json with
     `quantization_config` (removed for Ascend, which gets `quant_model_description.json`),
     and copies every other non-weight file (tokenizer, generation config, chat template).
+    A file of `hf_dir` that links outside it, or is no regular file (FIFO, device), is refused
+    before anything is opened; no output file is given a wider mode than its source (the shards,
+    index and description no wider than the narrowest source shard).
 
     `out_dir` may not be, lie inside, or contain `hf_dir` (symlinks resolved). Everything is
     written to a temporary directory beside it and moved into place only on success; with
@@ -160,10 +167,10 @@ def convert_checkpoint(
     src, dst = os.fspath(hf_dir), os.fspath(out_dir)
     spec = as_spec(fmt)
     dst_real = check_out_dir(src, dst, overwrite, label="out_dir", src_label="hf_dir", force_flag="overwrite=True")
-    cfg_path = os.path.join(src, "config.json")
-    if not os.path.exists(cfg_path):
+    files = check_source(src, label="hf_dir")
+    if "config.json" not in files:
         raise ValueError(f"{src}: no config.json; expected an HF checkpoint directory")
-    with open(cfg_path) as f:
+    with open_checked(files["config.json"]) as f:
         config = json.load(f)
     if read_checkpoint_quant_config(src):
         raise ValueError(f"{src}: checkpoint is already quantised; convert from the BF16 checkpoint")
@@ -172,13 +179,13 @@ def convert_checkpoint(
     # Written into a private temporary directory beside out_dir and moved into place only when
     # complete: a failure or Ctrl-C leaves the previous out_dir (if any) untouched.
     with staged_dir(dst_real) as work:
-        _write_converted(src, work, spec, config, report, max_shard_bytes, device, progress)
+        _write_converted(src, files, work, spec, config, report, max_shard_bytes, device, progress)
     report.files = sorted(os.listdir(dst_real))
     return report
 
 
-def _write_converted(src: str, dst: str, spec: QuantSpec, config: dict[str, Any], report: ConvertReport,
-                     max_shard_bytes: int, device: str,
+def _write_converted(src: str, files: dict[str, SourceFile], dst: str, spec: QuantSpec, config: dict[str, Any],
+                     report: ConvertReport, max_shard_bytes: int, device: str,
                      progress: Callable[[int, int, int], None] | None = None) -> None:
     prefix = "quant_model_weights" if spec.fmt == INT8_W8A8 else "model"
     writer = _ShardWriter(dst, prefix, max_shard_bytes)
@@ -212,6 +219,10 @@ def _write_converted(src: str, dst: str, spec: QuantSpec, config: dict[str, Any]
                 progress(done, len(names), read)
     writer.close()
 
+    shards_mode = 0o777  # the weight files' outputs: no wider than the narrowest source shard
+    for name, source in files.items():
+        if name.endswith(".safetensors"):
+            shards_mode &= source.mode
     if spec.fmt == INT8_W8A8:
         config.pop("quantization_config", None)
         if isinstance(config.get("text_config"), dict):
@@ -220,15 +231,15 @@ def _write_converted(src: str, dst: str, spec: QuantSpec, config: dict[str, Any]
             json.dump(ascend_quant_description(types), f, indent=2)
     else:
         config["quantization_config"] = quantization_config_for(spec, not_converted)
+    for fname in os.listdir(dst):
+        publish_mode(os.path.join(dst, fname), shards_mode)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+    publish_mode(os.path.join(dst, "config.json"), files["config.json"].mode)
 
-    for fname in sorted(os.listdir(src)):
-        p = os.path.join(src, fname)
-        if (not os.path.isfile(p) or fname == "config.json" or fname.endswith(_INDEX_SUFFIX)
-                or fname.endswith(_WEIGHT_FILES_SKIP) or fname == ASCEND_DESCRIPTION_FILE):
-            continue
-        shutil.copyfile(p, os.path.join(dst, fname))
+    for fname, source in files.items():
+        if fname not in ("config.json", ASCEND_DESCRIPTION_FILE) and not fname.endswith(".safetensors"):
+            copy_no_wider(source, os.path.join(dst, fname))
 
 
 # ----------------------------------------------------------------------------- verification

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from ..cli import ArgumentParser
 from ._outdir import check_out_dir
+from ._source import check_source
 from .names import FORMATS, INT4_NUMERICS
 
 
@@ -82,6 +83,10 @@ def main_quantize(argv: Sequence[str] | None = None) -> int:
         return _fail(f"--format {ns.fmt!r} is not supported", f"use one of {', '.join(FORMATS)}")
     if not os.path.isdir(ns.hf_dir):
         return _fail(f"HF_DIR {ns.hf_dir!r} is not a directory", "pass the HF checkpoint directory")
+    try:  # before anything in HF_DIR is opened: no link out of it, no FIFO or device
+        check_source(ns.hf_dir)
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
     if not os.path.isfile(os.path.join(ns.hf_dir, "config.json")):
         return _fail(f"HF_DIR {ns.hf_dir!r} has no config.json", "pass an HF checkpoint directory")
     if not any(f.endswith(".safetensors") for f in os.listdir(ns.hf_dir)):

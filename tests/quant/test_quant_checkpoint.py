@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 
 import pytest
 import torch
@@ -142,6 +144,61 @@ def test_converter_refuses_bad_inputs(tiny_qwen3, tmp_path):
     (pt_only / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(ValueError, match="safetensors"):
         convert_checkpoint(pt_only, tmp_path / "w", "int8-ct")
+
+
+
+def test_converter_refuses_a_link_out_of_hf_dir_before_writing(tiny_qwen3, tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_qwen3, src)
+    (tmp_path / "secret").write_text("only mine")
+    (src / "chat_template.jinja").unlink()
+    (src / "chat_template.jinja").symlink_to(tmp_path / "secret")
+    with pytest.raises(ValueError, match=r"hf_dir file .*chat_template.jinja' is a link to .*secret', outside hf_dir"):
+        convert_checkpoint(src, tmp_path / "q", "int8-ct")
+    assert not (tmp_path / "q").exists()
+
+
+def test_outputs_are_no_wider_than_their_sources(tiny_qwen3, tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_qwen3, src)
+    shards = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    assert len(shards) > 1
+    for f in shards:
+        os.chmod(src / f, 0o644)
+    os.chmod(src / shards[-1], 0o640)  # one shard is not world-readable: no output weight file is
+    os.chmod(src / "config.json", 0o600)
+    os.chmod(src / "tokenizer.json", 0o440)
+    old = os.umask(0o022)
+    try:
+        convert_checkpoint(src, tmp_path / "q", "int8-ct", max_shard_bytes=200_000)
+    finally:
+        os.umask(old)
+    modes = {f: stat.S_IMODE(os.stat(tmp_path / "q" / f).st_mode) for f in os.listdir(tmp_path / "q")}
+    weights = {f: m for f, m in modes.items() if f.startswith("model")}
+    assert len(weights) > 2 and set(weights.values()) == {0o640}  # shards and index
+    assert modes["config.json"] == 0o600 and modes["tokenizer.json"] == 0o440
+    assert modes["tokenizer_config.json"] == 0o644 and modes["chat_template.jinja"] == 0o644
+
+
+def test_a_fifo_shard_is_refused_without_opening_it(tmp_path):
+    import threading
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    os.mkfifo(d / "model.safetensors")
+    raised: list[Exception] = []
+
+    def read():
+        try:
+            CheckpointReader(d)
+        except ValueError as exc:
+            raised.append(exc)
+
+    worker = threading.Thread(target=read, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert raised and "model.safetensors' is not a regular file" in str(raised[0]), "blocked or read"
 
 
 def test_nan_weight_fails_conversion_naming_tensor(tiny_qwen3, tmp_path):

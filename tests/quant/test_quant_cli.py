@@ -173,3 +173,58 @@ def test_progress_rewrites_one_line_on_a_terminal_and_throttles_elsewhere():
     p(2, 9, 2)
     p(9, 9, 9)
     assert log.getvalue().splitlines() == ["q: 9/9 tensors, 0.00 GB, 0 MB/s"]
+
+
+def test_a_planted_link_to_a_secret_is_refused_and_nothing_is_written(tmp_path, capsys):
+    """A neighbour who can write into a shared HF_DIR links tokenizer.json to the user's 0600 secret."""
+    hf = write_hf(tmp_path / "shared" / "hf", SRC)
+    secret = tmp_path / "home" / ".netrc"
+    secret.parent.mkdir()
+    secret.write_text("machine hub login me password hunter2")
+    secret.chmod(0o600)
+    (hf / "tokenizer.json").symlink_to(secret)
+    out = tmp_path / "q"
+    assert main_quantize([str(hf), str(out), "--format", "int8-ct"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: HF_DIR file ")
+    assert "tokenizer.json" in err and "outside HF_DIR" in err and "Fix: replace the link" in err
+    assert not out.exists() and "hunter2" not in err
+
+
+def test_a_link_inside_hf_dir_is_copied_as_its_target_and_no_output_is_wider_than_its_source(tmp_path, capsys):
+    hf = write_hf(tmp_path / "hf", SRC)
+    (hf / "tokenizers").mkdir()
+    (hf / "tokenizers" / "v2.json").write_text('{"v": 2}')
+    (hf / "tokenizer.json").symlink_to("tokenizers/v2.json")
+    (hf / "tokenizers" / "v2.json").chmod(0o600)
+    (hf / "model.safetensors").chmod(0o640)
+    (hf / "tokenizer_config.json").chmod(0o444)
+    out = tmp_path / "q"
+    old = os.umask(0o022)
+    try:
+        assert main_quantize([str(hf), str(out), "--format", "int8-w8a8"]) == 0
+    finally:
+        os.umask(old)
+    capsys.readouterr()
+    modes = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in out.iterdir()}
+    assert not (out / "tokenizer.json").is_symlink() and (out / "tokenizer.json").read_text() == '{"v": 2}'
+    assert modes == {"tokenizer.json": 0o600, "tokenizer_config.json": 0o444, "config.json": 0o644,
+                     "quant_model_weights.safetensors": 0o640, "quant_model_weights.safetensors.index.json": 0o640,
+                     "quant_model_description.json": 0o640}
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json"])
+def test_a_fifo_in_hf_dir_is_refused_without_blocking(name, tmp_path, capsys):
+    import threading
+
+    hf = write_hf(tmp_path / "hf", SRC)
+    (hf / name).unlink(missing_ok=True)
+    os.mkfifo(hf / name)
+    codes: list[int] = []
+    worker = threading.Thread(target=lambda: codes.append(main_quantize([str(hf), str(tmp_path / "q"), "--format",
+                                                                         "int8-ct"])), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert codes == [2], "quantize blocked on a FIFO"
+    err = capsys.readouterr().err
+    assert f"{name}' is a FIFO, not a regular file" in err and len(err.strip().splitlines()) == 1

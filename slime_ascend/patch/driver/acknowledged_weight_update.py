@@ -2,7 +2,8 @@
 
 slime deletes each version directory at once (unless ``--update-weight-disk-keep-files``), so there is nothing
 to return to; here the last acknowledged version's directory is the roll-back point (deleted, as slime would
-have, once the next version is acknowledged; never with keep-files). The switch is
+have, once the next version is acknowledged; never with keep-files; only a directory this job wrote:
+:class:`slime_ascend.weight_sync.version_dirs.VersionDirs`). The switch is
 :func:`slime_ascend.weight_sync.acknowledged.switch_all_or_none`, on the same engines; the acknowledged version
 is published through :mod:`slime_ascend.weight_sync.served_version`. With ``--update-weight-local-checkpoint-dir``
 (each host pulls into one local directory, overwritten by each version) there is no roll-back point: slime's own
@@ -12,8 +13,6 @@ method runs and the versions are then read back.
 from __future__ import annotations
 
 import logging
-import shutil
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -28,19 +27,12 @@ EXPECTED_SOURCE = ("get_updatable_engines_and_lock", "pause_generation", "flush_
                    "offload_rollout", "onload_weights")
 
 
-def _inside(path: str, directory: str | None) -> bool:
-    """Whether ``path`` is a version directory slime wrote under ``--update-weight-disk-dir`` (only
-    those are deleted: never the checkpoint the engines started on)."""
-    if not directory:
-        return False
-    return Path(path).resolve().parent == Path(directory).resolve()
-
-
 def _reload(original):
     def _reload_rollout_weights_from_disk(self, disk_weight_dir, weight_version):
         import ray
 
         from ...weight_sync import acknowledged, served_version
+        from ...weight_sync.version_dirs import VersionDirs
 
         args = self.args
         if args.update_weight_local_checkpoint_dir:  # one local directory, overwritten: no roll-back point
@@ -53,19 +45,23 @@ def _reload(original):
         if args.offload_rollout:
             ray.get(self._rollout_manager.onload_weights.remote())
         engines, *_ = ray.get(self._rollout_manager.get_updatable_engines_and_lock.remote())
+        written = getattr(self, "_ascend_version_dirs", None)
+        if written is None and not args.update_weight_disk_keep_files:
+            written = self._ascend_version_dirs = VersionDirs.for_args(args)
+        ours = written is not None and written.claim(disk_weight_dir, weight_version)
         if not engines:
-            if not args.update_weight_disk_keep_files:
-                shutil.rmtree(disk_weight_dir, ignore_errors=True)
+            if ours:
+                written.delete(disk_weight_dir, weight_version)
             return None
         previous = getattr(self, "_ascend_served", None)
         if previous is None:
             previous = acknowledged.initial_served(engines, ray.get, args.hf_checkpoint)
         served = acknowledged.switch_all_or_none(engines, ray.get, str(disk_weight_dir), str(weight_version), previous)
         self._ascend_served = served
-        # the new version is the roll-back point now; the one before goes, as slime would have deleted it
-        if previous is not None and not args.update_weight_disk_keep_files and _inside(
-                previous.model_path, args.update_weight_disk_dir) and previous.model_path != served.model_path:
-            shutil.rmtree(previous.model_path, ignore_errors=True)
+        # the new version is the roll-back point now; the one before goes, as slime would have deleted it (only
+        # a directory this job wrote: the starting checkpoint was never claimed)
+        if previous is not None and written is not None and previous.model_path != served.model_path:
+            written.delete(previous.model_path, previous.version)
         if str(weight_version).isdigit():
             served_version.publish(weight_version)
         return None
@@ -99,7 +95,8 @@ PATCH = AcknowledgedWeightUpdate(
     "already gone.",
     how="Pause, load on every engine, read every engine's served version back; on any failure return every "
     "engine to the last acknowledged version (its directory is kept until the next one is acknowledged) and "
-    "fail in one line; resume; publish the acknowledged version for the staleness plugin.",
+    "fail in one line; resume; publish the acknowledged version for the staleness plugin. Delete only version "
+    "directories this job wrote (marker + resolved path), never the starting checkpoint or --load.",
     upstream="patches/0012-acknowledged-weight-update.patch",
     checked_on=("0.3.1",),
 )
