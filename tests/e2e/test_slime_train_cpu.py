@@ -200,3 +200,20 @@ def test_a_weight_update_one_engine_refuses_leaves_every_engine_on_the_old_versi
     assert "loaded weight version 1 from" in first_log and f"loaded weight version default from {model_dir}" in first_log
     assert "train/step" not in run.log  # nothing trained against a split fleet
 
+
+
+def test_train_py_on_a_two_cpu_ray_stops_in_parse_args_naming_the_override(model_dir, engine, tmp_path):
+    """The README's job on a host where Ray would advertise 2 logical CPUs (a 2-core host without
+    RAY_OVERRIDE_RESOURCES; pinned here so a bigger host sees the same): slime's actors need 3.2, and train.py
+    used to wait for ever. It now stops in the driver's parse_args with one line, before Ray starts."""
+    plugins = ("cpu", "dis")
+    prompts = make_prompts(tmp_path / "prompts.jsonl")
+    run = run_slime("train.py", slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=1), tmp_path, plugins,
+                    custom_config=_config(tmp_path, *plugins), extra_env={"RAY_OVERRIDE_RESOURCES": '{"CPU": 2}'},
+                    timeout=300)
+    assert run.returncode == 2, run.log[-4000:]
+    errors = [line for line in run.log.splitlines() if line.startswith("slime-ascend: error:")]
+    assert len(errors) == 1, run.log[-4000:]
+    assert "with 2 logical CPUs, but slime asks for 3.2" in errors[0]
+    assert "Fix: export RAY_OVERRIDE_RESOURCES='{\"CPU\": 8}'" in errors[0]
+    assert "Started a local Ray instance" not in run.log and "Traceback" not in run.log
