@@ -178,11 +178,21 @@ def rollout_sample_hook(args, sample, *, rollout_id=None, evaluation=False):
 GROUP_NORMALISED = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 
 
+def _unscored(sample: Any) -> bool:
+    """Removed from training because it FAILED (reward-mix's failed term, an environment failure): its reward
+    is a placeholder, not a score."""
+    status = getattr(sample, "status", None)
+    return bool(getattr(sample, "remove_sample", False)) and str(getattr(status, "name", status)).upper() == "FAILED"
+
+
 def reward_post_process(args, samples):
     """Plugins' reward steps in order, then per-group normalisation counting each rollout once.
 
     Replaces slime's default post-process (which it skips when this hook is set); with one sample
-    per rollout the normalisation is the same as slime's.
+    per rollout and no unscored sample the normalisation is the same as slime's. An unscored sample
+    (:func:`_unscored`) takes no part in its group's mean or std and its reward is 0 in every path (it
+    trains nothing: slime zeroes its loss mask); a group it leaves with fewer than two scored rollouts has
+    no baseline, so all its rewards are 0.
     """
     from .algorithms.reward_norm import group_normalise
 
@@ -191,12 +201,22 @@ def reward_post_process(args, samples):
     rewards = list(raw_rewards)
     for _, fn in _contributions(args, "reward_post_process"):
         raw_rewards, rewards = fn(args, samples, raw_rewards, rewards)
+    scored = [i for i, s in enumerate(samples) if not _unscored(s)]
     if getattr(args, "advantage_estimator", None) in GROUP_NORMALISED and getattr(args, "rewards_normalization", False):
-        rewards = group_normalise(
-            rewards,
-            [getattr(s, "group_index", None) for s in samples],
-            [s.rollout_id if getattr(s, "rollout_id", None) is not None else s.index for s in samples],
+        groups = [getattr(s, "group_index", None) for s in samples]
+        rollouts = [s.rollout_id if getattr(s, "rollout_id", None) is not None else s.index for s in samples]
+        lost = {groups[i] for i in set(range(len(samples))) - set(scored)}
+        baseline = {g: len({rollouts[i] for i in scored if groups[i] == g}) for g in lost}
+        scored = [i for i in scored if baseline.get(groups[i], 2) >= 2]
+        normalised = group_normalise(
+            [rewards[i] for i in scored], [groups[i] for i in scored], [rollouts[i] for i in scored],
             divide_by_std=args.advantage_estimator in ("grpo", "gspo", "cispo")
             and bool(getattr(args, "grpo_std_normalization", False)),
         )
+        rewards = [0.0] * len(samples)
+        for i, value in zip(scored, normalised):
+            rewards[i] = value
+    elif len(scored) < len(samples):
+        kept = set(scored)
+        rewards = [r if i in kept else 0.0 for i, r in enumerate(rewards)]
     return raw_rewards, rewards

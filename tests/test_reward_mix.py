@@ -91,7 +91,7 @@ def test_reward_model_and_failure_rule_on_slimes_samples(monkeypatch, caplog):
     assert samples[1].metadata["reward_mix"]["failure"].startswith("judge: TimeoutError")
     with caplog.at_level("INFO", logger="slime_ascend.reward_mix"):
         raw, out = hooks.fail_unscored(args, samples, list(rewards), list(rewards))
-    # the failed sample trains nothing and takes its group's scored mean: the baseline is the scored members'
+    # the failed sample trains nothing; its (logged) raw reward is its group's scored mean, a placeholder
     assert samples[1].remove_sample and samples[1].status == Sample.Status.FAILED
     assert raw[1] == out[1] == pytest.approx((rewards[0] + rewards[2]) / 2)
     assert not samples[0].remove_sample and raw[0] == rewards[0]
@@ -100,3 +100,62 @@ def test_reward_model_and_failure_rule_on_slimes_samples(monkeypatch, caplog):
     assert report["rollout/reward_mix_penalty_length"] == pytest.approx(0.25)
     assert report["rollout/reward_mix_failed"] == 1 and report["rollout/reward_mix_scored"] == 2
     assert "reward_mix -: {" in caplog.text
+
+
+# ---- a failed member and its group's baseline (slime_ascend.hooks.reward_post_process) -------------------
+# group 0: judge rewards [1, 0, 1, fail, 0, 1]; group 1: [1, 0], nothing failed; group 2: [1, fail, fail]
+JUDGED = {0: [1, 0, 1, None, 0, 1], 1: [1, 0], 2: [1, None, None]}
+
+
+def _judge_from_table(args, sample, **_):
+    value = JUDGED[sample.group_index][sample.index - 10 * sample.group_index]
+    if value is None:
+        raise TimeoutError("judge did not answer")
+    return value
+
+
+def _unbiased(values):  # hand-written: mean and sample (n - 1) standard deviation, as torch.std
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+@pytest.mark.parametrize("estimator,normalise,divide", [
+    ("grpo", True, True), ("gspo", True, True), ("cispo", True, True), ("grpo", False, False),
+    ("reinforce_plus_plus_baseline", False, False), ("grpo", None, False), ("ppo", None, False)])
+def test_failed_member_takes_no_part_in_its_groups_mean_or_std(monkeypatch, fresh_runtime, estimator, normalise,
+                                                               divide):
+    """``normalise``: --grpo-std-normalization on / off, None: --disable-rewards-normalization (or an
+    estimator slime does not group)."""
+    import sys
+    import types
+
+    from slime_ascend import hooks as dispatch
+    from slime_ascend.compat.sample import FallbackSample as Sample
+
+    monkeypatch.setitem(sys.modules, "tests_reward_terms", types.SimpleNamespace(judge=_judge_from_table))
+    hooks.reset()
+    args = SimpleNamespace(ascend_plugins=["reward-mix"], ascend_reward_penalties=[],
+                           ascend_reward_components=[{"name": "judge", "path": "tests_reward_terms.judge"}],
+                           advantage_estimator=estimator, rewards_normalization=normalise is not None,
+                           grpo_std_normalization=bool(normalise), reward_key=None)
+    samples = [Sample(index=10 * g + j, group_index=g) for g, row in JUDGED.items() for j in range(len(row))]
+    for s in samples:
+        s.reward = asyncio.run(hooks.reward(args, s))
+    raw, out = dispatch.reward_post_process(args, samples)
+
+    failed = [s.index for s in samples if s.remove_sample]
+    assert failed == [3, 21, 22] and all(samples[i].status == Sample.Status.FAILED for i in (3, 9, 10))
+    mean0, std0 = _unbiased([1, 0, 1, 0, 1])  # the five scored members only: 0.6, sqrt(1.2 / 4)
+    mean1, std1 = _unbiased([1, 0])
+    if normalise is None:  # raw rewards; a failed member's is 0
+        expected = [1, 0, 1, 0, 0, 1] + [1, 0] + [1, 0, 0]
+    else:
+        expected = [(v - mean0) / (std0 + 1e-6 if divide else 1) for v in (1, 0, 1)] + [0.0] + [
+            (v - mean0) / (std0 + 1e-6 if divide else 1) for v in (0, 1)] + [
+            (v - mean1) / (std1 + 1e-6 if divide else 1) for v in (1, 0)] + [0.0, 0.0, 0.0]  # one scored: no baseline
+    assert out == pytest.approx(expected, abs=1e-5)
+    assert not any(math.isnan(v) for v in out)
+    if divide:  # the reviewer's numbers: [0.8165, -1.2247, ...] with the failed member counted in the std
+        assert [round(out[i], 4) for i in (0, 1, 2, 4, 5)] == [0.7303, -1.0954, 0.7303, -1.0954, 0.7303]
+    # logged raw rewards: a failed member shows its group's scored mean (the batch mean is the scored one's)
+    assert raw[3] == pytest.approx(0.6) and raw[9] == raw[10] == 1.0

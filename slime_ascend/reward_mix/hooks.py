@@ -3,12 +3,16 @@
 * ``reward`` (reward_model slot, slime's ``--custom-rm-path`` through our dispatcher): every declared term
   of one sample, concurrently; ``Sample.metadata["reward_mix"]`` (and ``train_metadata``, forwarded to
   training by ``rollout.forward_metadata``) keeps ``components``, ``penalties``, ``total``, ``failure`` and
-  the sample's ``weight_versions``. A sample whose term failed gets a placeholder 0.0 and the reason.
+  the sample's ``weight_versions``. A sample whose term failed gets a placeholder 0.0 and the reason. A
+  rule term (``rm_type``) runs slime's ``async_rm`` with that type on a view of the sample without its
+  own ``metadata["rm_type"]`` / ``custom_rm_path`` (which slime would prefer), so in a mixed dataset each
+  term computes the rule it declares.
 * ``fail_unscored`` (reward_post_process, order 50): a failed sample is an environment failure, not a low
-  reward: its status becomes FAILED and ``remove_sample`` (slime trains nothing on it), and its reward
-  is the mean of its group's scored members, so the group baseline is theirs (with ``staleness``' group
-  rule, order 100, FAILED samples are padded by a valid member instead). Then one ``reward_mix
-  <rollout_id>: {...}`` report: each term's mean over scored samples, the total, failures.
+  reward: its status becomes FAILED and ``remove_sample`` (slime trains nothing on it); its raw reward
+  (logged) is the mean of its group's scored members. The dispatcher's group normalisation
+  (:func:`slime_ascend.hooks.reward_post_process`) leaves every removed FAILED sample out of its group's
+  mean and std and gives it 0 (with ``staleness``' group rule, order 100, it is also padded). Then one
+  ``reward_mix <rollout_id>: {...}`` report: each term's mean over scored samples, the total, failures.
 """
 
 from __future__ import annotations
@@ -72,12 +76,27 @@ def _args_with_rm_type(args: Any, rm_type: str) -> Any:
     return base
 
 
+def _sample_for_rule(sample: Any) -> Any:
+    """A shallow copy of ``sample`` that slime's ``async_rm`` scores by ``--rm-type``: it prefers the sample's
+    own ``custom_rm_path`` and ``metadata["rm_type"]`` (a mixed dataset's per-sample rule), which would
+    override the term's declared rule. The user's sample is not changed; the rest of its metadata (gpqa's
+    choices, ifbench's instructions) stays visible to the rule."""
+    metadata = getattr(sample, "metadata", None)
+    if not getattr(sample, "custom_rm_path", None) and not (isinstance(metadata, dict) and "rm_type" in metadata):
+        return sample
+    view = copy.copy(sample)
+    view.custom_rm_path = None
+    if isinstance(metadata, dict):
+        view.metadata = {k: v for k, v in metadata.items() if k != "rm_type"}
+    return view
+
+
 async def _value(args: Any, term: Term, sample: Any) -> Any:
     kwargs = dict(term.kwargs)
     if term.rm_type is not None:
         from slime.rollout.rm_hub import async_rm
 
-        return await async_rm(_args_with_rm_type(args, term.rm_type), sample, **kwargs)
+        return await async_rm(_args_with_rm_type(args, term.rm_type), _sample_for_rule(sample), **kwargs)
     out = _function(term.path)(args, sample, **kwargs)
     return await out if inspect.isawaitable(out) else out
 
