@@ -23,7 +23,8 @@ def group_normalise(
 ) -> list[float]:
     """Per-sample normalised rewards: (r - mean_group) / (std_group + eps) over rollouts.
 
-    ``std`` is the unbiased standard deviation over the group's rollouts (as ``torch.std``).
+    ``std`` is the unbiased standard deviation over the group's rollouts (as ``torch.std``); a group of one
+    rollout has spread 0, so its sample's normalised reward is 0, not NaN.
     Samples of one rollout must carry the same reward.
     """
     n = len(rewards)
@@ -46,7 +47,9 @@ def group_normalise(
     stats: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
     for group in dict.fromkeys(rollout_group.values()):
         values = torch.tensor([r for k, r in per_rollout.items() if rollout_group[k] == group], dtype=torch.float32)
-        stats[group] = (values.mean(), values.std())  # std of one value is NaN, as in torch/slime
+        # one rollout (e.g. the only valid member of a group the staleness rule kept): its centred reward is
+        # exactly 0, and torch's std of one value is NaN, which would make the advantage NaN; the spread is 0
+        stats[group] = (values.mean(), values.std() if len(values) > 1 else torch.zeros(()))
     out = []
     for reward, group in zip(rewards, group_ids):
         mean, std = stats[group]
