@@ -70,13 +70,14 @@ class PatchUse:
     - ``"rollout"``: in the RolloutManager, with its ``args``, as it starts.
 
     ``when``: dotted path of a predicate (``fn()`` for import moments, ``fn(args)`` otherwise); the patch
-    is installed only where it returns true. ``after``: ledger ids that must be installed before this
+    is installed only where it returns true (a tuple: where any returns true; the plan combines two plugins'
+    declarations of one patch so). ``after``: ledger ids that must be installed before this
     one when both are (their wrappers stack in that order); install order is the ledger's.
     """
 
     patch: str
     moment: str = "import"
-    when: str | None = None
+    when: str | tuple[str, ...] | None = None
     after: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

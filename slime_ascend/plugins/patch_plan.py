@@ -20,6 +20,7 @@ touches the ledger and one declaration, nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -30,7 +31,8 @@ logger = logging.getLogger("slime_ascend.plugins")
 
 
 def planned(plugins) -> list[PatchUse]:
-    """The declared patch uses of ``plugins`` in install order (ledger order), once per patch id.
+    """The declared patch uses of ``plugins`` in install order (ledger order), once per patch id; a patch two
+    plugins declare is installed where either plugin's condition holds.
 
     Raises ValueError for an unknown id, one patch declared at two moments, or an ``after`` that the
     ledger order contradicts."""
@@ -43,9 +45,12 @@ def planned(plugins) -> list[PatchUse]:
             if use.patch not in order:
                 raise ValueError(f"plugin {plugin.name!r} declares patch {use.patch!r}, which is not in the ledger")
             seen = uses.get(use.patch)
-            if seen is not None and seen.moment != use.moment:
+            if seen is None:
+                uses[use.patch] = use
+                continue
+            if seen.moment != use.moment:
                 raise ValueError(f"patch {use.patch!r} is declared at two moments ({seen.moment}, {use.moment})")
-            uses.setdefault(use.patch, use)
+            uses[use.patch] = _combined(seen, use)
     for use in uses.values():
         for before in use.after:
             if before in uses and order[before] > order[use.patch]:
@@ -54,8 +59,20 @@ def planned(plugins) -> list[PatchUse]:
     return sorted(uses.values(), key=lambda u: order[u.patch])
 
 
+def _conditions(use: PatchUse) -> tuple[str, ...]:
+    return (use.when,) if isinstance(use.when, str) else tuple(use.when or ())
+
+
+def _combined(first: PatchUse, second: PatchUse) -> PatchUse:
+    """One patch declared by two plugins: installed where either needs it (no condition when either has none;
+    else either condition), stacked after what either names."""
+    when = None if first.when is None or second.when is None else tuple(
+        dict.fromkeys(_conditions(first) + _conditions(second)))
+    return dataclasses.replace(first, when=when, after=tuple(dict.fromkeys(first.after + second.after)))
+
+
 def _wanted(use: PatchUse, *args: Any) -> bool:
-    return use.when is None or bool(resolve(use.when)(*args))
+    return use.when is None or any(bool(resolve(when)(*args)) for when in _conditions(use))
 
 
 def install_at_process_start(plugins) -> list[str]:

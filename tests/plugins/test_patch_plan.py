@@ -57,6 +57,29 @@ def test_plan_refuses_unknown_ids_two_moments_and_an_after_the_ledger_contradict
         earlier, later]
 
 
+_ALWAYS = types.SimpleNamespace(yes=lambda args: True, no=lambda args: False)
+
+
+@pytest.mark.parametrize(("first", "second", "installed"), [
+    ("ppc.no", "ppc.yes", True),  # the second plugin needs it: installed although the first's condition fails
+    ("ppc.yes", "ppc.no", True),
+    ("ppc.no", "ppc.no", False),
+    (None, "ppc.no", True),  # one plugin needs it unconditionally
+])
+def test_two_plugins_declaring_one_patch_combine_their_conditions(monkeypatch, first, second, installed):
+    """Two plugins (e.g. reward-mix and opd on rollout.forward_metadata) declaring the same patch: it is
+    installed where either needs it, not only where the first-listed plugin's condition holds."""
+    monkeypatch.setitem(sys.modules, "ppc", _ALWAYS)
+    done = []
+    monkeypatch.setattr(patch, "install", lambda patch_id, args=None: done.append(patch_id))
+    a = _plugin("a", PatchUse("rollout.forward_metadata", "rollout", when=first, after=("train.cpu_streams",)))
+    b = _plugin("b", PatchUse("rollout.forward_metadata", "rollout", when=second))
+    (use,) = patch_plan.planned([a, b])
+    assert use.after == ("train.cpu_streams",)
+    assert patch_plan.install_for_role(object(), "rollout", [a, b]) == (["rollout.forward_metadata"] if installed else [])
+    assert done == (["rollout.forward_metadata"] if installed else [])
+
+
 def test_role_patches_install_in_ledger_order_with_their_condition(monkeypatch):
     calls = []
     monkeypatch.setattr(patch, "install", lambda pid, args=None: calls.append((pid, args)))
