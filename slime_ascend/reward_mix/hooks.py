@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -52,10 +53,61 @@ def terms(args: Any) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
 
 
 def validate(args: Any, settings: Any) -> None:
-    """Start-up check (the plugin runtime passes this plugin's settings view)."""
-    if not parse_terms(settings.components, "ascend_reward_components"):
+    """Start-up check (the plugin runtime passes this plugin's settings view): what would otherwise fail every
+    sample later is refused now, in one line. At least one component with a non-zero weight; every ``path``
+    resolves to a callable that takes ``(args, sample, **kwargs)`` with the term's kwargs; every ``rm_type``
+    is one of the rules this slime's ``async_rm`` implements (``boxed_`` prefix allowed)."""
+    components = parse_terms(settings.components, "ascend_reward_components")
+    penalties = parse_terms(settings.penalties, "ascend_reward_penalties", penalty=True)
+    if not components:
         raise MixError("ascend_reward_components is empty. Fix: declare at least one component, e.g. "
                        "[{name: correctness, rm_type: math}]")
+    if all(t.coef == 0 for t in components):
+        raise MixError(f"every weight of ascend_reward_components is 0 ({[t.name for t in components]}): every "
+                       "reward would be 0 - penalties. Fix: give at least one component a non-zero weight")
+    rules = _rule_names()
+    for term in components + penalties:
+        where = f"reward-mix term {term.name!r}"
+        if term.path is not None:
+            try:
+                fn = _function(term.path)
+            except Exception as exc:  # noqa: BLE001 - an import error of any kind is the user's path
+                raise MixError(f"{where}: path {term.path!r} does not resolve ({type(exc).__name__}: "
+                               f"{' '.join(str(exc).split())[:200]}). Fix: correct the dotted path module.fn, and "
+                               "put its package on PYTHONPATH of the driver and of `ray start`") from None
+            _check_signature(where, term, fn)
+        elif rules is not None and term.rm_type.removeprefix("boxed_") not in rules:
+            raise MixError(f"{where}: rm_type {term.rm_type!r} is not a rule of this slime's async_rm (it has "
+                           f"{', '.join(sorted(rules))}; boxed_<rule> too). Fix: use one of them, or a path to "
+                           "your own function")
+
+
+def _check_signature(where: str, term: Term, fn: Any) -> None:
+    if not callable(fn):
+        raise MixError(f"{where}: path {term.path!r} is a {type(fn).__name__}, not a function. Fix: point path "
+                       "at a function fn(args, sample, **kwargs)")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: accepted as it is
+        return
+    try:
+        signature.bind(None, None, **dict(term.kwargs))
+    except TypeError as exc:
+        raise MixError(f"{where}: {term.path}{signature} cannot be called as fn(args, sample"
+                       f"{''.join(f', {k}=...' for k, _ in term.kwargs)}) ({exc}). Fix: match its kwargs to the "
+                       "function's parameters") from None
+
+
+@functools.cache
+def _rule_names() -> frozenset[str] | None:
+    """The rule names this slime's ``async_rm`` dispatches on (read from its source), None without slime."""
+    try:
+        from slime.rollout.rm_hub import async_rm
+
+        source = inspect.getsource(async_rm)
+    except Exception:  # noqa: BLE001 - no slime here (unit tests, `slime-ascend config`): not checked
+        return None
+    return frozenset(re.findall(r'rm_type == "([\w.-]+)"', source)) or None
 
 
 @functools.cache
@@ -91,20 +143,45 @@ def _sample_for_rule(sample: Any) -> Any:
     return view
 
 
-async def _value(args: Any, term: Term, sample: Any) -> Any:
+async def _call(args: Any, term: Term, sample: Any) -> Any:
     kwargs = dict(term.kwargs)
     if term.rm_type is not None:
         from slime.rollout.rm_hub import async_rm
 
         return await async_rm(_args_with_rm_type(args, term.rm_type), _sample_for_rule(sample), **kwargs)
-    out = _function(term.path)(args, sample, **kwargs)
+    fn = _function(term.path)
+    if inspect.iscoroutinefunction(fn):
+        return await fn(args, sample, **kwargs)
+    # a synchronous judge runs off the event loop, so it cannot serialise the other samples' scoring
+    out = await asyncio.to_thread(fn, args, sample, **kwargs)
     return await out if inspect.isawaitable(out) else out
+
+
+async def _value(args: Any, term: Term, sample: Any, timeout_s: float) -> Any:
+    """The term's value, or the exception that fails the sample: its own (SystemExit included: a term that
+    calls sys.exit fails its sample, not the rollout) or a TimeoutError after ``timeout_s``. A synchronous
+    term still running at its deadline is abandoned in its worker thread (Python cannot stop it)."""
+    async def guarded() -> Any:
+        try:  # caught inside the task: a SystemExit escaping a task would stop the event loop itself
+            return await _call(args, term, sample)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of a grader fails its sample
+            return exc
+
+    task = asyncio.ensure_future(guarded())
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        return TimeoutError(f"no answer within {timeout_s:g} s (ascend_reward_term_timeout_s)")
+    return task.result()
 
 
 async def reward(args: Any, sample: Any, **_: Any) -> float:
     components, penalties = terms(args)
     everything = components + penalties
-    got = await asyncio.gather(*(_value(args, t, sample) for t in everything), return_exceptions=True)
+    from ..plugins import runtime
+
+    timeout_s = runtime.settings(args, "reward-mix").term_timeout_s
+    got = await asyncio.gather(*(_value(args, t, sample, timeout_s) for t in everything))
     values = {t.name: v for t, v in zip(everything, got)}
     total, failure = combine(components, penalties, values)
 

@@ -10,8 +10,9 @@ A *term* is ``{name, path | rm_type, weight (component) | lambda (penalty), kind
 * ``weight`` (components, default 1) / ``lambda`` (penalties, default 1, >= 0): R = sum w R_k - sum
   lambda P_j.
 
-A term that raises, returns a non-number, NaN or an infinity *fails* the sample: its reward is not a
-number to learn from (:func:`combine` returns None with the reason), never a low score.
+A term that raises, returns a non-number, NaN or an infinity, or whose weighted sum overflows, *fails*
+the sample: its reward is not a number to learn from (:func:`combine` returns None with the reason),
+never a low score.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..plugins.settings import SettingsError
+
 KINDS = ("rule", "outcome_model", "judge")
 
 
-class MixError(ValueError):
-    """A term of ``ascend_reward_components`` / ``ascend_reward_penalties`` is not usable."""
+class MixError(SettingsError):
+    """A term of ``ascend_reward_components`` / ``ascend_reward_penalties`` is not usable (a settings error:
+    one line at ``parse_args``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,4 +114,6 @@ def combine(components: Sequence[Term], penalties: Sequence[Term], values: Mappi
             if number is None:
                 return None, f"{term.name}: not a finite number ({value!r})"
             total += sign * term.coef * number
+    if not math.isfinite(total):  # finite terms whose weighted sum overflows
+        return None, f"the weighted sum overflows ({total!r})"
     return total, None

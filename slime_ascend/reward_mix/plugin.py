@@ -32,6 +32,9 @@ PLUGIN = Plugin(
                 "weight?, kind? (rule | outcome_model | judge), kwargs?}", check=_check(False)),
         Setting("ascend_reward_penalties", dict, [],
                 "penalties: list of {name, rm_type | path, lambda? (>= 0), kwargs?}; subtracted", check=_check(True)),
+        Setting("ascend_reward_term_timeout_s", float, 300.0,
+                "time limit of one term on one sample (seconds); a term that has not answered by then fails its "
+                "sample (an environment failure, never a low reward)", minimum=0.001),
     ),
     contributions=(
         Contribution("reward_model", _H + "reward", note="every component and penalty of a sample, concurrently"),
