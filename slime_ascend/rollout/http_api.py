@@ -28,7 +28,7 @@ endpoint but ``/generate`` (slime's pause, weight update and health calls still 
 connections its own rollout has filled: slime's fully-async worker keeps 512 requests per engine open); the listen backlog is ``backlog`` (a burst of
 hundreds of concurrent clients is queued, not reset); bodies are at most ``max_body_bytes``; a
 ``/generate`` whose client disconnects is aborted at the next decode step. Per-request limits live
-on the engine (``--max-batch-size``, ``--max-prompt-tokens``, ``--max-new-tokens``).
+on the engine (``--max-batch-size``, ``--max-prompt-tokens``, ``--max-new-tokens``, ``--max-top-logprobs``).
 """
 
 from __future__ import annotations
@@ -460,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most prompt tokens in one /generate request, summed over a batch (default %(default)s)")
     limits.add_argument("--max-new-tokens", type=_positive_int, default=_engine_mod.DEFAULT_MAX_NEW_TOKENS_LIMIT,
                         help="highest sampling_params.max_new_tokens accepted (default %(default)s)")
+    limits.add_argument("--max-top-logprobs", type=_positive_int, default=_engine_mod.DEFAULT_MAX_TOP_LOGPROBS,
+                        help="most top-k log-prob entries in one answer: top_logprobs_num x scored and new "
+                        "positions, over a batch (default %(default)s)")
     limits.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
                         help="seconds a connection may sit idle or stalled mid-request (default %(default)s)")
     limits.add_argument("--backlog", type=_positive_int, default=DEFAULT_BACKLOG,
@@ -500,7 +503,7 @@ def serve_reference(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = ReferenceEngine(model_path=args.model, dtype=args.dtype, seed=args.seed,
                              max_batch_size=args.max_batch_size, max_prompt_tokens=args.max_prompt_tokens,
-                             max_new_tokens=args.max_new_tokens)
+                             max_new_tokens=args.max_new_tokens, max_top_logprobs=args.max_top_logprobs)
     server = make_server(engine, host=args.host, port=args.port, timeout=args.timeout, backlog=args.backlog,
                          max_connections=args.max_connections, max_body_bytes=args.max_body_bytes)
     bound_host, bound_port = server.server_address[:2]

@@ -448,3 +448,19 @@ def test_client_disconnect_stops_generation(monkeypatch):
             time.sleep(0.02)
         assert engine.loads()["loads"][0]["num_total_reqs"] == 0
         assert len([t for t in steps if t > closed]) < 100, "generation kept running after the client left"
+
+
+def test_a_small_request_cannot_ask_for_a_huge_answer():
+    """top_logprobs_num amplifies: k entries per scored and new position. Counted by hand: 2 prompts x
+    (6 scored positions from logprob_start_len 0 + 4 new tokens) x k=50 = 1000 entries; the limit is 999."""
+    engine = ReferenceEngine(max_top_logprobs=999)
+    payload = {"input_ids": [[1, 2, 3, 4, 5, 6]] * 2, "return_logprob": True, "logprob_start_len": 0,
+               "top_logprobs_num": 50, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    with engine.start_in_thread() as base:
+        got, body = raw_post(base, "/generate", json.dumps(payload).encode())
+        assert got == 413, body
+        assert "1000 top-k log-prob entries" in body["error"] and "--max-top-logprobs" in body["error"]
+        # without input log-probs the same k costs only the new positions: 2 x 4 x 50 = 400, served
+        r = HTTP.post(f"{base}/generate", json={**payload, "logprob_start_len": -1})
+        assert r.status_code == 200 and all(len(o["meta_info"]["output_top_logprobs"]) == 4 for o in r.json())
+        assert HTTP.get(f"{base}/server_info").json()["max_top_logprobs"] == 999

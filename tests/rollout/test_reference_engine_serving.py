@@ -94,8 +94,9 @@ def test_generate_through_the_real_sglang_router(tmp_path):
 def test_limits_are_constructor_args_and_cli_flags():
     args = build_parser().parse_args(
         ["--max-batch-size", "8", "--max-prompt-tokens", "100", "--max-new-tokens", "50", "--timeout", "2.5",
-         "--backlog", "300", "--max-connections", "40", "--max-body-bytes", "4096"]
+         "--backlog", "300", "--max-connections", "40", "--max-body-bytes", "4096", "--max-top-logprobs", "7"]
     )
+    assert args.max_top_logprobs == 7
     assert (args.max_batch_size, args.max_prompt_tokens, args.max_new_tokens) == (8, 100, 50)
     assert (args.timeout, args.backlog, args.max_connections, args.max_body_bytes) == (2.5, 300, 40, 4096)
     defaults = build_parser().parse_args([])

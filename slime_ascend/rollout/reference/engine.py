@@ -31,7 +31,8 @@ Semantics mirrored from SGLang (checked against the installed ``sglang`` sources
   values only.
 
 Bounded work: per request, at most ``max_batch_size`` prompts, ``max_prompt_tokens`` prompt tokens in
-all and ``max_new_tokens`` new tokens per prompt (413/400 beyond, naming the limit); a request whose
+all, ``max_new_tokens`` new tokens per prompt and ``max_top_logprobs`` top-k entries in its answer (413/400
+beyond, naming the limit: a small request cannot ask for a huge answer); a request whose
 client has disconnected is aborted at the next decode step; ``abort_request`` and an aborting pause
 also abort the prompts of a batch still queued behind the running one.
 
@@ -68,7 +69,8 @@ logger = logging.getLogger("slime_ascend.rollout.engine")
 _GREEDY_EPS = 1e-6
 _DEFAULT_MAX_NEW_TOKENS = 128
 
-from . import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS  # noqa: E402
+from . import (  # noqa: E402
+    DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOP_LOGPROBS)
 _DISCONNECT_POLL_S = 0.25  # how often a request held by pause/update checks its client
 
 # sampling_params keys SGLang accepts that this engine honours.
@@ -288,6 +290,8 @@ class ReferenceEngine:
         weight_version: initial version string (SGLang's default is ``"default"``).
         max_batch_size: most prompts in one ``/generate`` request (413 beyond).
         max_prompt_tokens: most prompt tokens in one request, summed over its prompts (413 beyond).
+        max_top_logprobs: most top-k log-prob entries one answer may hold, ``top_logprobs_num`` times the
+            scored prompt positions and new tokens, summed over a batch (413 beyond).
         max_new_tokens: highest ``sampling_params.max_new_tokens`` accepted (400 beyond).
     """
 
@@ -303,9 +307,11 @@ class ReferenceEngine:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
+        max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
-                            max_new_tokens=max_new_tokens)
+                            max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs)
+        self.max_top_logprobs = max_top_logprobs
         self.max_batch_size = max_batch_size
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens
@@ -377,6 +383,7 @@ class ReferenceEngine:
             "max_batch_size": self.max_batch_size,
             "max_prompt_tokens": self.max_prompt_tokens,
             "max_new_tokens": self.max_new_tokens,
+            "max_top_logprobs": self.max_top_logprobs,
         }
 
     def model_info(self) -> dict[str, Any]:
@@ -662,6 +669,15 @@ class ReferenceEngine:
                     return_text_in_logprobs=text_in_lp,
                     top_logprobs_num=top_num if return_logprobs[i] else 0,
                 )
+            )
+        entries = sum(r.top_logprobs_num * (r.sampling.max_new_tokens + (
+            len(r.input_ids) - r.logprob_start_len if r.logprob_start_len >= 0 else 0)) for r in requests_)
+        if entries > self.max_top_logprobs:
+            raise RequestError(
+                f"the answer would hold {entries} top-k log-prob entries (top_logprobs_num x scored and new "
+                f"positions), above this server's limit max_top_logprobs={self.max_top_logprobs} (lower "
+                "top_logprobs_num or split the batch, or raise it with serve-reference --max-top-logprobs)",
+                status=413,
             )
         return requests_, batched
 
