@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import select
 import socket
 import threading
@@ -45,7 +46,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 __all__ = ["ONE_SERVER_INFO", "RequestError", "SGLangEngine", "abort_matches", "check_generate_keys",
-           "check_positive_ints", "make_server", "next_weight_version", "serve_reference", "serve_until_interrupted"]
+           "check_positive_ints", "check_weight_version", "make_server", "next_weight_version", "serve_reference", "serve_until_interrupted"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +100,31 @@ def check_positive_ints(**values: Any) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def next_weight_version(current: str, requested: Any = None) -> str:
-    """The version after a weight update: ``requested`` when given, else ``current`` + 1 when it is a
-    number, else ``"1"`` (SGLang keeps the old version; both engines here count instead)."""
-    if requested is not None:
+WEIGHT_VERSION = re.compile(r"[A-Za-z0-9._:+-]{1,128}")
+
+
+def check_weight_version(requested: Any) -> str | None:
+    """``requested`` as the version string to store (None: not given), or :class:`RequestError`: a non-negative
+    integer or a word of at most 128 letters, digits and ``._:+-`` (slime sends ``str(int)``); an empty,
+    boolean, negative or oversized value would be stored and reported back as given."""
+    if requested is None:
+        return None
+    if isinstance(requested, int) and not isinstance(requested, bool) and requested >= 0:
         return str(requested)
+    if isinstance(requested, str) and WEIGHT_VERSION.fullmatch(requested):
+        return requested
+    shown = repr(requested) if len(repr(requested)) <= 40 else repr(requested)[:40] + "..."
+    raise RequestError(f"weight_version must be a non-negative integer or a word of at most 128 letters, digits "
+                       f"and ._:+- (slime sends str(int)), got {shown}")
+
+
+def next_weight_version(current: str, requested: Any = None) -> str:
+    """The version after a weight update: ``requested`` when given (checked by :func:`check_weight_version`),
+    else ``current`` + 1 when it is a number, else ``"1"`` (SGLang keeps the old version; both engines here
+    count instead)."""
+    requested = check_weight_version(requested)
+    if requested is not None:
+        return requested
     return str(int(current) + 1) if current.isdigit() else "1"
 
 

@@ -464,3 +464,20 @@ def test_a_small_request_cannot_ask_for_a_huge_answer():
         r = HTTP.post(f"{base}/generate", json={**payload, "logprob_start_len": -1})
         assert r.status_code == 200 and all(len(o["meta_info"]["output_top_logprobs"]) == 4 for o in r.json())
         assert HTTP.get(f"{base}/server_info").json()["max_top_logprobs"] == 999
+
+
+@pytest.mark.parametrize("bad", ["", True, -1, "x" * 10_000, "v 2", 1.5, ["1"]])
+def test_a_weight_version_outside_the_rule_is_400_and_nothing_loads(url, good_dir, bad):
+    version = HTTP.get(f"{url}/get_weight_version").json()["weight_version"]
+    r = update(url, good_dir, weight_version=bad)
+    assert r.status_code == 400, r.text
+    assert "weight_version must be a non-negative integer or a word" in r.json()["error"]
+    assert len(r.json()["error"]) < 300  # a 10 KB value is not echoed back whole
+    assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == version
+
+
+@pytest.mark.parametrize(("given", "stored"), [(7, "7"), ("12", "12"), ("policy-v3.1", "policy-v3.1")])
+def test_a_weight_version_inside_the_rule_is_stored(url, good_dir, given, stored):
+    r = update(url, good_dir, weight_version=given)
+    assert r.status_code == 200, r.text
+    assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == stored

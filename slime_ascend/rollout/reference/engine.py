@@ -60,7 +60,8 @@ import torch
 
 from slime_ascend.rollout.reference import model as reference_model
 from slime_ascend.rollout.http_api import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
-                                           check_positive_ints, make_server, next_weight_version)
+                                           check_positive_ints, check_weight_version, make_server,
+                                           next_weight_version)
 
 __all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
 
@@ -517,8 +518,7 @@ class ReferenceEngine:
         """
         if not isinstance(model_path, str) or not model_path:
             raise RequestError("model_path must be a non-empty string naming an HF checkpoint directory")
-        if weight_version is not None and not isinstance(weight_version, str | int):
-            raise RequestError(f"weight_version must be a string, got {weight_version!r}")
+        check_weight_version(weight_version)  # refused before anything loads
         if load_format not in (None, "auto", "safetensors"):
             raise RequestError(f"load_format={load_format!r} is not supported (use 'auto' or 'safetensors')")
         if not Path(model_path).is_dir():
