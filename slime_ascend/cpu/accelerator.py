@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import types
 from typing import Any
 
 logger = logging.getLogger("slime_ascend.cpu")
@@ -95,8 +93,9 @@ def accelerator_class() -> type:
             return None
 
         def get_device_properties(self, device=None) -> Any:
-            _, total = host_memory()
-            return types.SimpleNamespace(name="cpu", total_memory=total, multi_processor_count=os.cpu_count() or 1)
+            from .cuda_shims import get_device_properties
+
+            return get_device_properties(device)  # what Megatron's torch.cuda call gets (train.cpu_device_properties)
 
         def manual_seed(self, seed: int) -> None:
             torch.manual_seed(seed)

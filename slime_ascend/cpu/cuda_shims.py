@@ -3,7 +3,7 @@
 Megatron-core calls ``torch.cuda`` directly (about 80 ``current_device()`` calls, streams and
 events in DDP and the optimizer, ``.cuda()``, ``device="cuda"`` tensors, ``Tensor.type()`` compared
 with ``torch.cuda.*Tensor`` strings). On Ascend, torch_npu's ``transfer_to_npu`` redirects these to
-``torch.npu``; this module is the CPU counterpart, used by the four ``train.cpu_*`` runtime patches
+``torch.npu``; this module is the CPU counterpart, used by the five ``train.cpu_*`` runtime patches
 (each a ledger entry with its own target check). Pure torch: no slime, Ray or Megatron import.
 
 The mapping rule: a ``cuda`` device (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)``, or a bare
@@ -79,6 +79,26 @@ def module_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
         return self
 
     return cuda
+
+
+# -- train.cpu_device_properties --------------------------------------------------------------
+# Megatron reads the device architecture (megatron.training get_device_arch_version: the ``major`` of
+# torch.cuda.get_device_properties("cuda:0")) only to decide whether TP/CP need CUDA_DEVICE_MAX_CONNECTIONS=1
+# for overlapped communication (before Blackwell, 10) and whether FSDP/GTP groups get high-priority streams
+# (from 10 on). The host has no hardware work queues and no stream priorities (train.cpu_streams' stand-ins
+# are synchronous), so it reads as a device without the connection limit.
+HOST_ARCH_MAJOR = 10
+
+
+def get_device_properties(device: Any = None) -> Any:
+    """``torch.cuda.get_device_properties`` for the host: its memory and core count, ``major`` as above."""
+    import os
+    import types
+
+    from .accelerator import host_memory
+
+    return types.SimpleNamespace(name="cpu", major=HOST_ARCH_MAJOR, minor=0, total_memory=host_memory()[1],
+                                 multi_processor_count=os.cpu_count() or 1)
 
 
 # -- train.cpu_streams ------------------------------------------------------------------------

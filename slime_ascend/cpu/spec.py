@@ -13,7 +13,11 @@ So this spec is the local spec with two parts swapped: :class:`PackedSDPAttentio
 ``torch.nn.functional.scaled_dot_product_attention`` (causal) on each ``cu_seqlens`` segment, and
 :class:`NormColumnParallelLinear`, a ``ColumnParallelLinear`` that applies its own RMSNorm/LayerNorm
 first (TE's ``LayerNormColumnParallelLinear``); the separate layer norms become identities.
-Dense models (Qwen2/3, Llama) only; tensor and context parallelism of 1.
+Dense models (Qwen2/3, Llama) only. Tensor, pipeline and data parallelism work as with TE's spec (each
+rank's attention gets its own heads). Not sequence parallelism: the norms inside the linears would allow it
+(a per-token norm on the rank's sequence shard, weights marked ``sequence_parallel``), but without apex
+Megatron builds the final and q/k layer norms as torch norms, which refuse it. Context parallelism of 1 only
+(the attention has no ring exchange). The ``cpu`` plugin refuses the others in the driver's ``parse_args``.
 """
 
 from __future__ import annotations
@@ -62,9 +66,9 @@ class PackedSDPAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None, **_: Any):
         super().__init__(config=config)
-        if config.context_parallel_size != 1 or config.tensor_model_parallel_size != 1:
-            raise ValueError("slime_ascend.cpu.spec supports tensor and context parallel size 1 only "
-                             f"(got TP={config.tensor_model_parallel_size}, CP={config.context_parallel_size})")
+        if config.context_parallel_size != 1:
+            raise ValueError("slime_ascend.cpu.spec supports context parallel size 1 only "
+                             f"(got CP={config.context_parallel_size})")
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"slime_ascend.cpu.spec runs causal attention only, not {attn_mask_type}")
         self.softmax_scale = softmax_scale

@@ -26,6 +26,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.cpu_streams | torch.cuda.{Stream,Event,current_stream,default_stream,stream,set_stream} | megatron/megatron-device-neutral-placement.md |
 | train.cpu_device_map | torch factories' device=, Tensor.new_*, Tensor/Module.to: cuda -> cpu | megatron/megatron-device-neutral-placement.md |
 | train.cpu_tensor_type | Tensor.type() of a CPU tensor reads torch.cuda.*Tensor | megatron/megatron-device-neutral-placement.md |
+| train.cpu_device_properties | torch.cuda.get_device_properties: the host's (Megatron's get_device_arch_version) | megatron/megatron-device-arch-version.md |
 | driver.acknowledged_weight_update | RayTrainGroup._reload_rollout_weights_from_disk: every engine switched and read back, or all returned to the last acknowledged version | 0012-acknowledged-weight-update |
 | train.dsa_deterministic_topk | glm5 ops.indexer.pytorch_topk_with_invalid_padding: deterministic DSA indexer top-k | 0013-dsa-indexer-deterministic-topk |
 | train.reset_optimizer_on_push | MegatronTrainRayActor.update_weights: the optimizer reset after each weight push (GLM-5 cadence) | 0014-reset-optimizer-on-weight-push |
@@ -61,6 +62,7 @@ LEDGER: dict[str, str] = {
     "train.cpu_streams": "slime_ascend.patch.train.cpu_streams",
     "train.cpu_device_map": "slime_ascend.patch.train.cpu_device_map",
     "train.cpu_tensor_type": "slime_ascend.patch.train.cpu_tensor_type",
+    "train.cpu_device_properties": "slime_ascend.patch.train.cpu_device_properties",
     "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",
     "train.critic_advantage_function": "slime_ascend.patch.train.critic_advantage_function",
     "train.critic_hf_value_head": "slime_ascend.patch.train.critic_hf_value_head",
