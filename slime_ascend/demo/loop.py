@@ -144,6 +144,9 @@ def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str],
     # the demo's edits of the generated YAML (what a user edits before launching); sao is always enabled (run_demo)
     edits: dict[str, Any] = {k: v for p in plugins for k, v in task_settings(p, cfg, paths, urls["teacher"]).items()}
     edits.update(ascend_sao_freeze_patterns=["self_attn"], ascend_sao_dis_preset="maths")
+    # the miniature's engine starts on the BF16 policy and takes the quantised format from the first sync on
+    # (slime's loop quantises the engine's checkpoint offline instead, as a user does): no format to check
+    edits.update({f"ascend_{p.replace('-', '_')}_check_engine_format": False for p in plugins if p in SYNC_PLUGINS})
     write_yaml(plugins, edits, paths["yaml"])
     for key, value in yaml.safe_load(Path(paths["yaml"]).read_text()).items():  # slime's --custom-config-path
         setattr(args, key, value)
