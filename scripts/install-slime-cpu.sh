@@ -12,10 +12,11 @@ pip() { python -m pip "$@"; }
 pip install -q "torch==2.14.1" "torchvision==0.29.1"
 pip install -q -e ".[test]"
 # slime's runtime imports on its tested paths (train.py / train_async.py, the rollout manager,
-# the router), then the pinned packages without their dependency trees
+# the router), then the pinned packages without their dependency trees; ipython: sglang.utils imports
+# IPython.display at start (every sglang import passes through it)
 pip install -q "transformers==5.12.1" "sglang-router>=0.3.0" torch_memory_saver pybase64 "httpx[http2]" \
   omegaconf blobfile pylatexenc xxhash zstandard tensorboard wandb openai partial_json_parser msgspec \
-  sentencepiece pyzmq dill einops triton orjson setproctitle uvloop gguf
+  sentencepiece pyzmq dill einops triton orjson setproctitle uvloop gguf ipython
 pip install -q --no-deps "sglang==0.5.15.post1"
 # megatron-core with megatron.training: 0.19.2 is published for Python >= 3.12 only, as a cp312
 # wheel whose one compiled file (datasets' helpers_cpp) slime does not use; its Python code runs on

@@ -1,7 +1,10 @@
 """Shared test helpers.
 
-Tests that need real THUDM/slime are marked ``slime`` and skipped (with the reason) when it is
-not importable: put an unpacked slime source tree on PYTHONPATH to run them.
+Tests that need real THUDM/slime are marked ``slime`` and skipped (with the reason) when it, or a
+package of the stack its real loop imports (``ci_net.SLIME_STACK``), is not installed: put an
+unpacked slime source tree on PYTHONPATH and run ``bash scripts/install-slime-cpu.sh`` to run them.
+Under SLIME_ASCEND_REQUIRE_SLIME=1 (CI) that is an error instead, and a ``slime`` or ``slow`` test
+that skips fails the run (``ci_net``'s hooks, imported here).
 """
 
 from __future__ import annotations
@@ -15,6 +18,17 @@ import typing
 from pathlib import Path
 
 import pytest
+
+from ci_net import (  # noqa: F401  (pytest hooks: no slime/slow test may skip on CI)
+    INSTALL_HINT,
+    REQUIRE,
+    absent,
+    pytest_collection_finish,
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,17 +63,22 @@ if not hasattr(typing, "override"):  # megatron.training uses typing.override (P
         pass
 
 
-REQUIRE_SLIME = os.environ.get("SLIME_ASCEND_REQUIRE_SLIME") == "1"  # set by .ci/run: no slime test may skip
+def slime_missing() -> str | None:
+    """Why the ``slime`` tests cannot run here, or None: slime, or a package of its stack, is not installed."""
+    if not SLIME:
+        return SLIME_REASON
+    missing = absent()
+    return f"slime's dependencies are not installed: {', '.join(missing)} ({INSTALL_HINT})" if missing else None
 
 
 def pytest_collection_modifyitems(config, items):
-    if REQUIRE_SLIME and not SLIME:
-        raise pytest.UsageError("SLIME_ASCEND_REQUIRE_SLIME=1 but real slime is not importable: put SLIME_SRC "
+    marked = [item for item in items if item.get_closest_marker("slime")]
+    reason = slime_missing() if marked or REQUIRE else None
+    if reason and REQUIRE:
+        raise pytest.UsageError(f"SLIME_ASCEND_REQUIRE_SLIME=1 but {reason}; slime's tree is SLIME_SRC "
                                 "(default ../shared/upstream/slime) on PYTHONPATH")
-    skip = pytest.mark.skip(reason=SLIME_REASON)
-    for item in items:
-        if "slime" in item.keywords and not SLIME:
-            item.add_marker(skip)
+    for item in marked if reason else ():
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -227,11 +227,32 @@ def test_failure_after_the_self_check_falls_back(monkeypatch, kind):
     assert torch.equal(got.q, quantize_int(w, INT8_CT_SCHEME, fused=False).q)
 
 
+KERNELS = {kind: [*ABSMAX[kind], (WRONG[kind][0], WRONG[kind][1])] for kind in KINDS}
+
+
+def record_kernel_calls(monkeypatch, kind: str) -> list[str]:
+    """Replace every fused kernel of `kind` with a recorder; the names of the kernels called are returned
+    (a kernel that raised would only make the fused path fall back with a warning)."""
+    calls: list[str] = []
+    for mod, name in KERNELS[kind]:
+        monkeypatch.setattr(mod, name, lambda *a, _name=name, **k: calls.append(_name))
+    return calls
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a fused path that was tried and dropped fails the test
 def test_tiny_weights_stay_eager_when_compiling(monkeypatch):
     monkeypatch.setattr(C, "MIN_NUMEL", 1 << 16)
-    monkeypatch.setattr(C, "absmax_last", lambda *a: (_ for _ in ()).throw(AssertionError("fused used")))
-    quantize_int(torch.randn(3, 64, dtype=torch.bfloat16), INT8_CT_SCHEME, fused="compile")
-    quantize_fp8_block(torch.randn(1, 4096, dtype=torch.bfloat16), fused="compile")
+    calls = record_kernel_calls(monkeypatch, "compile")
+    w = torch.randn(3, 64, dtype=torch.bfloat16)
+    got = quantize_int(w, INT8_CT_SCHEME, fused="compile")
+    ref_q, ref_s = int8_sym_reference(w, INT8_CT_SCHEME.sym_divisor, INT8_CT_SCHEME.qmin, INT8_CT_SCHEME.qmax,
+                                      INT8_CT_SCHEME.zero_rule, in_dtype=True)
+    assert torch.equal(got.q, ref_q) and torch.equal(bits(got.scale.float().reshape(-1, 1)), bits(ref_s))
+    w8 = torch.randn(1, 4096, dtype=torch.bfloat16)
+    q8, s8 = quantize_fp8_block(w8, fused="compile")
+    rq, rs = fp8_block_reference(w8)
+    assert torch.equal(bits(q8), bits(rq)) and torch.equal(bits(s8), bits(rs))
+    assert calls == []
 
 
 def test_switch(monkeypatch):
@@ -255,11 +276,20 @@ def test_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_asymmetric_schemes_stay_eager(monkeypatch, kind):
-    for mod, name in ABSMAX[kind]:
-        monkeypatch.setattr(mod, name, lambda *a: (_ for _ in ()).throw(AssertionError("fused used")))
+    """No fused kernel runs, and the result is an asymmetric 4-bit code: in [-8, 7], each group spanning the
+    whole range, and (q - zp) * s within one step s of the weight."""
+    calls = record_kernel_calls(monkeypatch, kind)
     w = torch.randn(3, 64, dtype=torch.bfloat16)
-    quantize_int(w, int4_scheme(32, symmetric=False), fused=kind)
+    got = quantize_int(w, int4_scheme(32, symmetric=False), fused=kind)
+    assert calls == []
+    q = got.q.view(3, 2, 32).int()
+    assert got.zero_point is not None and int(q.min()) >= -8 and int(q.max()) <= 7
+    assert (q.amax(-1) - q.amin(-1) >= 14).all()  # (max - min) / 15 per group: the codes span the range
+    step = got.scale.float().view(3, 2, 1)
+    deq = (q - got.zero_point.int().view(3, 2, 1)).float() * step
+    assert ((deq - w.float().view(3, 2, 32)).abs() <= step).all()
 
 
 @pytest.mark.parametrize("formulation", ["cast", "codes"])

@@ -566,9 +566,6 @@ def test_quantized_checkpoint_routes_through_quant_loader(tmp_path, monkeypatch)
 
 def test_real_fp8_block_checkpoint_loads_close_to_source(tmp_path):
     """FP8 block checkpoint (e4m3 weights + float32 weight_scale_inv per 128x128 block) via the real quant loader."""
-    quant = pytest.importorskip("slime_ascend.quant")
-    if not hasattr(quant, "load_state_dict_dequantized"):
-        pytest.skip("slime_ascend.quant.load_state_dict_dequantized is not implemented yet")
     source = load_model(None, seed=6)
     state = {}
     block = 128
