@@ -195,6 +195,9 @@ def validate(args: Any, settings: Any) -> None:
     """Start-up check of each sync plugin (every role, the driver's ``parse_args`` first, so a wrong
     ``--hf-checkpoint`` stops before Ray and the engines start): the engine's format."""
     plugin = next(n for n in NAMES if f"ascend_{n.replace('-', '_')}_check_engine_format" in settings)
+    checkpoint = getattr(args, "hf_checkpoint", None)
+    if not checkpoint or not os.path.isdir(checkpoint):  # none there (yet): slime refuses a missing checkpoint
+        return
     if settings[f"ascend_{plugin.replace('-', '_')}_check_engine_format"]:
         check_engine_format(args, plugin, settings)
 
