@@ -139,3 +139,40 @@ def fresh_runtime():
     runtime.reset()
     registry._extra.clear()
     registry._extra.update(before)
+
+
+@contextlib.contextmanager
+def trickling_server(answer: bytes):
+    """A loopback server that reads each request, then sends ``answer`` one byte a second: every read succeeds
+    well inside any per-read timeout, so only a whole-request deadline stops a client. Yields its URL."""
+    import socket
+    import threading
+
+    stop = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn):
+        with conn:
+            conn.recv(65536)
+            for i in range(len(answer)):
+                if stop.wait(1.0):
+                    return
+                try:
+                    conn.sendall(answer[i:i + 1])
+                except OSError:
+                    return
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()

@@ -9,6 +9,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from conftest import trickling_server
 
 from slime_ascend import json_client
 from slime_ascend.json_client import JSONRequestError, arequest_json, request_json
@@ -92,33 +93,8 @@ def test_4xx_is_not_retried_and_failures_name_url_attempts_and_answer(server, ki
 def trickle():
     """Answers every request with a valid JSON body, one byte a second (headers too): each read succeeds well
     inside any per-read timeout, so only a whole-request deadline stops the client."""
-    stop = threading.Event()
-    listener = socket.create_server(("127.0.0.1", 0))
-    answer = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"a": true}'
-
-    def serve(conn):
-        with conn:
-            conn.recv(65536)
-            for i in range(len(answer)):
-                if stop.wait(1.0):
-                    return
-                try:
-                    conn.sendall(answer[i:i + 1])
-                except OSError:
-                    return
-
-    def accept():
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    stop.set()
-    listener.close()
+    with trickling_server(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"a": true}') as url:
+        yield url
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import trickling_server
 from test_opd_compat import TEMPLATE, VOCAB, make_args, make_checkpoint, teacher
 
 from slime_ascend.opd import compat
@@ -279,32 +280,8 @@ def test_unreachable_teacher_is_refused_at_once_naming_teacher_and_address(ckpts
 @pytest.fixture
 def trickle():
     """Accepts, then sends a valid HTTP answer one byte a second: every read succeeds within any per-read timeout."""
-    stop = threading.Event()
-    listener = socket.create_server(("127.0.0.1", 0))
-    answer = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}'
-
-    def serve(conn):
-        with conn:
-            for i in range(len(answer)):
-                if stop.wait(1.0):
-                    return
-                try:
-                    conn.sendall(answer[i:i + 1])
-                except OSError:
-                    return
-
-    def accept():
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    stop.set()
-    listener.close()
+    with trickling_server(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}') as url:
+        yield url
 
 
 def test_trickling_teacher_is_refused_within_the_deadline(ckpts, trickle):
