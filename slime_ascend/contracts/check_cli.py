@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import ArgumentParser
+from ..command import ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:

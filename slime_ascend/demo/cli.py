@@ -9,7 +9,7 @@ from .loop import DEFAULT_PLUGINS, DemoConfig, run_demo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser
+    from ..command import ArgumentParser
 
     p = ArgumentParser(
         prog="slime-ascend demo",

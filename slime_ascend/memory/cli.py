@@ -22,7 +22,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
-from ..cli import ArgumentParser
+from ..command import ArgumentParser
 from .ledger import KERNELS, RECOMPUTE, SYNC_FORMATS, Layout, build_ledger, format_table
 
 # slime / Megatron flag -> Layout field (value flags)

@@ -16,13 +16,14 @@ import threading
 from collections.abc import Iterable
 from importlib.metadata import entry_points
 
+from ..command import UserError
 from .base import Contribution, Plugin
 from .slots import SLOTS
 
 GROUP = "slime_ascend.plugins"
 
 
-class PluginError(RuntimeError):
+class PluginError(UserError, RuntimeError):
     """A plugin selection cannot be used as given; the message says why and what to change."""
 
 

@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..cli import ArgumentParser
+from ..command import ArgumentParser
 from ._outdir import check_out_dir
 from ._source import check_source
 from .names import FORMATS, INT4_NUMERICS

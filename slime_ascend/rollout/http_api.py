@@ -463,7 +463,7 @@ def serve_until_interrupted(server: ThreadingHTTPServer) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from . import reference as _engine_mod  # the limits only: no torch before --help
 
-    from ..cli import ArgumentParser
+    from ..command import ArgumentParser
 
     parser = ArgumentParser(
         prog="slime-ascend serve-reference",

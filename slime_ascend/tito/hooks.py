@@ -307,7 +307,7 @@ def check_train_rollout(args: Any, rollout_id: int, rollout_data: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``slime-ascend tito-fingerprint HF_CHECKPOINT``: print the revision to pin as ascend_tito_tokenizer_revision."""
-    from ..cli import ArgumentParser
+    from ..command import ArgumentParser
 
     parser = ArgumentParser(prog="slime-ascend tito-fingerprint",
                                      description="print the tokenizer/chat-template revision of a checkpoint "
