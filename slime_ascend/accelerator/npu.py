@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import logging
 from typing import Any
+
+from .. import host
 
 logger = logging.getLogger("slime_ascend.accelerator")
 
@@ -23,13 +24,9 @@ VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 RAY_RESOURCE = "NPU"
 
 
-def torch_npu_installed() -> bool:
-    return importlib.util.find_spec("torch_npu") is not None
-
-
 def load_torch_npu() -> Any:
     """Import torch_npu (it attaches ``torch.npu``); None when it is not installed."""
-    if not torch_npu_installed():
+    if not host.torch_npu_installed():
         return None
     return importlib.import_module("torch_npu")
 
@@ -84,7 +81,7 @@ def accelerator_class(device_type: str = NAME) -> type:
     ``npu``: device operations through ``torch.npu`` (torch_npu). ``cuda``: the same class over
     ``torch.cuda`` (tests on a GPU). ``cpu``: the ``npu`` identity over the host's device operations
     (the ``cpu`` plugin's accelerator): what ``npu`` on the host (plugins ``cpu,npu``, see
-    :func:`slime_ascend.accelerator.plugin.on_host`) registers, so slime's loop runs every ``npu`` code
+    :func:`slime_ascend.host.on_host`) registers, so slime's loop runs every ``npu`` code
     path that does not need the chip; its transport is gloo.
     """
     if device_type == "cpu":

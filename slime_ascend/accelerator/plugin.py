@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import _import_hooks
+from .. import _import_hooks, host
 from ..plugins.base import PatchUse, Plugin
 from . import npu
 
@@ -33,28 +33,12 @@ def kernel_patches_enabled() -> bool:
     mode = os.environ.get(KERNEL_PATCHES_ENV, "auto").strip().lower()
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"{KERNEL_PATCHES_ENV}={mode!r}: use auto, on or off")
-    return mode == "on" or (mode == "auto" and npu.torch_npu_installed())
-
-
-def on_host() -> bool:
-    """True where plugins ``cpu`` and ``npu`` are enabled together: ``npu`` runs over the host's device
-    operations and owns the Ray resources. The one decision both plugins ask; refused (PluginError) on a
-    host with torch_npu, where the chip is there."""
-    from ..plugins import runtime
-    from ..plugins.registry import PluginError
-
-    names = runtime.enabled_names()
-    if "cpu" not in names or "npu" not in names:
-        return False
-    if npu.torch_npu_installed():
-        raise PluginError("plugins 'cpu' and 'npu' together run npu on the host, but this host has torch_npu. "
-                          "Fix: drop 'cpu' from SLIME_ASCEND_PLUGINS / ascend_plugins to run on the NPUs.")
-    return True
+    return mode == "on" or (mode == "auto" and host.torch_npu_installed())
 
 
 def on_process_start() -> None:
-    host = on_host()
-    _import_hooks.when_imported("slime.utils.accelerator", lambda module: npu.register(module, on_host=host))
+    here = host.on_host()
+    _import_hooks.when_imported("slime.utils.accelerator", lambda module: npu.register(module, on_host=here))
     if kernel_patches_enabled():
         from .mindspeed import import_adaptor_before_megatron
 

@@ -33,11 +33,14 @@ import torch
 from slime_ascend import hooks
 from slime_ascend.demo import slime_train_api
 from slime_ascend.demo.task import padded_batch
-from slime_ascend.plugins import patch_plan, roles, runtime
+from slime_ascend.plugins import roles, runtime
+from slime_ascend.startup import patch_plan
 
 __all__ = ["Trainer", "build_rollout_data", "quantize_for_sync"]
 
 logger = logging.getLogger("slime_ascend.demo")
+
+CRITIC_ADVANTAGE = "train.critic_advantage_function"
 
 # keys slime's RolloutManager._split_train_data_by_dp ships to a train rank (slime/ray/rollout.py)
 PER_SAMPLE_KEYS = ("tokens", "response_lengths", "rewards", "truncated", "loss_masks", "round_number", "sample_indices",
@@ -141,7 +144,7 @@ class Trainer:
         critic.use_opd = False
         path = getattr(args, "megatron_config_path", None)
         if path:
-            from slime_ascend.sao.freeze import critic_overrides
+            from slime_ascend.sao.role_config import critic_overrides
 
             for key, value in critic_overrides(path).items():
                 setattr(critic, key, value)
@@ -150,8 +153,9 @@ class Trainer:
     def _megatron_init(self) -> None:
         """What slime's train actors do at start: the runtime installs the enabled plugins' train patches
         into slime's actor (``TrainRayActor.init``), then slime calls ``custom_megatron_init_path``. Without
-        slime there is nothing to patch, and the trainer applies ``train.critic_advantage_function``'s effect
-        on the critic's args itself (this miniature stands in for slime's actor) and marks critic passes."""
+        slime there is nothing to patch: the plan installs ``train.critic_advantage_function`` (checked, as
+        everywhere) on the critic's args alone (this miniature stands in for slime's actor) and the trainer
+        marks critic passes."""
         state = runtime.active(self.args)
         if "megatron_init" not in state.selection.slots:
             return
@@ -168,10 +172,10 @@ class Trainer:
                                type(exc).__name__, exc)
             finally:
                 roles.set_train_role(previous)
-        from slime_ascend.patch.train.critic_advantage_function import PATCH
-
-        if not PATCH.applied:
-            PATCH.apply({}, self.critic_args)
+        if not patch_plan.applied(CRITIC_ADVANTAGE):
+            # no slime modules to patch: the plan checks and installs only the patch's change to the critic's args
+            patch_plan.install_for_role(self.critic_args, "train", state.selection.plugins, only=(CRITIC_ADVANTAGE,),
+                                        modules={})
 
     def _quantization_config(self, fmt: str | None) -> dict | None:
         if fmt is None:

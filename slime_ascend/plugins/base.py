@@ -54,7 +54,7 @@ class Contribution:
         return resolve(self.target)
 
 
-#: When the runtime installs a declared patch (see :mod:`slime_ascend.plugins.patch_plan`).
+#: When the runtime installs a declared patch (see :mod:`slime_ascend.startup.patch_plan`).
 PATCH_MOMENTS = ("import", "train", "rollout")
 
 

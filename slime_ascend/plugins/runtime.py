@@ -156,6 +156,27 @@ def settings(args: Any, plugin_name: str) -> SettingsView:
     return SettingsView(plugin.name, settings_values(plugin, args))
 
 
+# -- the process-start activation's failure (slime_ascend.startup.bootstrap keeps it; the first validation point
+# or hook dispatcher call raises it) ---------------------------------------------------------------------
+_activation_error: BaseException | None = None
+
+
+def keep_activation_error(exc: BaseException) -> None:
+    global _activation_error
+    _activation_error = exc
+
+
+def activation_error() -> BaseException | None:
+    return _activation_error
+
+
+def raise_activation_error(where: str = "") -> None:
+    """Raise the kept process-start failure as a PluginError (the first validation point or hook call does)."""
+    if _activation_error is not None:
+        raise PluginError(f"slime-ascend failed to activate at process start{where} "
+                          f"({type(_activation_error).__name__}: {_activation_error})") from _activation_error
+
+
 def reset() -> None:
     """Forget validations and the train role (tests)."""
     from . import roles

@@ -23,8 +23,9 @@ PLUGIN_NAME = "sao"
 
 def skip_observation_advantages(args: Any, rollout_data: dict) -> None:
     """Advantage chain, order 100: sets ``advantages``, ``returns`` and ``gae_lambdas``."""
-    from slime_ascend.plugins import patch_plan, runtime
+    from slime_ascend.plugins import runtime
     from slime_ascend.plugins.roles import in_critic_pass
+    from slime_ascend.startup import patch_plan
 
     settings = runtime.settings(args, PLUGIN_NAME)
     critic = in_critic_pass()

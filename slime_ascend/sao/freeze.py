@@ -3,7 +3,7 @@
 slime applies ``freeze_params_name_list`` (regexes, ``re.search`` on parameter names) in its model
 provider, before the optimizer is built, so a frozen parameter gets no gradient buffer and no
 optimizer state. SAO freezes the critic's attention only, so the list must sit in the critic role of
-``--megatron-config-path`` (``slime_ascend.sao.critic.write_megatron_role_config``).
+``--megatron-config-path`` (``slime_ascend.sao.role_config.write_megatron_role_config``).
 
 * :func:`check_freeze_config` (start, every train process): the critic entry of the megatron config
   (or this process's own args) carries the patterns.
@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from .critic import critic_entry
+from .role_config import critic_overrides
 
 __all__ = [
     "FrozenSnapshot",
     "before_train_step",
     "check_freeze_config",
-    "critic_overrides",
     "matching_names",
     "verify_frozen",
 ]
@@ -39,16 +38,6 @@ def matching_names(names: Iterable[str], patterns: Sequence[str]) -> list[str]:
     """Names that any pattern matches with ``re.search`` (slime's freeze rule)."""
     compiled = [re.compile(p) for p in patterns]
     return [n for n in names if any(c.search(n) for c in compiled)]
-
-
-def critic_overrides(megatron_config_path: str) -> dict:
-    """The critic entry's overrides of a slime megatron role config ({} when there is none)."""
-    import yaml
-
-    with open(megatron_config_path) as f:
-        raw = yaml.safe_load(f) or {}
-    critic = critic_entry(megatron_config_path, raw)
-    return {} if critic is None else dict(critic.get("overrides") or critic.get("args") or {})
 
 
 def _fix(patterns: Sequence[str]) -> str:

@@ -116,5 +116,5 @@ PLUGIN = Plugin(
                         "asynchrony (recommended; add the staleness plugin to bound off-policy lag)"),
     ),
     validate=_S + "critic.validate",
-    config_files=(("sao_megatron.yaml", _S + "critic.write_role_config_for"),),
+    config_files=(("sao_megatron.yaml", _S + "role_config.write_role_config_for"),),
 )

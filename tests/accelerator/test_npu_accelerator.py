@@ -120,17 +120,18 @@ def test_cpu_and_npu_select_npu_on_the_host_in_a_fresh_interpreter():
 
 
 def test_cpu_and_npu_together_are_refused_where_torch_npu_is_installed(monkeypatch):
-    from slime_ascend.accelerator.plugin import on_host
+    from slime_ascend import host
     from slime_ascend.cpu import plugin as cpu_plugin
+    from slime_ascend.host import on_host
     from slime_ascend.plugins.registry import PluginError
 
     monkeypatch.setenv("SLIME_ASCEND_PLUGINS", "cpu,npu")
-    monkeypatch.setattr(npu, "torch_npu_installed", lambda: True)
+    monkeypatch.setattr(host, "torch_npu_installed", lambda: True)
     with pytest.raises(PluginError, match="drop 'cpu'"):
         on_host()
     with pytest.raises(PluginError, match="drop 'cpu'"):
         cpu_plugin.owns_ray()
-    monkeypatch.setattr(npu, "torch_npu_installed", lambda: False)
+    monkeypatch.setattr(host, "torch_npu_installed", lambda: False)
     assert on_host() is True and cpu_plugin.owns_ray() is False
     for alone in ("cpu", "npu"):
         monkeypatch.setenv("SLIME_ASCEND_PLUGINS", alone)

@@ -30,8 +30,10 @@ def _ray_span(method):
     return span_wrapper
 
 
+@pytest.mark.slime
 def test_critic_patches_reach_the_ray_actor_class(monkeypatch):
-    actor_mod = pytest.importorskip("slime.backends.megatron_utils.actor", reason="needs slime")
+    import slime.backends.megatron_utils.actor as actor_mod
+
     from slime_ascend.patch.train import critic_advantage_function, critic_train_iters
 
     seen = []
@@ -110,8 +112,10 @@ def test_an_lm_head_bias_is_not_a_value_head():
         critic_hf_value_head.keep_value_head_bias(_converter, heads)("output_layer.bias", None, None)
 
 
+@pytest.mark.slime
 def test_hf_value_head_patch_wraps_slimes_loader(monkeypatch):
-    hf = pytest.importorskip("slime.backends.megatron_utils.hf_to_megatron", reason="needs slime")
+    import slime.backends.megatron_utils.hf_to_megatron as hf
+
     p = patch.get("train.critic_hf_value_head")
     assert p.verify() == []
     p.remove()  # an earlier test may have left it installed over slime's real loader: start from slime's own

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from slime_ascend.plugins.settings import SettingsError
-from slime_ascend.sao import critic, freeze
+from slime_ascend.sao import critic, freeze, role_config
 
 
 class Block(torch.nn.Module):
@@ -61,13 +61,13 @@ def test_snapshot_detects_a_single_bit_change():
 
 def test_role_config_writer_merge_and_check(tmp_path):
     path = tmp_path / "m.yaml"
-    critic.write_megatron_role_config(str(path), lr=5e-6, lr_warmup_iters=10)
+    role_config.write_megatron_role_config(str(path), lr=5e-6, lr_warmup_iters=10)
     data = yaml.safe_load(path.read_text())
     (entry,) = data["megatron"]
     assert entry["role"] == "critic"
     assert entry["overrides"] == {"lr": 5e-6, "lr_warmup_iters": 10, "freeze_params_name_list": ["self_attention"]}
     with pytest.raises(FileExistsError):
-        critic.write_megatron_role_config(str(path))
+        role_config.write_megatron_role_config(str(path))
     mine = tmp_path / "mine.yaml"
     critic_entry = {"name": "default", "role": "critic",
                     "overrides": {"lr": 1e-5, "freeze_params_name_list": ["embedding"]}}
@@ -79,7 +79,7 @@ def test_role_config_writer_merge_and_check(tmp_path):
     assert merged[0] == {"name": "default", "role": "actor", "overrides": {"lr": 1e-6}}
     assert merged[1]["overrides"] == {"lr": 1e-5, "freeze_params_name_list": ["embedding", "self_attention"],
                                       "save": "/ck"}
-    assert freeze.critic_overrides(str(out))["freeze_params_name_list"] == ["embedding", "self_attention"]
+    assert role_config.critic_overrides(str(out))["freeze_params_name_list"] == ["embedding", "self_attention"]
 
     args = argparse.Namespace(megatron_config_path=str(out), freeze_params_name_list=None)
     freeze.check_freeze_config(args, ["self_attention"])  # the actor process: the file has it

@@ -22,7 +22,7 @@ def test_interpreter_start_does_not_import_package_when_unset():
 
 def test_active_with_variable_and_still_light():
     proc = run_python(
-        "import sys, json; from slime_ascend import _bootstrap as b;"
+        "import sys, json; from slime_ascend.startup import bootstrap as b;"
         f"print(json.dumps([sorted(b.started()), [m for m in {HEAVY!r} if m in sys.modules]]))",
         env={"SLIME_ASCEND_PLUGINS": "npu"},
     )
@@ -34,7 +34,7 @@ def test_active_with_variable_and_still_light():
 
 def test_unknown_plugin_is_reported_not_fatal():
     proc = run_python(
-        "from slime_ascend import _bootstrap as b; print(type(b.activation_error()).__name__)",
+        "from slime_ascend.startup import bootstrap as b; print(type(b.activation_error()).__name__)",
         env={"SLIME_ASCEND_PLUGINS": "no-such-plugin"},
     )
     assert proc.returncode == 0
@@ -44,7 +44,7 @@ def test_unknown_plugin_is_reported_not_fatal():
 
 def test_activate_is_idempotent_and_thread_safe():
     proc = run_python(
-        "import threading; from slime_ascend import _bootstrap as b\n"
+        "import threading; from slime_ascend.startup import bootstrap as b\n"
         "ran = []\n"
         "ts = [threading.Thread(target=lambda: ran.append(b.activate('npu'))) for _ in range(8)]\n"
         "[t.start() for t in ts]; [t.join() for t in ts]\n"
@@ -77,6 +77,16 @@ def test_reaches_multiprocessing_spawn_children():
         proc = subprocess.run([sys.executable, path], capture_output=True, text=True, env=env, cwd=tmp, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "['npu']"
+
+
+def test_the_pth_name_is_the_bootstrap():
+    proc = run_python(
+        "import sys; from slime_ascend import _bootstrap; from slime_ascend.startup import bootstrap\n"
+        "print(_bootstrap.started is bootstrap.started, sorted(bootstrap.started()))",
+        env={"SLIME_ASCEND_PLUGINS": "npu"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "['npu']"]
 
 
 def test_pth_is_installed():
@@ -126,7 +136,7 @@ def test_plugin_raising_base_exception_at_process_start_does_not_end_the_interpr
     path = _fake_plugin_dist(str(tmp_path))
     env = {"SLIME_ASCEND_PLUGINS": "boom", "PYTHONPATH": _pythonpath(path), "BOOM_KIND": kind}
     proc = run_python(
-        "import sys; from slime_ascend import _bootstrap as b, hooks\n"
+        "import sys; from slime_ascend import hooks; from slime_ascend.startup import bootstrap as b\n"
         "print('alive', type(b.activation_error()).__name__)\n"
         "try:\n"
         "    hooks.megatron_init(type('A', (), {})())\n"
@@ -144,7 +154,7 @@ def test_plugin_raising_base_exception_at_process_start_does_not_end_the_interpr
 def test_plugin_module_calling_sys_exit_at_import_is_reported_broken(tmp_path):
     path = _fake_plugin_dist(str(tmp_path))
     env = {"SLIME_ASCEND_PLUGINS": "boom-import", "PYTHONPATH": _pythonpath(path)}
-    proc = run_python("from slime_ascend import _bootstrap as b; print('alive', type(b.activation_error()).__name__)",
+    proc = run_python("from slime_ascend.startup import bootstrap as b; print('alive', type(b.activation_error()).__name__)",
                       env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "alive PluginError"

@@ -1,4 +1,4 @@
-"""The runtime installs the enabled plugins' declared patches (slime_ascend.plugins.patch_plan)."""
+"""The runtime installs the enabled plugins' declared patches (slime_ascend.startup.patch_plan)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from slime_ascend import _import_hooks, patch
-from slime_ascend.plugins import patch_plan, registry
+from slime_ascend.plugins import registry
 from slime_ascend.plugins.base import PatchUse, Plugin
+from slime_ascend.startup import patch_plan
 
 PACKAGE = Path(patch_plan.__file__).resolve().parents[1]
 
@@ -28,8 +29,12 @@ def test_every_declared_patch_is_in_the_ledger_and_in_a_consistent_order():
     assert ids == [pid for pid in patch.LEDGER if pid in ids]  # ledger order
     declared = {u.patch for p in plugins for u in p.patches}
     assert declared == set(ids)
-    # every ledger entry is declared by some plugin: nothing in the ledger is installed by hand
-    assert declared == set(patch.LEDGER)
+    # every ledger entry is declared by some plugin or by the runtime itself: nothing is installed by hand
+    from slime_ascend.startup import early
+
+    runtime_own = {u.patch for u in early.PATCHES}
+    assert not declared & runtime_own
+    assert declared | runtime_own == set(patch.LEDGER)
 
 
 def test_bare_ids_are_import_moment_and_moments_are_checked():
@@ -80,6 +85,7 @@ def test_two_plugins_declaring_one_patch_combine_their_conditions(monkeypatch, f
     assert done == (["rollout.forward_metadata"] if installed else [])
 
 
+@pytest.mark.slime  # the ledger's patch modules are imported: they need slime's stack
 def test_role_patches_install_in_ledger_order_with_their_condition(monkeypatch):
     calls = []
     monkeypatch.setattr(patch, "install", lambda pid, args=None: calls.append((pid, args)))
@@ -102,6 +108,7 @@ def test_role_patches_install_in_ledger_order_with_their_condition(monkeypatch):
     assert patch_plan.install_for_role(args, "rollout", [plugin]) == ["rollout.forward_metadata"]
 
 
+@pytest.mark.slime  # the ledger's patch modules are imported: they need slime's stack
 def test_import_moment_waits_for_the_trigger_and_asks_its_condition_once(monkeypatch, tmp_path):
     installed, asked = [], []
     monkeypatch.setattr(patch, "install", lambda pid, args=None: installed.append(pid))
@@ -140,9 +147,8 @@ def _imports_of(path: Path) -> set[str]:
     return out
 
 
-# modules that may import the ledger: its users by design (the runtime, the doctor) and the demo's miniature of
-# slime's train actor (it stands in for slime where slime is absent)
-LEDGER_USERS = {"plugins/patch_plan.py", "doctor.py", "demo/trainer.py"}
+# modules that may import the ledger: its users by design (the runtime's plan, the doctor)
+LEDGER_USERS = {"startup/patch_plan.py", "doctor.py"}
 
 
 def test_no_feature_imports_the_patch_ledger():
@@ -155,3 +161,23 @@ def test_no_feature_imports_the_patch_ledger():
         if bad:
             offenders.append(f"{rel}: {', '.join(bad)}")
     assert not offenders, "declare the patch in the plugin instead (PatchUse):\n" + "\n".join(offenders)
+
+
+def test_a_stand_in_for_slimes_actor_installs_one_patch_on_args_alone():
+    """The demo's trainer without slime: the plan checks and installs train.critic_advantage_function on the
+    critic's args only (no slime module to patch), and nothing for a plugin that does not declare it."""
+    import argparse
+
+    sao = registry.available()["sao"]
+    critic_args = argparse.Namespace(custom_advantage_function_path=None)
+    try:
+        assert patch_plan.install_for_role(critic_args, "train", [registry.available()["dis"]],
+                                           only=("train.critic_advantage_function",), modules={}) == []
+        assert critic_args.custom_advantage_function_path is None
+        assert patch_plan.install_for_role(critic_args, "train", [sao], only=("train.critic_advantage_function",),
+                                           modules={}) == ["train.critic_advantage_function"]
+        assert critic_args.custom_advantage_function_path == "slime_ascend.hooks.advantage_function"
+        assert patch_plan.applied("train.critic_advantage_function")
+    finally:
+        patch.get("train.critic_advantage_function").remove()
+    assert critic_args.custom_advantage_function_path is None

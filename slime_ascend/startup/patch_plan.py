@@ -2,13 +2,14 @@
 
 A plugin lists what it needs as :class:`~slime_ascend.plugins.base.PatchUse` (ledger id, moment,
 condition, stack order). At each moment this module installs, in ledger order, the patches of the
-enabled plugins declared for it whose condition holds:
+enabled plugins declared for it whose condition holds (and, at process start, the runtime's own
+role-entry patches, :data:`slime_ascend.startup.early.PATCHES`, the same way):
 
 =================  ===========================================================  ==========================
 moment             where                                                        called from
 =================  ===========================================================  ==========================
-``import``         every process, as each target module is imported             the bootstrap
-``import:<mod>``   every process, when ``<mod>`` is imported                    the bootstrap
+``import``         every process, as each target module is imported             :mod:`.bootstrap`
+``import:<mod>``   every process, when ``<mod>`` is imported                    :mod:`.bootstrap`
 ``train``          each train actor, with its args, as ``TrainRayActor.init``    :mod:`.early`
                    starts (before the process group and the model)
 ``rollout``        the RolloutManager, with its args, as it starts              :mod:`.early`
@@ -25,7 +26,7 @@ import functools
 import logging
 from typing import Any
 
-from .base import PatchUse, resolve
+from ..plugins.base import PatchUse, resolve
 
 logger = logging.getLogger("slime_ascend.plugins")
 
@@ -78,12 +79,15 @@ def _wanted(use: PatchUse, *args: Any) -> bool:
 def install_at_process_start(plugins) -> list[str]:
     """Register the import-moment patches of ``plugins`` (the bootstrap, once per process); returns their
     ids. A condition is evaluated once, when the first module that triggers the patch is imported."""
+    return register_at_import([use for use in planned(plugins) if use.role is None])
+
+
+def register_at_import(uses) -> list[str]:
+    """Register import-moment patch ``uses`` (in the order given); returns their ids."""
     from .. import _import_hooks, patch
 
     registered = []
-    for use in planned(plugins):
-        if use.role is not None:
-            continue
+    for use in uses:
         wanted = functools.lru_cache(maxsize=None)(lambda use=use: _wanted(use))
         if use.trigger is None:
             target = patch.get(use.patch)
@@ -97,14 +101,22 @@ def install_at_process_start(plugins) -> list[str]:
     return registered
 
 
-def install_for_role(args: Any, role: str, plugins) -> list[str]:
-    """Install the ``role`` (train / rollout) patches of ``plugins`` with this process's ``args``."""
+def install_for_role(args: Any, role: str, plugins, *, only: tuple[str, ...] | None = None,
+                     modules: dict | None = None) -> list[str]:
+    """Install the ``role`` (train / rollout) patches of ``plugins`` with this process's ``args``.
+
+    ``only``: just these ids (of those planned). ``modules``: the targets' modules (default: imported);
+    a stand-in for slime's actor where slime is absent passes ``{}``, so each patch checks and changes only
+    what it changes on ``args``."""
     from .. import patch
 
     installed = []
     for use in planned(plugins):
-        if use.role == role and _wanted(use, args):
-            patch.install(use.patch, args)
+        if use.role == role and (only is None or use.patch in only) and _wanted(use, args):
+            if modules is None:
+                patch.install(use.patch, args)
+            else:
+                patch.get(use.patch).install(args, modules=modules)
             installed.append(use.patch)
     return installed
 

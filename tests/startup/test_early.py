@@ -157,8 +157,8 @@ def test_rollout_manager_and_train_actor_validate_on_entry(fake_slime):
 
 def test_inert_in_a_process_that_never_imports_slime(fake_slime):
     proc = run_python(
-        "import sys; from slime_ascend import _bootstrap, _import_hooks\n"
-        "print(_bootstrap.activation_error(), 'slime' in sys.modules, sorted(_import_hooks.pending()))",
+        "import sys; from slime_ascend import _import_hooks; from slime_ascend.startup import bootstrap\n"
+        "print(bootstrap.activation_error(), 'slime' in sys.modules, sorted(_import_hooks.pending()))",
         env=_env(fake_slime, "dis"),
     )
     assert proc.returncode == 0, proc.stderr
@@ -181,3 +181,22 @@ def test_train_actor_records_its_role_before_validating(fake_slime):
     proc = run_python(code, env=_env(fake_slime, "dis"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["None", "critic", "None", "actor"]
+
+
+def test_the_wrappers_are_ledger_patches_that_refuse_a_changed_slime(fake_slime):
+    (fake_slime / "site" / "slime" / "utils" / "http_utils.py").write_text("def init_http_client(config):\n    pass\n")
+    code = (
+        "from slime_ascend import patch\n"
+        "import slime.utils.arguments, slime.ray.train_actor\n"
+        "print(patch.get('driver.validate_at_parse_args').applied, patch.get('train.validate_at_actor_init').applied)\n"
+        "try:\n"
+        "    import slime.utils.http_utils\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, '|', e)\n"
+    )
+    proc = run_python(code, env=_env(fake_slime, "dis"))
+    assert proc.returncode == 0, proc.stderr
+    applied, refused = proc.stdout.strip().splitlines()
+    assert applied == "True True"
+    assert refused.startswith("PatchTargetError | runtime patch 'rollout.validate_at_http_client' was not applied")
+    assert "takes ['config']" in refused

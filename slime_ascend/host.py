@@ -1,0 +1,29 @@
+"""What this host offers the device plugins, and the one decision the ``cpu`` and ``npu`` plugins share.
+
+Both plugins import this module: ``accelerator`` builds its on-host ``npu`` on ``cpu``'s host backend, so ``cpu``
+never imports ``accelerator``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def torch_npu_installed() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def on_host() -> bool:
+    """True where plugins ``cpu`` and ``npu`` are enabled together: ``npu`` runs over the host's device
+    operations and owns the Ray resources. The one decision both plugins ask; refused (PluginError) on a
+    host with torch_npu, where the chip is there."""
+    from .plugins import runtime
+    from .plugins.registry import PluginError
+
+    names = runtime.enabled_names()
+    if "cpu" not in names or "npu" not in names:
+        return False
+    if torch_npu_installed():
+        raise PluginError("plugins 'cpu' and 'npu' together run npu on the host, but this host has torch_npu. "
+                          "Fix: drop 'cpu' from SLIME_ASCEND_PLUGINS / ascend_plugins to run on the NPUs.")
+    return True
