@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime_ascend.opd.pool import TeacherPool, TorchModuleLoader  # noqa: E402
+from slime_ascend.opd.loaders import TorchModuleLoader  # noqa: E402
+from slime_ascend.opd.pool import TeacherPool  # noqa: E402
 
 NAME = "teacher_switch"
 TARGET = 0.10

@@ -1,6 +1,7 @@
 """Plugin declarations for off-policy control: ``dis``, ``icepop``, ``staleness``.
 
-Declarations only (cheap to import; no torch). The hook code is :mod:`slime_ascend.offpolicy.hooks`.
+Declarations only (cheap to import; no torch). The hook code: :mod:`slime_ascend.offpolicy.tis` (``dis``,
+``icepop``: the train side) and :mod:`slime_ascend.offpolicy.staleness` (``staleness``: the rollout side).
 
 * ``dis`` (tis chain, order 100): Decoupled Importance Sampling on slime's PPO loss. Per token,
   w = exp(logp_old - logp_rollout) (trainer recompute vs engine); tokens with w outside the strict
@@ -19,7 +20,8 @@ from __future__ import annotations
 from ..plugins.base import Contribution, PatchUse, Plugin
 from ..plugins.settings import Setting
 
-_H = "slime_ascend.offpolicy.hooks."
+_TIS = "slime_ascend.offpolicy.tis."
+_STALENESS = "slime_ascend.offpolicy.staleness."
 
 # slime's TIS hook runs only when --use-tis or --get-mismatch-metrics is on. use_tis is read only at
 # loss time (slime/backends/megatron_utils/loss.py) and, before the YAML is applied, by one check
@@ -44,10 +46,10 @@ DIS = Plugin(
                 choices=("ratio", "mask")),
     ),
     contributions=(
-        Contribution("tis", _H + "dis_tis", order=100, note="band mask (+ ratio weight), modified loss masks"),
+        Contribution("tis", _TIS + "dis_tis", order=100, note="band mask (+ ratio weight), modified loss masks"),
     ),
     slime_args=_TIS_ARGS,
-    validate=_H + "validate_dis",
+    validate=_TIS + "validate_dis",
 )
 
 ICEPOP = Plugin(
@@ -62,10 +64,10 @@ ICEPOP = Plugin(
                 "multiply the kept tokens' PPO loss by rho (IcePop, slime) or by 1 (pure 0/1 mask)"),
     ),
     contributions=(
-        Contribution("tis", _H + "icepop_tis", order=200, note="inclusive band, reweight by rho"),
+        Contribution("tis", _TIS + "icepop_tis", order=200, note="inclusive band, reweight by rho"),
     ),
     slime_args=_TIS_ARGS,
-    validate=_H + "validate_icepop",
+    validate=_TIS + "validate_icepop",
 )
 
 STALENESS = Plugin(
@@ -81,11 +83,11 @@ STALENESS = Plugin(
                 "a sample without weight_versions: keep it (counted) or fail", choices=("keep", "error")),
     ),
     contributions=(
-        Contribution("reward_post_process", _H + "staleness_post_process", order=100,
+        Contribution("reward_post_process", _STALENESS + "staleness_post_process", order=100,
                      note="marks remove_sample on stale / failed samples and dropped groups"),
     ),
     # the trainer's version is the one every engine acknowledged (disk weight updates switch all engines or
     # none, and read their versions back)
     patches=(PatchUse("driver.acknowledged_weight_update", "import:slime.ray.actor_group"),),
-    validate=_H + "validate_staleness",
+    validate=_STALENESS + "validate_staleness",
 )

@@ -67,12 +67,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..tito.hooks import TitoError
-from ..tito.hooks import tokenizer_fingerprint as tito_fingerprint
+from ..tito.fingerprint import TitoError
+from ..tito.fingerprint import tokenizer_fingerprint as tito_fingerprint
+from .mismatch import SPECIAL_ROLES, Mismatch
 from .teachers import COMPAT_MODES as MODES
-from .teachers import TeacherMismatchError
+from .teachers import TeacherMismatchError, TeacherSpec
 
 __all__ = [
     "MODES",
@@ -85,12 +86,12 @@ __all__ = [
     "describe",
     "report_line",
     "check_teachers",
+    "check_teacher_compatible",
     "clear_cache",
 ]
 
 logger = logging.getLogger("slime_ascend.opd")
 
-SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # the fields only a loaded tokenizer tells
 _LOADED_FIELDS = ("tokenizer_len", *SPECIAL_ROLES, "special_tokens")
 #: the compared fields, in the order they are reported
@@ -103,17 +104,6 @@ _SLOW_MODEL_FILES = ("tokenizer.model", "spiece.model", "merges.txt", "vocab.jso
                      "tokenizer.tiktoken", "qwen.tiktoken")
 
 Token = tuple[int, str]
-
-
-class Mismatch(NamedTuple):
-    """One field that differs: ``(teacher, field, student value, teacher value)``; ``detail`` (set by
-    the engine probe, whose values are answers rather than fields) says how, in words."""
-
-    teacher: str
-    field: str
-    student: Any
-    teacher_value: Any
-    detail: str | None = None
 
 
 @dataclass(frozen=True)
@@ -163,12 +153,14 @@ def _canonical(obj: Any) -> bytes:
 
 
 def read_config_vocab_size(model_dir: str | Path) -> int | None:
-    """``vocab_size`` of ``model_dir/config.json`` (or its ``text_config``); None when absent."""
+    """``vocab_size`` of ``model_dir/config.json`` (or its ``text_config``); None when absent. A config that is
+    no regular file, too big, malformed or nested too deeply is a ``ValueError`` naming it."""
+    from ..files import read_json_object
+
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    if not path.exists():
         return None
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    cfg = read_json_object(path)
     vocab = cfg.get("vocab_size")
     if vocab is None and isinstance(cfg.get("text_config"), Mapping):
         vocab = cfg["text_config"].get("vocab_size")
@@ -204,14 +196,15 @@ def _template_hash(template: Any) -> str:
 def read_chat_template(model_dir: Path) -> Any:
     """The chat template as transformers reads it: ``chat_template.jinja``, ``chat_template.json``'s
     ``chat_template``, else ``tokenizer_config.json``'s (a list of named templates becomes a dict)."""
+    from ..files import read_json_object
+
     jinja = model_dir / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
     for name in ("chat_template.json", "tokenizer_config.json"):
         p = model_dir / name
         if p.is_file():
-            with open(p, encoding="utf-8") as f:
-                template = json.load(f).get("chat_template")
+            template = read_json_object(p).get("chat_template")
             if template:
                 if isinstance(template, list):
                     template = {t["name"]: t["template"] for t in template}
@@ -238,8 +231,8 @@ def _fingerprint_cached(path: str, stamp: tuple) -> Fingerprint:
         unknown["vocab_size"] = f"{model_dir / 'config.json'} unreadable ({type(e).__name__}: {e})"
     files = revision = template = None
     try:
-        # tito's own cache is keyed by path only; this one also by the files' sizes and mtimes
-        tito = tito_fingerprint.__wrapped__(str(model_dir))
+        # uncached: this module's cache is keyed by the files' sizes and mtimes too
+        tito = tito_fingerprint(str(model_dir))
         files, revision = "files:" + tito["tokenizer"], tito["revision"]
         template = _template_hash(read_chat_template(model_dir))
     except (TitoError, OSError, ValueError, KeyError, TypeError) as e:
@@ -293,7 +286,6 @@ def clear_cache() -> None:
     _fingerprint_cached.cache_clear()
     _student_side_cached.cache_clear()
     _logged.clear()
-    tito_fingerprint.cache_clear()
 
 
 # ---- engines ----------------------------------------------------------------------------------------
@@ -539,3 +531,38 @@ def check_teachers(teachers: Sequence[Any], student_dir: str | Path | None, *, m
             [("Fix: " if not refused else "and ") + unreachable_hint([n for n, _ in silent])] if silent else [])
         raise TeacherMismatchError("; ".join(lines) + ". " + "; ".join(hints))
     return reports
+
+
+def check_teacher_compatible(
+    teacher: TeacherSpec,
+    *,
+    student_vocab_size: int | None = None,
+    student_tokenizer_revision: str | None = None,
+    student_dir: str | Path | None = None,
+    mode: str = "strict",
+) -> None:
+    """Raise :class:`TeacherMismatchError` when the teacher cannot score the student's tokens.
+
+    The rules and fields are this module's (vocab size, tokenizer length, special
+    tokens, tokenizer, chat template; the teacher's declared ``vocab_size`` / ``tokenizer_revision``),
+    read from ``student_dir`` and the teacher's ``checkpoint_dir`` (no engine is asked here);
+    ``student_vocab_size`` stands in when the student's config.json has none, and
+    ``student_tokenizer_revision`` is compared with the teacher's declared revision when there is no
+    ``student_dir``. ``mode`` (strict | warn | off) applies unless the teacher has its own
+    ``compat_check``; warn logs instead of raising. A missing checkpoint directory is not a mismatch.
+    """
+    effective = teacher_mode(teacher, mode)
+    if effective == "off":
+        return
+    if (
+        student_dir is None
+        and teacher.tokenizer_revision is not None
+        and student_tokenizer_revision is not None
+        and teacher.tokenizer_revision != student_tokenizer_revision
+    ):
+        line = (f"opd teacher {teacher.name!r}: tokenizer_revision {teacher.tokenizer_revision} differs from the "
+                f"student's {student_tokenizer_revision}")
+        if effective == "strict":
+            raise TeacherMismatchError(line + ". " + fix_hint([teacher.name]))
+        logger.warning("%s (compat_check: warn: starting anyway)", line)
+    check_teachers([teacher], student_dir, mode=mode, student_vocab_size=student_vocab_size, probe=False)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..json_client import JSONRequestError, request_json
-from .compat import SPECIAL_ROLES, Mismatch
+from .mismatch import SPECIAL_ROLES, Mismatch
 
 __all__ = ["PROBE_TEXTS", "PROBE_CONVERSATION", "EngineAsker", "StudentSide", "Unreachable", "check_engine",
            "engine_info", "student_side"]

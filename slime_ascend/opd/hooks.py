@@ -111,11 +111,6 @@ def _validate_topk(args: Any) -> None:
             f"{path!r}. Fix: set custom_loss_function_path: {_LOSS_DISPATCHER} (as `slime-ascend config opd` "
             "writes; another plugin's loss is run by it), or use ascend_opd_mode: sampled"
         )
-    if getattr(args, "allgather_cp", False):
-        raise SettingsError(
-            "ascend_opd_mode='topk' does not support --allgather-cp (the DSA context-parallel layout): its "
-            "top-k payload is sliced in the zig-zag layout. Fix: drop --allgather-cp, or use ascend_opd_mode: sampled"
-        )
 
 
 async def slime_rule_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
@@ -367,11 +362,13 @@ def opd_topk_loss(args: Any, batch: Mapping[str, Any], logits: Any, sum_of_sampl
     ``get_responses``: response rows, CP-local, divided by ``--rollout-temperature`` as slime's own
     log-probs), as ``logit[id] - logsumexp`` over the full vocabulary (all-reduced over the tensor-parallel
     group when the logits are vocabulary-parallel). The payload rows are sliced to this CP rank's
-    response pieces. Metrics: ``opd_topk_kl`` (the uncoefficiented KL) and ``opd_topk_loss`` (the term).
+    response pieces: zig-zag, or under ``--allgather-cp`` the rank's contiguous range, whose per-token KL is then
+    moved to the zig-zag pieces ``sum_of_sample_mean`` reduces (as slime moves its log-probs). Metrics:
+    ``opd_topk_kl`` (the uncoefficiented KL) and ``opd_topk_loss`` (the term).
     """
     import torch
 
-    from ..algorithms.cp import cp_slice
+    from ..algorithms.cp import allgather_response_range, allgather_to_zigzag, cp_slice
     from ..algorithms.opd import topk_reverse_kl_gathered, topk_student_log_probs, unpack_topk_payload
 
     if getattr(args, "loss_type", None) == "value_loss":  # a critic pass routed to the loss dispatcher
@@ -411,7 +408,8 @@ def opd_topk_loss(args: Any, batch: Mapping[str, Any], logits: Any, sum_of_sampl
     total_lengths, response_lengths = batch["total_lengths"], batch["response_lengths"]
     chunks = get_responses(logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=total_lengths,
                            response_lengths=response_lengths)
-    kls, weighted = [], []
+    allgather = cp_size > 1 and bool(getattr(args, "allgather_cp", False))
+    kls, weighted, ranges, seq_start = [], [], [], 0
     for i, (chunk, _) in enumerate(chunks):
         md = metadata[i]
         payload = md.get(TRAIN_META_TOPK) if isinstance(md, Mapping) else None
@@ -423,7 +421,12 @@ def opd_topk_loss(args: Any, batch: Mapping[str, Any], logits: Any, sum_of_sampl
         if ids.shape[0] != resp:
             raise RuntimeError(f"opd topk loss: sample {i} has {ids.shape[0]} top-k rows for response length {resp}")
         mask = batch["loss_masks"][i].to(chunk.device)
-        if cp_size > 1:
+        if allgather:  # the rank's logits cover one contiguous range of the response (slime's get_responses)
+            lo, hi = allgather_response_range(cp_rank, logits.shape[-2], seq_start, total, resp)
+            ids, t_lps, mask = ids[lo:hi], t_lps[lo:hi], mask[lo:hi]
+            ranges.append((lo, hi))
+            seq_start += total
+        elif cp_size > 1:
             ids, t_lps, mask = (cp_slice(x, cp_rank, cp_size, total, resp) for x in (ids, t_lps, mask))
         s_lps = topk_student_log_probs(chunk, ids, vocab_start=vocab_start, reduce_sum=reduce_sum,
                                        reduce_max=reduce_max)
@@ -433,6 +436,14 @@ def opd_topk_loss(args: Any, batch: Mapping[str, Any], logits: Any, sum_of_sampl
     if not kls:
         zero = logits.sum() * 0.0
         return zero, {"opd_topk_kl": zero.detach(), "opd_topk_loss": zero.detach()}
+    if allgather:  # to the zig-zag pieces of slime's sum_of_sample_mean, with one autograd all-reduce
+        import torch.distributed.nn.functional as dist_nn
+
+        group = mpu.get_context_parallel_group()
+        both = allgather_to_zigzag([torch.stack([w, k.detach()], -1) for w, k in zip(weighted, kls, strict=True)],
+                                   ranges, total_lengths, response_lengths, cp_rank, cp_size,
+                                   lambda x: dist_nn.all_reduce(x, group=group))
+        weighted, kls = [x[:, 0] for x in both], [x[:, 1] for x in both]
     term = sum_of_sample_mean(torch.cat(weighted, dim=0))
     kl = sum_of_sample_mean(torch.cat(kls, dim=0).detach())
     return term, {"opd_topk_kl": kl.detach().clone(), "opd_topk_loss": term.detach().clone()}

@@ -95,7 +95,7 @@ class _PoolSwitcher:
     """Switch the engines of ``ascend_opd_switch_engine_urls`` through a TeacherPool (local or Ray actor)."""
 
     def __init__(self, teachers: Sequence[TeacherSpec], settings: Mapping[str, Any], student: Mapping[str, Any]):
-        from .pool import SGLangEngineLoader
+        from .engine_loader import SGLangEngineLoader
 
         urls = list(settings["ascend_opd_switch_engine_urls"])
         factory = functools.partial(SGLangEngineLoader, urls, stage_dir=settings["ascend_opd_stage_dir"])
@@ -108,7 +108,7 @@ class _PoolSwitcher:
         if self.actor_name:
             import ray
 
-            from .pool import make_teacher_pool_actor
+            from .pool_actor import make_teacher_pool_actor
 
             self._actor = make_teacher_pool_actor().options(
                 name=self.actor_name, get_if_exists=True, max_concurrency=1

@@ -13,8 +13,8 @@ A ``teachers`` config is a list of dicts (typically YAML), one per teacher::
         compat_check: warn        # optional: strict | warn | off, overrides ascend_opd_compat_check
 
 :func:`parse_teachers` validates it; errors name the teacher and the field. Compatibility with the
-student (vocabulary size, special tokens, tokenizer, chat template; :mod:`.compat`) is checked by
-:func:`check_teacher_compatible`.
+student (vocabulary size, special tokens, tokenizer, chat template) is :mod:`.compat`'s
+(:func:`~slime_ascend.opd.compat.check_teacher_compatible`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ __all__ = [
     "TeacherConfigError",
     "TeacherMismatchError",
     "parse_teachers",
-    "check_teacher_compatible",
     "NAME_RE",
 ]
 
@@ -176,40 +175,3 @@ def parse_teachers(raw: Sequence[Mapping[str, Any] | TeacherSpec] | Mapping[str,
                 raise _err(i, s.name, "domains", f"domain {d!r} is already routed to teacher {owner[d]!r}")
             owner[d] = s.name
     return specs
-
-
-def check_teacher_compatible(
-    teacher: TeacherSpec,
-    *,
-    student_vocab_size: int | None = None,
-    student_tokenizer_revision: str | None = None,
-    student_dir: str | Path | None = None,
-    mode: str = "strict",
-) -> None:
-    """Raise :class:`TeacherMismatchError` when the teacher cannot score the student's tokens.
-
-    The rules and fields are :mod:`slime_ascend.opd.compat`'s (vocab size, tokenizer length, special
-    tokens, tokenizer, chat template; the teacher's declared ``vocab_size`` / ``tokenizer_revision``),
-    read from ``student_dir`` and the teacher's ``checkpoint_dir`` (no engine is asked here);
-    ``student_vocab_size`` stands in when the student's config.json has none, and
-    ``student_tokenizer_revision`` is compared with the teacher's declared revision when there is no
-    ``student_dir``. ``mode`` (strict | warn | off) applies unless the teacher has its own
-    ``compat_check``; warn logs instead of raising. A missing checkpoint directory is not a mismatch.
-    """
-    from . import compat
-
-    effective = compat.teacher_mode(teacher, mode)
-    if effective == "off":
-        return
-    if (
-        student_dir is None
-        and teacher.tokenizer_revision is not None
-        and student_tokenizer_revision is not None
-        and teacher.tokenizer_revision != student_tokenizer_revision
-    ):
-        line = (f"opd teacher {teacher.name!r}: tokenizer_revision {teacher.tokenizer_revision} differs from the "
-                f"student's {student_tokenizer_revision}")
-        if effective == "strict":
-            raise TeacherMismatchError(line + ". " + compat.fix_hint([teacher.name]))
-        compat.logger.warning("%s (compat_check: warn: starting anyway)", line)
-    compat.check_teachers([teacher], student_dir, mode=mode, student_vocab_size=student_vocab_size, probe=False)

@@ -1,5 +1,9 @@
 """``tito`` (token-in/token-out): train on the exact token IDs the engine sampled, with the same tokenizer.
 
+The hooks (declared in :mod:`slime_ascend.tito.plugin`) are thin adapters between slime's hook slots and the
+digests, fingerprints and comparisons of :mod:`slime_ascend.tito.fingerprint`; what they add is this
+process's state (a cache of fingerprints, what it published) and the exchange with the other side.
+
 What it catches:
 
 1. **Tokens changed after generation.** ``record_sample`` (rollout_sample_hook, order 900; slime calls
@@ -17,37 +21,25 @@ What it catches:
    training, in rollout_data_postprocess, when the rollout side has necessarily published). A
    mismatch fails with both revisions, their paths and hosts.
 
-Fingerprint (``tok:<16 hex>/tpl:<16 hex>``): ``tok`` hashes the tokenizer files of a checkpoint
-directory (tokenizer.json, tokenizer.model, vocab/merges files, special_tokens_map.json,
-added_tokens.json and tokenizer_config.json without its chat_template); ``tpl`` hashes the chat
-template (tokenizer_config.json's ``chat_template`` and chat_template.jinja / .json). For a hub id
-(not a directory) the tokenizer is loaded with transformers and its vocabulary, special tokens and
-chat template are hashed instead. Not caught: an engine that uses a tokenizer path other than
-``args.hf_checkpoint``.
+Not caught: an engine that uses a tokenizer path other than ``args.hf_checkpoint``.
 """
 
 from __future__ import annotations
 
-import array
 import functools
-import hashlib
 import json
 import logging
-import os
-import socket
-import sys
 import threading
 from typing import Any
 
+from .fingerprint import TitoError, compare_fingerprints, describe, sample_problems, token_digest, tokenizer_fingerprint
+
 __all__ = [
-    "TitoError",
     "check_samples",
     "check_train_rollout",
     "check_train_tokenizer",
     "record_sample",
     "reset_state",
-    "token_digest",
-    "tokenizer_fingerprint",
 ]
 
 logger = logging.getLogger("slime_ascend.tito")
@@ -56,94 +48,23 @@ META_KEY = "ascend_tito"
 KV_NAMESPACE = "slime_ascend"
 KV_KEYS = {"rollout": "tito/rollout_tokenizer", "train": "tito/train_tokenizer"}
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
-    "special_tokens_map.json", "added_tokens.json", "tokenizer.tiktoken", "qwen.tiktoken",
-)
-TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-
-
-class TitoError(ValueError):
-    """Training would not use the rollout's tokens or tokenizer. The message says what differs."""
-
-
 _lock = threading.Lock()
 _state: dict[str, Any] = {"published": set(), "checked_rollout": False}
+# one fingerprint per checkpoint path and process (reset_state forgets them)
+_cached_fingerprint = functools.lru_cache(maxsize=8)(tokenizer_fingerprint)
 
 
 def reset_state() -> None:
     with _lock:
         _state.update(published=set(), checked_rollout=False)
-    tokenizer_fingerprint.cache_clear()
-
-
-# ---- digests ---------------------------------------------------------------------------------------
-def token_digest(tokens: Any) -> str:
-    """16-byte BLAKE2b hex digest of a token-ID sequence (list, tuple or 1-D integer tensor)."""
-    if hasattr(tokens, "tolist"):
-        tokens = tokens.tolist()
-    try:
-        data = array.array("q", tokens).tobytes()
-    except (TypeError, OverflowError) as e:
-        raise TitoError(f"tokens must be a sequence of integer token IDs: {e}") from None
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def _h() -> Any:
-    return hashlib.blake2b(digest_size=8)
-
-
-@functools.lru_cache(maxsize=8)
-def tokenizer_fingerprint(path: str) -> dict[str, str]:
-    """``{"revision": "tok:…/tpl:…", "tokenizer": …, "chat_template": …, "path": …, "host": …}``."""
-    tok, tpl = _h(), _h()
-    if os.path.isdir(path):
-        found = False
-        for name in TOKENIZER_FILES:
-            fp = os.path.join(path, name)
-            if os.path.isfile(fp):
-                found = True
-                tok.update(name.encode() + b"\0")
-                with open(fp, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        tok.update(block)
-        cfg_path = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(cfg_path):
-            found = True
-            with open(cfg_path, encoding="utf-8") as f:
-                cfg = json.load(f)
-            template = cfg.pop("chat_template", None)
-            tok.update(b"tokenizer_config.json\0" + json.dumps(cfg, sort_keys=True).encode())
-            if template is not None:
-                tpl.update(json.dumps(template, sort_keys=True).encode())
-        for name in TEMPLATE_FILES:
-            fp = os.path.join(path, name)
-            if os.path.isfile(fp):
-                with open(fp, "rb") as f:
-                    tpl.update(name.encode() + b"\0" + f.read())
-        if not found:
-            raise TitoError(f"no tokenizer files in {path!r} (looked for {TOKENIZER_FILES} and tokenizer_config.json)")
-    else:
-        from transformers import AutoTokenizer
-
-        t = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-        tok.update(json.dumps(sorted(t.get_vocab().items())).encode())
-        tok.update(json.dumps(t.special_tokens_map, sort_keys=True, default=str).encode())
-        tpl.update(json.dumps(getattr(t, "chat_template", None), sort_keys=True).encode())
-    tok_hex, tpl_hex = tok.hexdigest(), tpl.hexdigest()
-    return {"revision": f"tok:{tok_hex}/tpl:{tpl_hex}", "tokenizer": tok_hex, "chat_template": tpl_hex,
-            "path": path, "host": socket.gethostname()}
+    _cached_fingerprint.cache_clear()
 
 
 def _side_fingerprint(args: Any) -> dict[str, str] | None:
     path = getattr(args, "hf_checkpoint", None)
     if not path:
         return None
-    return tokenizer_fingerprint(str(path))
-
-
-def _describe(fp: dict[str, str]) -> str:
-    return f"{fp['revision']} ({fp['path']} on {fp['host']})"
+    return _cached_fingerprint(str(path))
 
 
 # ---- cross-side exchange (Ray KV) ------------------------------------------------------------------
@@ -176,30 +97,6 @@ def _peer(side: str) -> dict[str, str] | None:
     return None if raw is None else json.loads(raw)
 
 
-def compare_fingerprints(side: str, mine: dict[str, str] | None, pinned: str | None,
-                         peer: dict[str, str] | None) -> None:
-    """Raise :class:`TitoError` when ``mine`` differs from the pinned revision or the other side's."""
-    if mine is None:
-        if pinned:
-            raise TitoError(f"ascend_tito_tokenizer_revision is set to {pinned!r} but args.hf_checkpoint is unset on "
-                            f"the {side} side, so its tokenizer cannot be checked. Fix: set --hf-checkpoint")
-        return
-    if pinned and mine["revision"] != pinned:
-        raise TitoError(
-            f"{side} side tokenizer/chat-template revision {_describe(mine)} differs from the pinned "
-            f"ascend_tito_tokenizer_revision {pinned!r}. Fix: point --hf-checkpoint at the same tokenizer revision "
-            "on every node, or update the pin"
-        )
-    if peer is not None and peer["revision"] != mine["revision"]:
-        other = "train" if side == "rollout" else "rollout"
-        what = [n for n in ("tokenizer", "chat_template") if peer.get(n) != mine.get(n)]
-        raise TitoError(
-            f"tokenizer/chat-template revisions differ ({' and '.join(what)}): {side} side {_describe(mine)}, "
-            f"{other} side {_describe(peer)}. Training would not see the tokens the engine produced with the same "
-            "vocabulary/template. Fix: make --hf-checkpoint the same revision on rollout and train nodes"
-        )
-
-
 def _check_side(args: Any, side: str) -> dict[str, str] | None:
     """This side's fingerprint: published for the other side, compared with the pin and the other side's."""
     from ..plugins import runtime
@@ -208,7 +105,7 @@ def _check_side(args: Any, side: str) -> dict[str, str] | None:
     if mine is not None:
         _publish(side, mine)
         if side == "train":
-            logger.info("tito: train-side tokenizer revision %s", _describe(mine))
+            logger.info("tito: train-side tokenizer revision %s", describe(mine))
     compare_fingerprints(side, mine, runtime.settings(args, "tito").tokenizer_revision, _peer(side))
     return mine
 
@@ -228,24 +125,6 @@ def record_sample(args: Any, sample: Any, *, rollout_id: int | None = None, eval
     return sample
 
 
-def _sample_problems(sample: Any, record: dict[str, Any], tokenizer: str | None) -> list[str]:
-    problems = []
-    n, digest = len(sample.tokens), token_digest(sample.tokens)
-    if n != record["n_tokens"] or digest != record["tokens"]:
-        problems.append(f"token IDs changed after generation (length {record['n_tokens']} -> {n}, digest "
-                        f"{record['tokens'][:12]} -> {digest[:12]})")
-    if int(sample.response_length) != record["response_length"]:
-        problems.append(f"response_length changed after generation ({record['response_length']} -> "
-                        f"{sample.response_length})")
-    for name in ("loss_mask", "rollout_log_probs"):
-        value = getattr(sample, name, None)
-        if value is not None and len(value) != sample.response_length:
-            problems.append(f"{name} has {len(value)} entries for response_length {sample.response_length}")
-    if tokenizer is not None and record.get("tokenizer") not in (None, tokenizer):
-        problems.append(f"generated under tokenizer revision {record['tokenizer']}, now {tokenizer}")
-    return problems
-
-
 def check_samples(args: Any, samples: list, raw_rewards: list, rewards: list) -> tuple[list, list]:
     """reward_post_process (order 900): fail when a sample's tokens differ from what was generated."""
     from ..plugins import runtime
@@ -261,7 +140,7 @@ def check_samples(args: Any, samples: list, raw_rewards: list, rewards: list) ->
                 missing.append(sample.index)  # aborted samples skip the hooks and train nothing once removed
             continue
         checked += 1
-        problems = _sample_problems(sample, record, None if fp is None else fp["revision"])
+        problems = sample_problems(sample, record, None if fp is None else fp["revision"])
         if problems:
             bad.append(f"sample index={sample.index}: " + "; ".join(problems))
     if bad:
@@ -303,26 +182,3 @@ def check_train_rollout(args: Any, rollout_id: int, rollout_data: dict) -> None:
     compare_fingerprints("train", _side_fingerprint(args), runtime.settings(args, "tito").tokenizer_revision, peer)
     with _lock:
         _state["checked_rollout"] = True
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``slime-ascend tito-fingerprint HF_CHECKPOINT``: print the revision to pin as ascend_tito_tokenizer_revision."""
-    from ..command import ArgumentParser
-
-    parser = ArgumentParser(prog="slime-ascend tito-fingerprint",
-                                     description="print the tokenizer/chat-template revision of a checkpoint "
-                                     "(the value for ascend_tito_tokenizer_revision)")
-    parser.add_argument("hf_checkpoint", help="checkpoint directory or hub id (what --hf-checkpoint gets)")
-    target = parser.parse_args(argv).hf_checkpoint
-    if target.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(target)):
-        print(f"error: {target} is not a directory. Fix: pass the checkpoint directory --hf-checkpoint gets "
-              "(or a hub id)", file=sys.stderr)
-        return 2
-    try:
-        print(tokenizer_fingerprint(target)["revision"])
-    except (TitoError, OSError, ValueError) as exc:
-        text = " ".join(str(exc).split()).rstrip(".")
-        print(f"error: {text}" + ("" if "Fix:" in text else ". Fix: pass a checkpoint directory with its tokenizer "
-                                  "files (or a hub id in the local cache)"), file=sys.stderr)
-        return 2
-    return 0

@@ -1,5 +1,5 @@
 """Plugin declaration for ``tito`` (token-in/token-out). Declarations only; the hook code is
-:mod:`slime_ascend.tito.hooks`.
+:mod:`slime_ascend.tito.hooks` (over the plain functions of :mod:`slime_ascend.tito.fingerprint`).
 
 * ``tito`` (rollout_sample_hook 900, reward_post_process 900, megatron_init 900,
   rollout_data_postprocess 900): the token IDs trained on are the ones sampled, and the tokenizer /

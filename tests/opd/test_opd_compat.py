@@ -18,7 +18,8 @@ import pytest
 
 from slime_ascend.opd import compat
 from slime_ascend.opd.plugin import PLUGIN
-from slime_ascend.opd.teachers import TeacherMismatchError, check_teacher_compatible, parse_teachers
+from slime_ascend.opd.compat import check_teacher_compatible
+from slime_ascend.opd.teachers import TeacherMismatchError, parse_teachers
 from slime_ascend.plugins.settings import SettingsError
 
 pytest.importorskip("tokenizers")
@@ -94,7 +95,7 @@ def test_fingerprint_fields(ckpts):
     assert fp.special_tokens == ((0, "<pad>"), (1, "<s>"), (2, "</s>"))
     assert fp.tokenizer.startswith("enc:") and fp.chat_template.startswith("tpl:") and fp.chat_template != "tpl:none"
     # the tito revision (`slime-ascend tito-fingerprint`) is carried for declared tokenizer_revision values
-    from slime_ascend.tito.hooks import tokenizer_fingerprint
+    from slime_ascend.tito.fingerprint import tokenizer_fingerprint
 
     assert fp.revision == tokenizer_fingerprint(str(ckpts["student"]))["revision"]
     assert not fp.unknown

@@ -75,7 +75,6 @@ def test_plugin_declares_slots_orders_and_slime_args():
         ({"ascend_opd_mode": "topk", "loss_type": "policy_loss"}, "loss_type is 'policy_loss'. Fix: set loss_type: custom_loss"),
         ({"ascend_opd_mode": "topk", "loss_type": "custom_loss", "custom_loss_function_path": "my.loss"},
          "custom_loss_function_path is 'my.loss'. Fix: set custom_loss_function_path: slime_ascend.hooks.loss_function"),
-        ({"ascend_opd_mode": "topk", "allgather_cp": True}, "does not support --allgather-cp"),
         ({"opd_kl_coef": 1.0}, "opd_kl_coef must be 0"),
         ({"use_opd": False}, "use_opd must be true"),
         ({"opd_type": "megatron"}, "opd_type must be 'sglang'"),

@@ -6,13 +6,9 @@ import json
 
 import pytest
 
+from slime_ascend.opd.compat import check_teacher_compatible
 from slime_ascend.opd.router import DomainRouter, RoutingError
-from slime_ascend.opd.teachers import (
-    TeacherConfigError,
-    TeacherMismatchError,
-    check_teacher_compatible,
-    parse_teachers,
-)
+from slime_ascend.opd.teachers import TeacherConfigError, TeacherMismatchError, parse_teachers
 
 RAW = [
     {"name": "math", "checkpoint_dir": "/ckpt/math", "domains": ["math"], "coef": 0.5},

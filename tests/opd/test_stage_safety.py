@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from slime_ascend.opd.plugin import SETTINGS
-from slime_ascend.opd.pool import STAGE_MARKER, SGLangEngineLoader, TeacherLoadError, TeacherPool
+from slime_ascend.opd.engine_loader import STAGE_MARKER, SGLangEngineLoader
+from slime_ascend.opd.pool import TeacherLoadError, TeacherPool
 from slime_ascend.opd.teachers import TeacherConfigError, TeacherSpec, parse_teachers
 from slime_ascend.plugins.settings import SettingsError, coerce
 

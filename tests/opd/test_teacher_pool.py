@@ -1,57 +1,18 @@
-"""TeacherPool with tiny real safetensors teachers on CPU."""
+"""TeacherPool (:mod:`slime_ascend.opd.pool`) with tiny real safetensors teachers on CPU."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from teacher_fixtures import VOCAB, teachers, tiny_model, weights_of, write_teacher  # noqa: F401  (teachers: fixture)
 
-from slime_ascend.opd.pool import (
-    SGLangEngineLoader,
-    TeacherLoadError,
-    TeacherPool,
-    TeacherPoolService,
-    TeacherUnavailableError,
-    TorchModuleLoader,
-    WeightDictLoader,
-    make_teacher_pool_actor,
-    read_safetensors_dir,
-)
+from slime_ascend.opd.loaders import TorchModuleLoader
+from slime_ascend.opd.pool import TeacherLoadError, TeacherPool, TeacherUnavailableError
 from slime_ascend.opd.teachers import TeacherMismatchError
-
-VOCAB = 16
-
-
-def tiny_model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, VOCAB))
-
-
-def write_teacher(root, name, seed, vocab=VOCAB):
-    torch.manual_seed(seed)
-    d = root / name
-    d.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tiny_model().state_dict().items()}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"vocab_size": vocab}))
-    (d / "tokenizer.json").write_text("shared-tokenizer")
-    return d
-
-
-@pytest.fixture
-def teachers(tmp_path):
-    dirs = {n: write_teacher(tmp_path, n, i) for i, n in enumerate(["math", "code", "chat"])}
-    student = write_teacher(tmp_path, "student", 99)
-    specs = [{"name": n, "checkpoint_dir": str(d), "domains": [n]} for n, d in dirs.items()]
-    return specs, dirs, student
-
-
-def weights_of(d):
-    state, _ = read_safetensors_dir(d)
-    return state
 
 
 class RecordingLoader(TorchModuleLoader):
@@ -224,97 +185,3 @@ def test_failed_prefetch_retried_once_then_reported(teachers):
         assert m["stage_failures"] == 1 and m["stage_retries"] == 2
         assert pool.state()["chat"]["status"] == "failed" and pool.active == "code"
         pool.activate("math")
-
-
-def test_weight_dict_loader_swaps_in_place(teachers):
-    specs, dirs, student = teachers
-    model = tiny_model()
-    live = dict(model.named_parameters())
-    ptrs = {k: v.data_ptr() for k, v in live.items()}
-    with TeacherPool(specs, WeightDictLoader(live), student_dir=student) as pool:
-        pool.activate("code")
-        for k, v in weights_of(dirs["code"]).items():
-            assert torch.equal(live[k].detach(), v) and live[k].data_ptr() == ptrs[k]
-
-
-class _Engine(BaseHTTPRequestHandler):
-    paths: list = []
-
-    def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        ok = self.path == "/update_weights_from_disk" and "model_path" in body
-        type(self).paths.append(body.get("model_path"))
-        data = json.dumps({"success": ok, "message": "" if ok else "bad"}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
-
-
-def test_sglang_engine_loader_posts_update_weights(teachers, tmp_path):
-    specs, dirs, student = teachers
-    _Engine.paths = []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}"
-        stage = tmp_path / "stage"
-        with TeacherPool(specs, SGLangEngineLoader(url, stage_dir=stage), student_dir=student) as pool:
-            pool.set_schedule(["math", "code"])
-            pool.activate("math")
-            pool._slot.future.result(5)
-            assert pool.activate("code").prefetch == "hit"
-        assert _Engine.paths == [str(stage / "math"), str(stage / "code")]
-        assert (stage / "code" / "model.safetensors").read_bytes() == (dirs["code"] / "model.safetensors").read_bytes()
-        with TeacherPool(specs, SGLangEngineLoader(url), student_dir=student) as pool:  # page-cache warm mode
-            pool.activate("chat")
-        assert _Engine.paths[-1] == str(dirs["chat"])
-    finally:
-        srv.shutdown()
-
-
-def test_sglang_engine_refusal_marks_teacher_failed(teachers):
-    specs, _, student = teachers
-    post = lambda url, payload, timeout: {"success": "chat" not in payload["model_path"], "message": "OOM"}  # noqa: E731
-    with TeacherPool(specs, SGLangEngineLoader("http://engine", post=post), student_dir=student) as pool:
-        pool.activate("math")
-        with pytest.raises(TeacherLoadError, match="teacher 'chat'.*OOM"):
-            pool.activate("chat")
-        assert pool.state()["chat"]["status"] == "failed"
-        pool.activate("code")
-
-
-def test_service_and_ray_actor_class(teachers):
-    specs, _, student = teachers
-    svc = TeacherPoolService(specs, lambda: TorchModuleLoader(tiny_model()), student_dir=str(student))
-    assert svc.activate("math")["teacher"] == "math" and svc.active() == "math"
-    assert svc.metrics()["switches"] == 1
-    svc.close()
-    pytest.importorskip("ray", reason="ray not installed")
-    actor_cls = make_teacher_pool_actor(num_cpus=0)
-    assert hasattr(actor_cls, "remote")
-
-
-def test_copy_mode_keeps_parameters_and_old_weights_are_freed_in_background(teachers):
-    import weakref
-
-    specs, dirs, student = teachers
-    model = tiny_model()
-    ptr = model[0].weight.data_ptr()
-    with TeacherPool(specs, TorchModuleLoader(model, mode="copy"), student_dir=student) as pool:
-        pool.activate("math")
-        assert model[0].weight.data_ptr() == ptr  # copy_ into the resident parameters
-        assert torch.equal(model[0].weight.detach(), weights_of(dirs["math"])["0.weight"])
-    assert TorchModuleLoader(tiny_model()).pin is False  # CPU: never pinned
-    model = tiny_model()
-    with TeacherPool(specs, TorchModuleLoader(model), student_dir=student) as pool:  # CPU assign
-        pool.activate("math")
-        old = weakref.ref(model[0].weight)
-        pool.activate("code")
-        pool._executor.submit(lambda: None).result(5)  # drain the background queue
-        assert old() is None
-        assert torch.equal(model[0].weight.detach(), weights_of(dirs["code"])["0.weight"])
