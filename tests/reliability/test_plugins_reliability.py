@@ -16,7 +16,8 @@ import pytest
 import yaml
 from conftest import run_python
 
-from slime_ascend.opd.pool import SGLangEngineLoader, TeacherLoadError, TeacherPool
+from slime_ascend.opd.engine_loader import SGLangEngineLoader
+from slime_ascend.opd.pool import TeacherLoadError, TeacherPool
 from slime_ascend.opd.teachers import TeacherSpec
 
 

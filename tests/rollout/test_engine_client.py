@@ -4,6 +4,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from conftest import need
 
 from slime_ascend.rollout.engine_client import EngineClient, generate_url_from_args, parse_generate_response
 
@@ -47,7 +48,7 @@ def test_url_from_args_and_injected_transport():
 
 
 def test_http_transport_against_local_server():
-    web = pytest.importorskip("aiohttp.web", reason="aiohttp not installed")
+    web = need("aiohttp.web")
     received = []
 
     async def handler(request):

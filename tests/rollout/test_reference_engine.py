@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from slime_ascend.rollout.reference import model as reference_model
-from slime_ascend.rollout.http_api import build_parser, make_server
+from slime_ascend.rollout.http_server import make_server
+from slime_ascend.rollout.reference.cli import build_parser
 from slime_ascend.rollout.reference.engine import ReferenceEngine
 from slime_ascend.rollout.reference.model import load_model, save_model, score_tokens
 

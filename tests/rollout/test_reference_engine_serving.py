@@ -11,10 +11,11 @@ import time
 
 import httpx
 import pytest
+from conftest import need
 import torch
 
 from slime_ascend.rollout.reference import model as reference_model
-from slime_ascend.rollout.http_api import build_parser
+from slime_ascend.rollout.reference.cli import build_parser
 from slime_ascend.rollout.reference.engine import ReferenceEngine
 from slime_ascend.rollout.reference.model import load_model, save_model, score_tokens
 
@@ -55,7 +56,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_generate_through_the_real_sglang_router(tmp_path):
     """slime's router (sglang-router) in front of the engine: /generate answers 200 with the same tokens."""
-    pytest.importorskip("sglang_router")
+    need("sglang_router")
     model_dir = save_model(load_model(None, seed=3), tmp_path / "m", reference_model.build_byte_tokenizer())
     engine = ReferenceEngine(model_path=str(model_dir), return_original_logprob=False)
     port = _free_port()

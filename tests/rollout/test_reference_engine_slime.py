@@ -16,14 +16,15 @@ from argparse import Namespace
 import pytest
 import torch
 
-try:
-    from slime.backends.sglang_utils.external import discover_external_engines
-    from slime.rollout import sglang_rollout
-    from slime.utils import http_utils
-    from slime.utils.async_utils import run
-    from slime.utils.types import Sample
-except ImportError as exc:  # CI has no slime
-    pytest.skip(f"slime is not importable (run with SLIME_SRC on PYTHONPATH): {exc}", allow_module_level=True)
+from conftest import need
+
+need("slime.utils.types")  # outside CI, skips naming what of slime's stack is missing; on CI, fails
+
+from slime.backends.sglang_utils.external import discover_external_engines  # noqa: E402
+from slime.rollout import sglang_rollout  # noqa: E402
+from slime.utils import http_utils  # noqa: E402
+from slime.utils.async_utils import run  # noqa: E402
+from slime.utils.types import Sample  # noqa: E402
 
 from slime_ascend.rollout.reference import model as reference_model
 from slime_ascend.rollout.reference.engine import ReferenceEngine
@@ -87,7 +88,7 @@ def test_slime_discovery_and_server_args_check(served, model_dir, monkeypatch):
     assert info.worker_type == "regular" and info.num_gpus == 1
     assert info.parallel_config == {"tp_size": 1, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1}
 
-    sglang_engine = pytest.importorskip("slime.backends.sglang_utils.sglang_engine")
+    from slime.backends.sglang_utils import sglang_engine
     # no accelerator on a CPU host; the device id is irrelevant to the checked fields
     monkeypatch.setattr(sglang_engine.accelerator, "resolve_visible_device_id", lambda device_id: device_id)
     args = Namespace(
@@ -141,7 +142,7 @@ def test_slime_top_p_replay_metadata(served, model_dir):
 
 def test_slime_disk_weight_sync_calls(served, model_dir, tmp_path):
     """The call sequence of slime's RayTrainGroup._reload_rollout_weights_from_disk, via SGLangEngine's client."""
-    sglang_engine = pytest.importorskip("slime.backends.sglang_utils.sglang_engine")
+    from slime.backends.sglang_utils import sglang_engine
     engine, url = served
     host, port = url.removeprefix("http://").rsplit(":", 1)
     client = sglang_engine.SGLangEngine(Namespace(rollout_external=True), rank=0)
@@ -167,7 +168,7 @@ def test_slime_disk_weight_sync_calls(served, model_dir, tmp_path):
 
 
 def test_slime_opd_teacher_scoring(served, model_dir):
-    opd = pytest.importorskip("slime.rollout.on_policy_distillation")
+    from slime.rollout import on_policy_distillation as opd
     engine, url = served
     args = make_args(model_dir, url)
     sample = slime_generate(args, "teacher", seed=3)

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import need
 
 from slime_ascend.rollout.backends import sglang_npu
 
@@ -65,7 +66,7 @@ def test_fill_server_args_precedence():
 
 
 # -- against the installed sglang ----------------------------------------------------------------
-sglang = pytest.importorskip("sglang", reason="sglang not installed: ServerArgs validation needs it")
+sglang = need("sglang", "ServerArgs validation needs it")
 
 
 @pytest.mark.parametrize("overrides", [{}, {"graph_mode": False, "mem_fraction": 0.7, "sampling_backend": "ascend"},

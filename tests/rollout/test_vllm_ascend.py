@@ -25,7 +25,7 @@ import pytest
 import vllm_toy_server as toy
 
 from slime_ascend.rollout.backends import vllm_ascend as va
-from slime_ascend.rollout.http_api import make_server
+from slime_ascend.rollout.http_server import make_server
 
 FIXTURE = Path(__file__).parent / "data" / "vllm_0.33.0.json"
 HAS_VLLM = all(importlib.util.find_spec(m) is not None for m in ("vllm", "fastapi", "uvicorn"))
@@ -342,7 +342,7 @@ def test_pause_abort_in_flight_then_continue():
 
 
 def test_adapter_serves_the_whole_surface_with_the_same_input_checks():
-    """The endpoints and refusals of the shared SGLang surface (http_api), not a route table of its own."""
+    """The endpoints and refusals of the shared SGLang surface (sglang_protocol, http_server), not a route table of its own."""
     with replayed(reuse=True) as (url, replay, _):
         assert get(f"{url}/model_info")["model_path"] == "toy" and get(f"{url}/get_model_info")["is_generation"] is True
         assert get(f"{url}/v1/loads")["loads"][0]["num_running_reqs"] == 0

@@ -259,7 +259,7 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from slime_ascend.rollout.backends.vllm_ascend import VLLMAdapter
-    from slime_ascend.rollout.http_api import make_server
+    from slime_ascend.rollout.http_server import make_server
 
     exchanges: list[dict[str, Any]] = []
     server, thread, port = serve_app(build_app(exchanges))

@@ -28,9 +28,10 @@ is a small stdlib HTTP server in front of one vLLM server, attached to slime wit
 * ``POST /pause_generation`` / ``/continue_generation`` / ``/abort_request``: handled in the adapter
   (new requests wait while paused; ``abort`` closes the upstream connections of in-flight requests,
   which makes vLLM abort them, and answers them with ``finish_reason: abort``);
-* the rest of SGLang's surface as :mod:`slime_ascend.rollout.http_api` serves it for every engine
+* the rest of SGLang's surface as :mod:`slime_ascend.rollout.sglang_protocol` maps it for every engine
   (``/server_info``, ``/model_info``, ``/v1/loads``, ``/health*``, ``/flush_cache``, the same input checks,
-  501 for the distributed weight-sync endpoints).
+  501 for the distributed weight-sync endpoints), served by :mod:`slime_ascend.rollout.http_server` with the
+  same connection and request limits (and flags) as ``slime-ascend serve-reference``.
 
 Needs a vLLM with the dev-mode RL endpoints ``GET /weight_info`` / ``POST /update_weight_version`` and
 ``return_weight_versions`` (vllm-project/vllm#49040; present in vLLM 0.33.0) started with
@@ -49,7 +50,6 @@ vllm-ascend engine running a real model (neither runs on this CPU host).
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import logging
@@ -60,8 +60,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..http_api import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys, make_server,
-                        next_weight_version, serve_until_interrupted)
+from ...command import ArgumentParser
+from ..http_server import add_server_flags, make_server, serve_until_interrupted, server_options
+from ..sglang_protocol import ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys, next_weight_version
 from . import RolloutBackend
 
 logger = logging.getLogger("slime_ascend.rollout")
@@ -87,7 +88,7 @@ SAMPLING_MAP = {
 }
 # accepted and dropped: SGLang-only hints with no vLLM counterpart
 IGNORED_SAMPLING = {"custom_params"}
-# top-level /generate keys honoured (http_api.check_generate_keys refuses the rest)
+# top-level /generate keys honoured (sglang_protocol.check_generate_keys refuses the rest)
 GENERATE_KEYS = frozenset({"input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len",
                            "top_logprobs_num"})
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default (vLLM's is 16)
@@ -254,7 +255,7 @@ def _sglang_answer(rid: str, finish: dict[str, Any], ids: list[int], weight_vers
 
 
 class VLLMAdapter:
-    """SGLang's engine surface (:class:`~slime_ascend.rollout.http_api.SGLangEngine`) over one vLLM
+    """SGLang's engine surface (:class:`~slime_ascend.rollout.sglang_protocol.SGLangEngine`) over one vLLM
     OpenAI server at ``vllm_url``."""
 
     engine_name = "the vllm-ascend adapter"
@@ -480,8 +481,8 @@ BACKEND = VLLMAscendBackend()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slime_ascend.rollout.backends.vllm_ascend",
-                                     description="SGLang-surface adapter in front of a vLLM (vllm-ascend) server")
+    parser = ArgumentParser(prog="python -m slime_ascend.rollout.backends.vllm_ascend",
+                            description="SGLang-surface adapter in front of a vLLM (vllm-ascend) server")
     parser.add_argument("--vllm-url", required=True, help="http://host:port of the vLLM OpenAI server")
     parser.add_argument("--model", required=True, help="served model name (vLLM's --served-model-name or path)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -489,9 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--tp-size", type=int, default=1, help="reported to slime as the engine's GPU count")
     parser.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
+    add_server_flags(parser.add_argument_group("limits (bounded work per server, as serve-reference's)"))
     ns = parser.parse_args(argv)
     adapter = VLLMAdapter(ns.vllm_url, ns.model, tp_size=ns.tp_size, sleep_level=ns.sleep_level)
-    server = make_server(adapter, ns.host, ns.port)
+    server = make_server(adapter, ns.host, ns.port, **server_options(ns))
     print(f"vllm adapter at http://{ns.host}:{server.server_address[1]} -> {ns.vllm_url}", flush=True)
     serve_until_interrupted(server)
     return 0

@@ -1,7 +1,7 @@
 """Reference rollout engine: SGLang's ``/generate`` semantics on a torch + transformers CPU model.
 
 The engine is transport-free (dicts in, dicts out; it implements
-:class:`slime_ascend.rollout.http_api.SGLangEngine`); :mod:`slime_ascend.rollout.http_api` serves it
+:class:`slime_ascend.rollout.sglang_protocol.SGLangEngine`); :mod:`slime_ascend.rollout.http_server` serves it
 over HTTP with SGLang's endpoint names so slime can attach it via ``--rollout-external-engine-addrs``.
 
 Semantics mirrored from SGLang (checked against the installed ``sglang`` sources):
@@ -26,6 +26,9 @@ Semantics mirrored from SGLang (checked against the installed ``sglang`` sources
   counts as drained, as in SGLang); weights are never swapped inside a decode step. A checkpoint is
   fully loaded and checked (names, shapes, dtypes, no NaN/inf) before the engine is drained, and a
   refused one leaves the old weights and version serving.
+* ``return_routed_experts: true`` (an MoE model only) adds ``meta_info["routed_experts"]``: SGLang's
+  base64 of int32 ``[len(input_ids) + completion_tokens - 1, num_layers, top_k]``, each fed token's experts
+  in each layer (zeros in dense layers; :class:`~slime_ascend.rollout.reference.model.RouteRecorder`).
 * slime's sglang router re-serialises each body with ``background``, ``model``, ``no_logs``,
   ``return_bytes``, ``return_entropy`` and ``log_metrics``; those are accepted at their neutral
   values only.
@@ -42,6 +45,7 @@ Deviations: ``output_ids`` always include a matched stop token (only ``text`` is
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import inspect
 import logging
@@ -59,9 +63,9 @@ from typing import Any
 import torch
 
 from slime_ascend.rollout.reference import model as reference_model
-from slime_ascend.rollout.http_api import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
-                                           check_positive_ints, check_weight_version, make_server,
-                                           next_weight_version)
+from slime_ascend.rollout.http_server import make_server
+from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
+                                                  check_positive_ints, check_weight_version, next_weight_version)
 
 __all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
 
@@ -108,7 +112,7 @@ _NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
     "watermark": None,
 }
 
-# Top-level /generate keys honoured (http_api.check_generate_keys refuses the rest).
+# Top-level /generate keys honoured (sglang_protocol.check_generate_keys refuses the rest).
 _SUPPORTED_REQUEST_KEYS = {
     "input_ids",
     "text",
@@ -246,6 +250,7 @@ class _Request:
     logprob_start_len: int
     return_text_in_logprobs: bool
     top_logprobs_num: int = 0
+    return_routed_experts: bool = False
     abort_message: str | None = None
     is_disconnected: Callable[[], bool] | None = None  # the HTTP client went away
 
@@ -332,6 +337,7 @@ class ReferenceEngine:
         # transformers >= 5.2x names the KV cache argument/output ``cache``; older ones ``past_key_values``.
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._routes = reference_model.RouteRecorder.for_model(self.model)  # None: a dense model
 
         # a checkpoint of this architecture holds at most 8 bytes a parameter (float64), plus headers
         numel = sum(t.numel() for t in self.model.state_dict().values())
@@ -583,7 +589,16 @@ class ReferenceEngine:
         return req.abort_message is not None
 
     def _parse_generate(self, payload: Any) -> tuple[list[_Request], bool]:
-        check_generate_keys(payload, _SUPPORTED_REQUEST_KEYS, "the reference engine")
+        # return_routed_experts is one of sglang_protocol's neutral keys (refused unless false) for engines
+        # without routes; this one honours it for an MoE model
+        routed = payload.get("return_routed_experts", False) if isinstance(payload, dict) else False
+        if not isinstance(routed, bool):
+            raise RequestError(f"return_routed_experts must be true or false, got {routed!r}")
+        if routed and self._routes is None:
+            raise RequestError("return_routed_experts needs an MoE model; this engine serves a dense one (leave "
+                               "it out, or drop --use-rollout-routing-replay)")
+        check_generate_keys({k: v for k, v in payload.items() if k != "return_routed_experts"}
+                            if isinstance(payload, dict) else payload, _SUPPORTED_REQUEST_KEYS, "the reference engine")
         has_ids, has_text = payload.get("input_ids") is not None, payload.get("text") is not None
         if has_ids == has_text:
             raise RequestError("give exactly one of 'input_ids' or 'text'")
@@ -668,6 +683,7 @@ class ReferenceEngine:
                     logprob_start_len=start if return_logprobs[i] else -1,
                     return_text_in_logprobs=text_in_lp,
                     top_logprobs_num=top_num if return_logprobs[i] else 0,
+                    return_routed_experts=routed,
                 )
             )
         entries = sum(r.top_logprobs_num * (r.sampling.max_new_tokens + (
@@ -731,12 +747,16 @@ class ReferenceEngine:
                     self._parked -= 1
             return req.abort_message
 
-    def _forward(self, past: Any, ids: list[int]) -> tuple[Any, torch.Tensor]:
-        """Feed ``ids`` after the KV cache ``past``; returns the new cache and float32 logits ``[len(ids), V]``."""
+    def _forward(self, past: Any, ids: list[int], routes: list[torch.Tensor] | None = None
+                 ) -> tuple[Any, torch.Tensor]:
+        """Feed ``ids`` after the KV cache ``past``; returns the new cache and float32 logits ``[len(ids), V]``.
+        ``routes`` (an MoE model): gets the experts of the fed tokens appended."""
         with self._compute_lock, torch.no_grad():
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long), **{self._cache_kwarg: past}, use_cache=True
             )
+            if routes is not None:
+                routes.append(self._routes.take(len(ids)))
         return out.get(self._cache_kwarg), out.logits[0].float()
 
     def _entries(self, values: list[Any], ids: list[int], req: _Request) -> list[list[Any]]:
@@ -763,12 +783,13 @@ class ReferenceEngine:
         finish: dict[str, Any] = {"type": "length", "length": max_new}
         trim_text_to: int | None = None
         stop_trim_token = False
+        routes: list[torch.Tensor] | None = [] if req.return_routed_experts else None
 
         with self._admitted(req):
             input_logprobs = 0 <= req.logprob_start_len < len(req.input_ids)  # -1 unless return_logprob
             abort = self._check_step(req)
             if abort is None and (max_new > 0 or input_logprobs):
-                past, logits = self._forward(None, req.input_ids)
+                past, logits = self._forward(None, req.input_ids, routes)
                 if input_logprobs:
                     start = req.logprob_start_len
                     targets = torch.tensor(req.input_ids[start + 1 :], dtype=torch.long)
@@ -782,7 +803,7 @@ class ReferenceEngine:
                 if abort is not None:
                     break
                 if step > 0:
-                    past, logits = self._forward(past, [out_ids[-1]])
+                    past, logits = self._forward(past, [out_ids[-1]], routes)
                 token, logprob, kept = _choose_token(logits[-1], cfg, generator, self.return_original_logprob)
                 if req.top_logprobs_num:  # 0 unless return_logprob
                     # the distribution output_token_logprobs reports: T = 1 when greedy or original, else 1/T
@@ -828,6 +849,9 @@ class ReferenceEngine:
             if req.top_logprobs_num:
                 meta["input_top_logprobs"] = input_top or []
                 meta["output_top_logprobs"] = out_top
+        if routes is not None:  # SGLang's layout: base64 of int32 [fed tokens, layers, top_k]
+            flat = torch.cat(routes) if routes else torch.zeros(0, dtype=torch.int32)
+            meta["routed_experts"] = base64.b64encode(flat.contiguous().numpy().tobytes()).decode("ascii")
         if cfg.return_top_p_token_ids:
             meta["top_p_token_ids"] = kept_ids
             meta["top_p_token_offsets"] = kept_offsets
@@ -848,7 +872,7 @@ class ReferenceEngine:
     def start_in_thread(self, host: str = "127.0.0.1", port: int = 0, **server_kwargs: Any) -> Iterator[str]:
         """Serve this engine over HTTP from a daemon thread; yields the bound base URL ``http://host:port``.
 
-        ``server_kwargs`` go to :func:`slime_ascend.rollout.http_api.make_server` (timeout, backlog, ...).
+        ``server_kwargs`` go to :func:`slime_ascend.rollout.http_server.make_server` (timeout, backlog, ...).
         """
         server = make_server(self, host=host, port=port, **server_kwargs)
         thread = threading.Thread(target=server.serve_forever, name="reference-engine-http", daemon=True)

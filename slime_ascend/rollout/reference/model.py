@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ...files import MAX_JSON_BYTES, check_regular_file, read_json_object, read_regular_file  # noqa: F401
+
 __all__ = [
     "TINY_QWEN3_KWARGS",
     "build_byte_tokenizer",
@@ -32,9 +34,12 @@ __all__ = [
     "load_tokenizer",
     "read_config",
     "read_regular_file",
+    "RouteRecorder",
     "save_model",
     "score_tokens",
     "tiny_qwen3_config",
+    "tiny_qwen3_moe_config",
+    "to_model_layout",
     "validate_state_dict",
 ]
 
@@ -53,6 +58,12 @@ TINY_QWEN3_KWARGS: dict[str, Any] = dict(
     pad_token_id=0,
 )
 
+# the tiny Qwen3-MoE: layer 0 dense (intermediate_size), layer 1 four experts of moe_intermediate_size, top 2
+TINY_QWEN3_MOE_KWARGS: dict[str, Any] = dict(
+    TINY_QWEN3_KWARGS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+    mlp_only_layers=[0], decoder_sparse_step=1,
+)
+
 # config.json fields that must agree for weights of one checkpoint to load into a model built from another.
 _ARCH_FIELDS = (
     "model_type",
@@ -64,78 +75,12 @@ _ARCH_FIELDS = (
     "num_key_value_heads",
     "head_dim",
     "tie_word_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
 )
 
 _OUR_QUANT_METHODS = ("fp8", "compressed-tensors", "w8a8", "ascend")
-
-MAX_JSON_BYTES = 16 * 1024 * 1024  # config.json and friends; real ones are a few KiB
-_READ_CHUNK = 8 * 1024 * 1024
-
-
-def _read_chunk(fd: int, size: int) -> bytes:
-    """One ``os.read`` (releases the GIL while the kernel reads)."""
-    return os.read(fd, size)
-
-
-def _open_regular(path: str | Path) -> int:
-    """An fd open for reading on ``path``, refused with ValueError unless it is a regular file.
-
-    Opened with ``O_NONBLOCK`` so a FIFO does not block the open, then checked with ``fstat`` on the
-    fd itself (no window between the check and the open).
-    """
-    fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "FIFO" if stat.S_ISFIFO(mode) else "directory" if stat.S_ISDIR(mode) else "device or socket"
-            raise ValueError(f"{str(path)!r} is a {kind}, not a regular file; refusing to read it")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def check_regular_file(path: str | Path) -> None:
-    """Raise ValueError unless ``path`` is a regular file (symlinks to one are fine); never blocks."""
-    os.close(_open_regular(path))
-
-
-def read_regular_file(path: str | Path, max_bytes: int | None = None) -> bytes:
-    """The bytes of regular file ``path`` (ValueError for anything else, or for more than ``max_bytes``)."""
-    fd = _open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-        if max_bytes is not None and size > max_bytes:
-            raise ValueError(f"{str(path)!r} is {size} bytes; more than the {max_bytes} bytes allowed for it")
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            chunk = _read_chunk(fd, _READ_CHUNK)
-            if not chunk:
-                break
-            total += len(chunk)
-            if max_bytes is not None and total > max_bytes:  # grew while being read
-                raise ValueError(f"{str(path)!r} is more than the {max_bytes} bytes allowed for it")
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def read_json_object(path: str | Path) -> dict[str, Any]:
-    """A JSON-object file; ValueError naming the file for anything else (bad JSON, too deep, too big)."""
-    raw = read_regular_file(path, MAX_JSON_BYTES)
-    try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise ValueError(f"{str(path)!r} is nested too deeply to be a config file") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{str(path)!r} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(value).__name__}")
-    return value
-
 
 def read_config(model_dir: str | Path) -> dict[str, Any] | None:
     """``model_dir/config.json`` as a validated dict, or None when there is none.
@@ -176,6 +121,48 @@ def tiny_qwen3_config(**overrides: Any):
     kwargs = dict(TINY_QWEN3_KWARGS)
     kwargs.update(overrides)
     return Qwen3Config(**kwargs)
+
+
+def tiny_qwen3_moe_config(**overrides: Any):
+    """The tiny Qwen3-MoE config (:data:`TINY_QWEN3_MOE_KWARGS`): the tiny Qwen3 with four experts, top 2,
+    in layer 1 and a dense MLP in layer 0."""
+    from transformers import Qwen3MoeConfig
+
+    kwargs = dict(TINY_QWEN3_MOE_KWARGS)
+    kwargs.update(overrides)
+    return Qwen3MoeConfig(**kwargs)
+
+
+def to_model_layout(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` in checkpoint layout with its per-expert tensors stacked as ``model`` holds them.
+
+    A checkpoint (and slime's weight push) stores MoE experts one by one
+    (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``); transformers >= 5 holds them as
+    ``mlp.experts.gate_up_proj`` ``[experts, 2 * intermediate, hidden]`` (gate rows first) and
+    ``mlp.experts.down_proj``. Other names, and models without stacked experts, pass through."""
+    import re
+
+    own = model.state_dict()
+    pattern = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+    groups: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        match = pattern.fullmatch(name)
+        if match is None or f"{match.group(1)}.down_proj" not in own:
+            out[name] = tensor
+            continue
+        groups.setdefault(match.group(1), {})[(match.group(3), int(match.group(2)))] = tensor
+    for prefix, parts in groups.items():
+        experts = own[f"{prefix}.down_proj"].shape[0]
+        missing = [f"{prefix}.{e}.{kind}_proj.weight" for e in range(experts) for kind in ("gate", "up", "down")
+                   if (kind, e) not in parts]
+        if missing or len(parts) != 3 * experts:
+            raise ValueError(f"the experts of {prefix!r} are incomplete: missing {missing[:3]} (total "
+                             f"{len(missing)}), {len(parts)} tensors for {experts} experts")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat((parts[("gate", e)], parts[("up", e)])) for e in range(experts)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[("down", e)] for e in range(experts)])
+    return out
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -298,7 +285,9 @@ def validate_state_dict(
     model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint", check_finite: bool = True
 ) -> None:
     """Raise ValueError unless ``state`` fits ``model``: same names (tied weights may be absent), shapes,
-    floating-point-ness, and (``check_finite``) no NaN/inf in any floating tensor."""
+    floating-point-ness, and (``check_finite``) no NaN/inf in any floating tensor. Per-expert tensors are
+    checked stacked (:func:`to_model_layout`)."""
+    state = to_model_layout(model, state)
     own = model.state_dict()
     tied: set[str] = set()
     if getattr(model.config, "tie_word_embeddings", False):
@@ -336,24 +325,26 @@ def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     """Copy ``state`` into ``model`` in place; names, shapes and dtype kinds must match exactly (tied
     weights may be absent). Nothing is copied unless everything matches."""
     validate_state_dict(model, state, source, check_finite=False)
+    state = to_model_layout(model, state)
     own = model.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
             own[name].copy_(tensor.to(own[name].dtype))
 
 
-def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = torch.float32, seed: int = 0):
+def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = torch.float32, seed: int = 0,
+               moe: bool = False):
     """Load a causal LM for CPU inference, in eval mode.
 
-    ``model_dir=None`` builds the tiny random Qwen3 of :func:`tiny_qwen3_config` with weights drawn
-    from ``torch.manual_seed(seed)`` (no download). Otherwise ``model_dir`` must be an HF directory
+    ``model_dir=None`` builds the tiny random Qwen3 of :func:`tiny_qwen3_config` (``moe``: the Qwen3-MoE of
+    :func:`tiny_qwen3_moe_config`) with weights drawn from ``torch.manual_seed(seed)`` (no download). Otherwise ``model_dir`` must be an HF directory
     with config.json and safetensors weights.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = _resolve_dtype(dtype)
     if model_dir is None:
-        config = tiny_qwen3_config()
+        config = tiny_qwen3_moe_config() if moe else tiny_qwen3_config()
         rng_state = torch.random.get_rng_state()
         try:
             torch.manual_seed(seed)
@@ -361,7 +352,7 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
         finally:
             torch.random.set_rng_state(rng_state)
         model = model.to(dtype)
-        model.name_or_path = "tiny-random-qwen3"
+        model.name_or_path = "tiny-random-qwen3-moe" if moe else "tiny-random-qwen3"
         return model.eval()
 
     model_dir = Path(model_dir)
@@ -429,6 +420,43 @@ def build_byte_tokenizer(vocab_size: int = 1024):
     if len(fast) != vocab_size:
         raise RuntimeError(f"byte tokenizer has {len(fast)} tokens, expected {vocab_size}")
     return fast
+
+
+class RouteRecorder:
+    """The experts each token is routed to, in SGLang's ``routed_experts`` layout.
+
+    Hooks the router of every MoE layer of a transformers Qwen3-MoE-style model (``model.layers[i].mlp`` with
+    ``gate`` and ``experts``; the gate returns ``(logits, weights, indices)``). After a forward pass of ``n``
+    tokens, :meth:`take` gives an int32 tensor ``[n, num_layers, top_k]``: each token's ``top_k`` experts in
+    the router's order (highest weight first) in each MoE layer, zeros in dense layers. ``None`` for a dense
+    model (:meth:`for_model`)."""
+
+    def __init__(self, model: torch.nn.Module, moe_layers: dict[int, torch.nn.Module]):
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.top_k = int(model.config.num_experts_per_tok)
+        self._seen: dict[int, torch.Tensor] = {}
+        for index, gate in moe_layers.items():
+            gate.register_forward_hook(self._hook(index))
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> "RouteRecorder | None":
+        layers = getattr(getattr(model, "model", None), "layers", None) or []
+        moe = {i: layer.mlp.gate for i, layer in enumerate(layers)
+               if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp, "gate")}
+        return cls(model, moe) if moe and getattr(model.config, "num_experts_per_tok", None) else None
+
+    def _hook(self, index: int):
+        def hook(_module, _inputs, output):
+            self._seen[index] = output[2].detach().reshape(-1, self.top_k)
+        return hook
+
+    def take(self, num_tokens: int) -> torch.Tensor:
+        """The routes of the last forward pass (``num_tokens`` tokens); clears them."""
+        out = torch.zeros(num_tokens, self.num_layers, self.top_k, dtype=torch.int32)
+        for index, experts in self._seen.items():
+            out[:, index] = experts.to(torch.int32)
+        self._seen.clear()
+        return out
 
 
 @torch.no_grad()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from conftest import need
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+need("transformers")
 
 from slime_ascend.rollout.reference.engine import ReferenceEngine  # noqa: E402
 
@@ -78,7 +78,7 @@ def test_refusals_name_the_field(url, body, status, needle):
 
 
 def test_engine_without_tokenizer_or_method():
-    from slime_ascend.rollout.http_api import make_server
+    from slime_ascend.rollout.http_server import make_server
 
     engine = ReferenceEngine()  # the tiny random model has no tokenizer
     with engine.start_in_thread() as base:
