@@ -9,6 +9,13 @@ logit positions fall inside its two chunks, in chunk order. ``loss_masks`` stay 
 
 Use :func:`cp_unslice` (gather), compute on the full vector, then :func:`cp_slice` (re-slice) to run a
 sequence-global algorithm such as GAE under CP.
+
+``--allgather-cp`` (slime's DSA layout) splits the packed stream of a micro-batch contiguously instead: rank r
+holds global stream positions ``[r * local_length, (r + 1) * local_length)``, so a rank's logits cover one
+contiguous range of each response (:func:`allgather_response_range`, slime's ``get_responses``). slime computes
+log-probs there and redistributes them to the zig-zag layout above (``loss._allgather_cp_redistribute``), so
+every per-token vector after that, and ``sum_of_sample_mean``, is zig-zag in both layouts;
+:func:`allgather_to_zigzag` does the same for a vector computed from the logits directly.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["cp_full_vectors", "cp_local_length", "cp_response_ranges", "cp_slice", "cp_unslice"]
+__all__ = ["allgather_response_range", "allgather_to_zigzag", "cp_full_vectors", "cp_local_length",
+           "cp_response_ranges", "cp_slice", "cp_unslice"]
 
 
 def _check(cp_rank: int | None, cp_size: int, total_length: int, response_length: int) -> None:
@@ -116,3 +124,34 @@ def cp_full_vectors(
         cp_unslice([pieces[r][i] for r in range(cp_size)], cp_size, t, n)
         for i, (t, n) in enumerate(zip(total_lengths, response_lengths, strict=True))
     ]
+
+
+def allgather_response_range(cp_rank: int, local_length: int, seq_start: int, total_length: int,
+                             response_length: int) -> tuple[int, int]:
+    """Half-open range of response indices whose logits ``cp_rank`` holds under ``--allgather-cp``, for the
+    sample that starts at ``seq_start`` in the packed stream; ``(0, 0)`` if none."""
+    _check(None, 1, total_length, response_length)
+    if cp_rank < 0 or local_length < 0:
+        raise ValueError(f"need cp_rank >= 0 and local_length >= 0, got {cp_rank}, {local_length}")
+    first_logit = seq_start + total_length - response_length - 1  # the logit of response token 0
+    lo = max(first_logit, cp_rank * local_length)
+    hi = min(first_logit + response_length, (cp_rank + 1) * local_length)
+    return (lo - first_logit, hi - first_logit) if lo < hi else (0, 0)
+
+
+def allgather_to_zigzag(local: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int]],
+                        total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int,
+                        all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Per-sample vectors on this rank's ``--allgather-cp`` ranges -> this rank's zig-zag pieces.
+
+    Each piece is placed in a zero vector of its sample's response length, the concatenation is summed over the CP
+    group (``all_reduce``; autograd-aware for gradients), and each full vector is cut with :func:`cp_slice`.
+    """
+    full = []
+    for x, (lo, hi), n in zip(local, ranges, response_lengths, strict=True):
+        if x.shape[0] != hi - lo:
+            raise ValueError(f"a local piece has {x.shape[0]} entries for the response range [{lo}, {hi})")
+        full.append(torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (lo, n - hi)))
+    summed = all_reduce(torch.cat(full)).split(list(response_lengths))
+    return [cp_slice(x, cp_rank, cp_size, t, n)
+            for x, t, n in zip(summed, total_lengths, response_lengths, strict=True)]

@@ -25,26 +25,12 @@ COMMUNICATION_BACKEND = "gloo"
 VISIBLE_DEVICES_ENV = "SLIME_ASCEND_CPU_VISIBLE_DEVICES"  # never read by torch; keeps CUDA_VISIBLE_DEVICES alone
 
 
-def host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host memory (``/proc/meminfo``; psutil where that is absent)."""
-    try:
-        fields = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                fields[key] = int(rest.split()[0]) * 1024
-        return fields.get("MemAvailable", fields["MemFree"]), fields["MemTotal"]
-    except (OSError, KeyError, ValueError, IndexError):
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return int(vm.available), int(vm.total)
-
-
 @functools.lru_cache(maxsize=None)
 def accelerator_class() -> type:
     import torch
     from slime.utils.accelerator.torch_accelerator import TorchAccelerator
+
+    from . import cuda_shims
 
     class CPUAccelerator(TorchAccelerator):
         name = NAME
@@ -81,7 +67,7 @@ def accelerator_class() -> type:
             return None
 
         def mem_get_info(self, device=None) -> tuple[int, int]:
-            return host_memory()
+            return cuda_shims.host_memory()
 
         def memory_allocated(self, device=None) -> int:
             return 0
@@ -93,9 +79,8 @@ def accelerator_class() -> type:
             return None
 
         def get_device_properties(self, device=None) -> Any:
-            from .cuda_shims import get_device_properties
-
-            return get_device_properties(device)  # what Megatron's torch.cuda call gets (train.cpu_device_properties)
+            # what Megatron's torch.cuda call gets (train.cpu_device_properties)
+            return cuda_shims.get_device_properties(device)
 
         def manual_seed(self, seed: int) -> None:
             torch.manual_seed(seed)

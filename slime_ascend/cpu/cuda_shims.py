@@ -90,12 +90,27 @@ def module_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
 HOST_ARCH_MAJOR = 10
 
 
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory (``/proc/meminfo``; psutil where that is absent): what the cpu
+    accelerator's ``mem_get_info`` answers and :func:`get_device_properties` reports as ``total_memory``."""
+    try:
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+        return fields.get("MemAvailable", fields["MemFree"]), fields["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+
+
 def get_device_properties(device: Any = None) -> Any:
     """``torch.cuda.get_device_properties`` for the host: its memory and core count, ``major`` as above."""
     import os
     import types
-
-    from .accelerator import host_memory
 
     return types.SimpleNamespace(name="cpu", major=HOST_ARCH_MAJOR, minor=0, total_memory=host_memory()[1],
                                  multi_processor_count=os.cpu_count() or 1)

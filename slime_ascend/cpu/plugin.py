@@ -51,7 +51,7 @@ def host_without_cuda() -> bool:
 
 def owns_ray() -> bool:
     """Condition of ``driver.ray_cpu_resources``: not with ``npu``, whose ``NPU`` view replaces the same attributes."""
-    from ..accelerator.plugin import on_host
+    from ..host import on_host
 
     return not on_host()
 
@@ -60,7 +60,7 @@ def on_process_start() -> None:
     from ..compat import typing_override
 
     typing_override.ensure()  # megatron-core >= 0.17 on Python 3.11
-    from ..accelerator.plugin import on_host
+    from ..host import on_host
 
     on_host()  # refuse cpu+npu on a host with torch_npu, in every process
     _import_hooks.when_imported("slime.utils.accelerator", _register_accelerator)
@@ -68,40 +68,74 @@ def on_process_start() -> None:
 
 # (flag, args attribute, the value the host supports, why not another): checked in every process, the driver's
 # parse_args first, so a job the host cannot run stops before Ray or any engine starts
-ALLOW_TP = "SLIME_ASCEND_CPU_ALLOW_TP"  # =1: run TP > 1 anyway, for work on its open mismatch
 UNSUPPORTED = (
-    ("--tensor-model-parallel-size", "tensor_model_parallel_size", 1,
-     "its train-side log-probs do not yet match one rank in slime's loop (up to 2.6e-3 off: an open bug), so it "
-     f"is refused rather than wrong; {ALLOW_TP}=1 runs it for work on the fix"),
-    ("--context-parallel-size", "context_parallel_size", 1,
-     "slime_ascend.cpu.spec's packed attention has no context-parallel exchange"),
-    ("--sequence-parallel", "sequence_parallel", False,
-     "without apex, Megatron's final and q/k layer norms are torch norms, which refuse sequence parallelism"),
-    ("--expert-model-parallel-size", "expert_model_parallel_size", 1,
-     "slime_ascend.cpu.spec builds dense layers only (no MoE)"),
-    ("--num-experts", "num_experts", None, "slime_ascend.cpu.spec builds dense layers only (no MoE)"),
+    # MoE and expert parallelism run (slime_ascend.cpu.spec: Megatron's MoELayer, experts under TE's names);
+    # slime's MoE model scripts also pass these two TransformerEngine/CUDA kernels
+    ("--moe-grouped-gemm", "moe_grouped_gemm", False,
+     "grouped GEMM needs TransformerEngine; slime_ascend.cpu.spec's experts run one matmul per expert"),
+    ("--moe-permute-fusion", "moe_permute_fusion", False, "the fused token permutation needs TransformerEngine"),
 )
 
 
 def validate(args, settings) -> None:
-    """The layouts the host runs: pipeline and data parallelism of a dense model (tensor parallelism only with
-    ``SLIME_ASCEND_CPU_ALLOW_TP=1``); anything else is refused with one line naming the flag."""
-    import os
-
+    """The layouts the host runs: tensor (with or without sequence), pipeline, data and expert parallelism, and
+    context parallelism alone; anything else is refused with one line naming the flag."""
     from ..plugins.settings import SettingsError
 
     for flag, attr, supported, why in UNSUPPORTED:
-        if attr == "tensor_model_parallel_size" and os.environ.get(ALLOW_TP) == "1":
-            continue
         value = getattr(args, attr, supported)
         if value not in (supported, None):
             fix = f"drop {flag}" if supported in (None, False) else f"{flag} {supported}"
             shown = flag if value is True else f"{flag} {value}"
-            raise SettingsError(f"cpu: {shown} is not supported on the host ({why}). Fix: {fix}; pipeline "
-                                "and data parallelism of a dense model run")
+            raise SettingsError(f"cpu: {shown} is not supported on the host ({why}). Fix: {fix}; tensor, "
+                                "pipeline, data and expert parallelism run")
+    _check_context_parallel(args, SettingsError)
+    _check_routing_replay(args, SettingsError)
     from . import ray_capacity
 
     ray_capacity.check(args)  # Ray can place every actor slime will ask for (the driver), or one line
+
+
+# context parallelism (zig-zag and --allgather-cp) runs, and matches one rank, alone (every train rank one CP rank);
+# each flag that would combine it with another layout, untested, is refused by name
+CP_ALONE = (("--tensor-model-parallel-size", "tensor_model_parallel_size", 1),
+            ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1),
+            ("--expert-model-parallel-size", "expert_model_parallel_size", 1))
+
+
+def _check_context_parallel(args, error) -> None:
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp == 1:
+        return
+    for flag, attr, alone in CP_ALONE:
+        value = getattr(args, attr, alone)
+        if value not in (alone, None):
+            raise error(f"cpu: {flag} {value} with --context-parallel-size {cp} is not supported on the host (context "
+                        f"parallelism runs alone; this combination has not been checked against one rank). Fix: "
+                        f"{flag} {alone}, or --context-parallel-size 1")
+    world = (getattr(args, "actor_num_nodes", 1) or 1) * (getattr(args, "actor_num_gpus_per_node", cp) or cp)
+    if world != cp:
+        raise error(f"cpu: --actor-num-gpus-per-node {world} with --context-parallel-size {cp} is not supported on "
+                    "the host (data parallelism over CP groups has not been checked against one rank). Fix: "
+                    f"--actor-num-gpus-per-node {cp} --actor-num-nodes 1, or --context-parallel-size 1")
+
+
+def _check_routing_replay(args, error) -> None:
+    """slime's routing replay lives in its Megatron patch (``docker/patch/*/megatron.patch``: Megatron's
+    ``topk_routing_with_score_function`` wraps its top-k with ``slime.utils.routing_replay``, ``TopKRouter``
+    registers a replay); without it the train actor fails in ``fill_routing_replay``, after Ray has started."""
+    for flag in ("use_rollout_routing_replay", "use_routing_replay"):
+        if not getattr(args, flag, False):
+            continue
+        import inspect
+
+        from megatron.core.transformer.moe import moe_utils
+
+        if "routing_replay" not in inspect.getsource(moe_utils.topk_routing_with_score_function):
+            cli = "--" + flag.replace("_", "-")
+            raise error(f"cpu: {cli} is not supported on the host (slime's routing replay needs its Megatron patch, "
+                        "docker/patch/latest/megatron.patch, which this Megatron-core lacks). Fix: drop "
+                        f"{cli}, or install Megatron-core with slime's patch")
 
 
 def _flag(flag: str, why: str, attr: str, value) -> CommandLineFlag:
@@ -114,7 +148,12 @@ PLUGIN = Plugin(
     "a THD-packed local spec): development, debugging and CI without a GPU",
     conflicts=("sglang-npu", "vllm-ascend"),  # with "npu": npu on the host (module docstring)
     process_start=("slime_ascend.cpu.plugin.on_process_start",),
-    patches=(PatchUse("driver.ray_cpu_resources", when=_P + "owns_ray"),)
+    patches=(PatchUse("driver.ray_cpu_resources", when=_P + "owns_ray"),
+             PatchUse("driver.allgather_cp_local_spec"),  # slime allows --allgather-cp for DSA models only
+             PatchUse("train.reloadable_group_collectives"),  # sequence parallelism's reduce-scatter on torch 2.14
+             # expert parallelism's all-to-all split sizes: both bindings at once, once the dispatcher has its own
+             PatchUse("train.cpu_moe_splits", "import:megatron.core.transformer.moe.token_dispatcher",
+                      when=_P + "host_without_cuda"))
     + tuple(PatchUse(p, "import:megatron.core", when=_P + "host_without_cuda") for p in TORCH_PATCHES),
     # slime forces offload_train for PPO (--advantage-estimator ppo: actor and critic share devices) and then
     # LD_PRELOADs torch_memory_saver's CUDA hook into every train actor, which cannot even start without

@@ -219,7 +219,7 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
 
     from slime_ascend.demo.rollout import RolloutWorker
     from slime_ascend.demo.trainer import Trainer
-    from slime_ascend.sao.critic import write_megatron_role_config
+    from slime_ascend.sao.role_config import write_megatron_role_config
 
     log(f"slime-ascend demo: plugins {', '.join(plugins)}; seed {cfg.seed}; {cfg.steps} steps; output {out}")
     paths, start, seconds = prepare_task(cfg, out)

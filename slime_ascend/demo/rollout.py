@@ -235,7 +235,7 @@ class RolloutWorker:
             pool = st.get("pool") or {}
             out["teacher_prefetch_hits"] = pool.get("prefetch_hits", pool.get("switch_prefetched"))
         if "staleness" in runtime.enabled_names(self.args):
-            from slime_ascend.offpolicy.hooks import last_staleness_report
+            from slime_ascend.offpolicy.staleness import last_staleness_report
 
             rep = last_staleness_report() or {}
             out["staleness_report"] = {k: v for k, v in rep.items() if isinstance(v, (int, float, str))}

@@ -76,18 +76,27 @@ TINY_QWEN3_ARGS = (
     "--qk-layernorm --untie-embeddings-and-output-weights"
 )
 
+# the tiny Qwen3-MoE (make_model(moe=True)): the dense flags plus slime's scripts/models/qwen3-30B-A3B.sh MoE flags,
+# resized (4 experts, top 2, layer 0 dense), less --moe-grouped-gemm and --moe-permute-fusion (TransformerEngine)
+TINY_QWEN3_MOE_ARGS = (
+    TINY_QWEN3_ARGS + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1] "
+    "--moe-router-score-function softmax --moe-token-dispatcher-type alltoall --moe-token-drop-policy probs "
+    "--moe-router-dtype fp32 --moe-aux-loss-coeff 0"
+)
+
 PROMPTS = [f"Q{i}: what is {i} plus {i % 3}?" for i in range(32)]
 
 
-def make_model(out_dir: Path, seed: int = 0) -> Path:
-    """The tiny random Qwen3 with its tokenizer, as an HF safetensors directory (bf16 weights)."""
+def make_model(out_dir: Path, seed: int = 0, moe: bool = False) -> Path:
+    """The tiny random Qwen3 (``moe``: Qwen3-MoE, flags :data:`TINY_QWEN3_MOE_ARGS`) with its tokenizer, as an
+    HF safetensors directory (bf16 weights)."""
     import torch
 
     from slime_ascend.rollout.reference.model import build_byte_tokenizer, load_model, save_model
 
     if (out_dir / "config.json").is_file():
         return out_dir
-    model = load_model(None, dtype=torch.float32, seed=seed).to(torch.bfloat16)
+    model = load_model(None, dtype=torch.float32, seed=seed, moe=moe).to(torch.bfloat16)
     model.config.torch_dtype = torch.bfloat16
     save_model(model, out_dir, build_byte_tokenizer())
     return out_dir

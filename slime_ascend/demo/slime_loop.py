@@ -133,7 +133,7 @@ def _base_flags(cfg: DemoConfig, job: _Job, engine: Engine) -> dict[str, str | N
 
 # -- per plugin: what it adds to the job ---------------------------------------------------------------
 def _setup_sao(cfg: DemoConfig, job: _Job) -> None:
-    from slime_ascend.sao.critic import write_megatron_role_config
+    from slime_ascend.sao.role_config import write_megatron_role_config
 
     role_config = job.out / "sao_megatron.yaml"
     write_megatron_role_config(str(role_config), ["self_attention"], force=True)

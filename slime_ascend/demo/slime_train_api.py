@@ -30,11 +30,21 @@ _installed = False
 
 
 def slime_importable() -> bool:
-    """True when the real slime package (not our stand-in) can be imported."""
+    """True when the real slime package (not our stand-in) and the Megatron its train side runs on can be
+    imported (a slime tree on PYTHONPATH without its dependencies gets the stand-in)."""
     mod = sys.modules.get("slime")
     if mod is not None:
         return not getattr(mod, "__slime_ascend_standin__", False)
-    return importlib.util.find_spec("slime") is not None
+    return importlib.util.find_spec("slime") is not None and _found("megatron")
+
+
+def _found(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _responses(logits: torch.Tensor, args: Any, unconcat_tokens: Sequence[torch.Tensor],

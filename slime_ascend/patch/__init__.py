@@ -27,15 +27,22 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.cpu_device_map | torch factories' device=, Tensor.new_*, Tensor/Module.to: cuda -> cpu | megatron/megatron-device-neutral-placement.md |
 | train.cpu_tensor_type | Tensor.type() of a CPU tensor reads torch.cuda.*Tensor | megatron/megatron-device-neutral-placement.md |
 | train.cpu_device_properties | torch.cuda.get_device_properties: the host's (Megatron's get_device_arch_version) | megatron/megatron-device-arch-version.md |
+| train.cpu_moe_splits | megatron moe_utils.maybe_move_tensor_to_cpu (and token_dispatcher's by-name import): numpy split sizes from CPU tensors | megatron/megatron-moe-host-splits.md |
+| train.reloadable_group_collectives | slime's ReloadableProcessGroup: forwards torch 2.14's reduce_scatter_single / all_gather_single / all_to_all_single / gather_single | 0017-reloadable-group-forwards-single-collectives |
 | driver.acknowledged_weight_update | RayTrainGroup._reload_rollout_weights_from_disk: every engine switched and read back, or all returned to the last acknowledged version | 0012-acknowledged-weight-update |
 | train.dsa_deterministic_topk | glm5 ops.indexer.pytorch_topk_with_invalid_padding: deterministic DSA indexer top-k | 0013-dsa-indexer-deterministic-topk |
 | train.reset_optimizer_on_push | MegatronTrainRayActor.update_weights: the optimizer reset after each weight push (GLM-5 cadence) | 0014-reset-optimizer-on-weight-push |
+| driver.validate_at_parse_args | slime.utils.arguments.parse_args: the plugins validated on its result | 0016-role-entry-hook |
+| rollout.validate_at_http_client | slime.utils.http_utils.init_http_client: validation and rollout patches first | 0016-role-entry-hook |
+| train.validate_at_actor_init | TrainRayActor.init: train role recorded, validation and train patches first | 0016-role-entry-hook |
+| driver.allgather_cp_local_spec | slime.backends.megatron_utils.arguments._validate_allgather_cp_supported: --allgather-cp of a dense model with the cpu spec | 0015-allgather-cp-layer-spec-opt-in |
 | engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
 
 Plugins declare the patches they need and when (:class:`slime_ascend.plugins.base.PatchUse`); the
-runtime installs them (:mod:`slime_ascend.plugins.patch_plan`): as their targets are imported, or
-as a train actor or the RolloutManager starts, with its ``args``. No feature module imports this
-package. Each patch checks its target first and fails loudly.
+runtime installs them (:mod:`slime_ascend.startup.patch_plan`): as their targets are imported, or
+as a train actor or the RolloutManager starts, with its ``args``; the three role-entry patches (``*.validate_at_*``,
+:mod:`.role_entry`) are the runtime's own, registered by the bootstrap in every activated process. No feature
+module imports this package. Each patch checks its target first and fails loudly.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ LEDGER: dict[str, str] = {
     "train.cpu_device_map": "slime_ascend.patch.train.cpu_device_map",
     "train.cpu_tensor_type": "slime_ascend.patch.train.cpu_tensor_type",
     "train.cpu_device_properties": "slime_ascend.patch.train.cpu_device_properties",
+    "train.cpu_moe_splits": "slime_ascend.patch.train.cpu_moe_splits",
+    "train.reloadable_group_collectives": "slime_ascend.patch.train.reloadable_group_collectives",
     "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",
     "train.critic_advantage_function": "slime_ascend.patch.train.critic_advantage_function",
     "train.critic_hf_value_head": "slime_ascend.patch.train.critic_hf_value_head",
@@ -70,6 +79,10 @@ LEDGER: dict[str, str] = {
     "train.quant_post_process": "slime_ascend.patch.train.quant_post_process",
     "train.weight_sync_metrics": "slime_ascend.patch.train.weight_sync_metrics",
     "train.dsa_deterministic_topk": "slime_ascend.patch.train.dsa_deterministic_topk",
+    "driver.validate_at_parse_args": "slime_ascend.patch.driver.validate_at_parse_args",
+    "rollout.validate_at_http_client": "slime_ascend.patch.rollout.validate_at_http_client",
+    "train.validate_at_actor_init": "slime_ascend.patch.train.validate_at_actor_init",
+    "driver.allgather_cp_local_spec": "slime_ascend.patch.driver.allgather_cp_local_spec",
 }
 
 

@@ -167,3 +167,10 @@ def test_device_functions():
     m = torch.nn.Linear(2, 2)
     assert shims.module_cuda(torch.nn.Module.cuda)(m, 0) is m
     assert shims.tensor_pin_memory(torch.Tensor.pin_memory)(x) is x
+
+
+def test_host_memory_reads_proc_meminfo():
+    with open("/proc/meminfo") as f:
+        total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    avail, total = shims.host_memory()
+    assert total == total_kib * 1024 and 0 < avail <= total

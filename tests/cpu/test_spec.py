@@ -7,14 +7,15 @@ import types
 import pytest
 import torch
 
+from conftest import need, single_process_megatron
+
 pytestmark = pytest.mark.slime
 
-pytest.importorskip("megatron.core")
+need("megatron.core")  # slime_ascend.cpu.spec builds on it, imported below at collection
 
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from conftest import single_process_megatron  # noqa: E402
 from slime_ascend.cpu import spec  # noqa: E402
 
 
@@ -166,11 +167,6 @@ def test_norm_column_parallel_linear_applies_rmsnorm_then_linear():
     assert bias is None
 
 
-def test_moe_args_are_refused():
-    with pytest.raises(ValueError, match="MoE"):
-        spec.get_layer_spec(types.SimpleNamespace(num_experts=8), _config(), None)
-
-
 def test_norm_column_parallel_linear_layernorm_has_bias():
     config = _config(normalization="LayerNorm")
     with single_process_megatron():
@@ -183,3 +179,45 @@ def test_norm_column_parallel_linear_layernorm_has_bias():
     normed = torch.nn.functional.layer_norm(x, (64,), linear.layer_norm_weight, linear.layer_norm_bias,
                                             config.layernorm_epsilon)
     torch.testing.assert_close(out, normed @ linear.weight.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_host_norm_is_the_per_token_norm_and_marks_its_weights_for_sequence_parallelism(normalization):
+    config = _config(normalization=normalization)
+    norm = spec.HostNorm(config, 16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 16))
+        if normalization == "LayerNorm":
+            norm.bias.copy_(torch.linspace(-1, 1, 16))
+    x = torch.randn(5, 2, 16, dtype=torch.float64).float()
+    xd, w = x.double(), norm.weight.double()
+    if normalization == "RMSNorm":
+        expected = xd / (xd.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w
+        assert [n for n, _ in norm.named_parameters()] == ["weight"]
+    else:
+        centred = xd - xd.mean(-1, keepdim=True)
+        expected = centred / (centred.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w + norm.bias.double()
+        assert [n for n, _ in norm.named_parameters()] == ["weight", "bias"]
+    torch.testing.assert_close(norm(x).double(), expected, rtol=1e-5, atol=1e-5)
+    # per token: a token normed alone is the token normed in the batch (a sequence shard needs no exchange)
+    torch.testing.assert_close(norm(x[2:3]), norm(x)[2:3])
+    assert all(p.sequence_parallel is False for p in norm.parameters())
+    marked = spec.HostNorm(_config(normalization=normalization, tensor_model_parallel_size=2,
+                                   sequence_parallel=True), 16)
+    assert all(p.sequence_parallel is True for p in marked.parameters())
+
+
+def test_every_norm_of_the_dense_spec_is_the_specs_own_under_sequence_parallelism():
+    """Megatron's torch norms (its choice without apex) assert ``not sequence_parallel``; the spec's build."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = _config(tensor_model_parallel_size=2, sequence_parallel=True, qk_layernorm=True, kv_channels=16)
+    with single_process_megatron():
+        block = spec.get_layer_spec(types.SimpleNamespace(num_experts=None, qk_layernorm=True), config, None)
+        assert len(block.layer_specs) == 2 and block.layer_norm is spec.HostNorm
+        model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=128, max_sequence_length=32)
+    attention = model.decoder.layers[1].self_attention
+    for norm in (model.decoder.final_layernorm, attention.q_layernorm, attention.k_layernorm):
+        assert isinstance(norm, spec.HostNorm) and norm.weight.sequence_parallel is True
+    assert attention.linear_qkv.layer_norm_weight.sequence_parallel is True
+    assert model.decoder.final_layernorm.weight.shape == (64,) and attention.q_layernorm.weight.shape == (16,)

@@ -12,9 +12,13 @@ from slime_ascend.demo.slime_job import make_model, start_engine, stop
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    pytest.importorskip("megatron.training", reason="megatron-core with megatron.training is not installed")
-    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
     return make_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE (4 experts, top 2, layer 0 dense; flags ``slime_job.TINY_QWEN3_MOE_ARGS``)."""
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-qwen3-moe", moe=True)
 
 
 @pytest.fixture

@@ -22,8 +22,6 @@ STEPS = 2
 
 
 def test_demo_in_slime_loop(tmp_path):
-    pytest.importorskip("megatron.training", reason="megatron-core with megatron.training is not installed")
-    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
     src = slime_src()
     out = tmp_path / "demo"
     env = job_env(())

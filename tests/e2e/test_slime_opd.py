@@ -95,8 +95,6 @@ def _run_train_py(models, engines, tmp_path: Path, config: Path):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    pytest.importorskip("megatron.training", reason="megatron-core with megatron.training is not installed")
-    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
     root = tmp_path_factory.mktemp("models")
     return {"student": make_model(root / "student", seed=0), "math": make_model(root / "teacher-math", seed=1),
             "code": make_model(root / "teacher-code", seed=2)}

@@ -1,7 +1,12 @@
-"""slime's own ``train.py`` on this CPU above one rank: tensor, pipeline and data parallelism of the tiny dense Qwen3, each against the one-rank run of the same job.
+"""slime's own ``train.py`` on this CPU above one rank: tensor (with and without sequence), pipeline, data and context
+(zig-zag and ``--allgather-cp``) parallelism of the tiny dense Qwen3, each against the one-rank run of the same job
+(DIS and staleness then judge CP-split sequences as one rank judges them whole).
 
 Every run is stock slime with the ``cpu``, ``dis`` and ``staleness`` plugins, the reference engine and disk
-weight updates, 2 rollouts. The runs are made comparable: fp32 training (no ``--bf16``), the engine's
+weight updates, 2 rollouts. The runs are made comparable: fp32 training (``bf16: false`` in the
+``--custom-config-path`` YAML: slime's ``_set_default_megatron_args`` sets ``args.bf16 = not args.fp16``
+whatever the command line says, and in bf16 TP 2's split matmuls round differently: up to 2.6e-3 in the
+log-probs), the engine's
 sampling seeded per sample (``--sglang-enable-deterministic-inference``: slime sends
 ``sampling_seed = --rollout-seed + i``), and a reward that is a function of the response
 (``parity_reward.reward``). The one-rank run is made once per module; each layout must then reproduce,
@@ -41,12 +46,14 @@ def _config(work: Path) -> Path:
     out = work / "ascend.yaml"
     subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *PLUGINS, "-o", str(out)], check=True,
                    capture_output=True, text=True)
+    with out.open("a") as f:  # applied after slime forces bf16 and before Megatron's validate_args picks the dtype
+        f.write("\nbf16: false  # fp32 training: the layouts are compared to 2e-5\n")
     return out
 
 
 def _flags(model: Path, prompts: Path, engines, work: Path, layout: list[str]) -> list[str]:
     flags = [f for f in slime_flags(model, prompts, engines, work, num_rollout=NUM_ROLLOUT, batch=BATCH,
-                                    n_samples=N_SAMPLES) if f != "--bf16"]  # fp32: layouts compared to 1e-5
+                                    n_samples=N_SAMPLES) if f != "--bf16"]  # fp32: see _config
     at = flags.index("--rm-type")
     del flags[at:at + 2]
     # later flags win in slime's argparse: the layout replaces the one-rank defaults of slime_flags
@@ -54,17 +61,18 @@ def _flags(model: Path, prompts: Path, engines, work: Path, layout: list[str]) -
                     "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt"), *layout]
 
 
-def _run(model: Path, work: Path, layout: list[str], env: dict[str, str] | None = None):
+def _run(model: Path, work: Path, layout: list[str]):
     work.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(work / "prompts.jsonl")
     engine = start_engine(model, work / "engine.log")
     try:
         run = run_slime("train.py", _flags(model, prompts, [engine], work, layout), work, PLUGINS,
-                        custom_config=_config(work), extra_env={"PYTHONPATH": str(HERE), **(env or {})})
+                        custom_config=_config(work), extra_env={"PYTHONPATH": str(HERE)})
     finally:
         stop(engine.proc)
     print(f"\n{work.name}: {' '.join(layout) or 'one rank'}: rc {run.returncode}, {run.seconds / 60:.2f} min")
     assert run.returncode == 0, run.log[-6000:]
+    assert "bf16 " + "." * 44 + " False" in run.log  # Megatron's argument dump: this run trained in fp32
     return run
 
 
@@ -115,39 +123,37 @@ def _assert_like_reference(reference, work: Path, run, dp: int) -> None:
 
 
 def _ranks(run) -> int:
-    """Train actors slime started: one device line per actor (plugins.early)."""
+    """Train actors slime started: one device line per actor (train.validate_at_actor_init)."""
     return run.log.count("slime accelerator in the actor train actor")
 
 
 LAYOUTS = {
     "tp2": ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"],
+    "tp2-sp": ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"],
     "dp2": ["--actor-num-gpus-per-node", "2"],
+    # slime's zig-zag split (each sequence in 4 chunks, rank r holds chunks r and 3 - r), and --allgather-cp (the
+    # packed stream in 2 contiguous pieces; slime allows it for DSA models only, the cpu spec attends in it itself)
+    "cp2": ["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
+    "cp2-allgather": ["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2", "--allgather-cp"],
 }
-DATA_PARALLEL = {"tp2": 1, "pp2": 1, "dp2": 2}
-# TP 2 runs slime's loop to the end, but its train-side log-probs of rollout 0 (same tokens, same initial
-# weights) are up to 2.6e-3 off the one-rank run's, where PP 2 and DP 2 are bit-identical: a real TP bug
-# (the spec's TP layout or slime's HF->Megatron sharding of it), not fp32 reordering. Strict: it must fail until fixed.
-TP_MISMATCH = pytest.mark.xfail(strict=True, raises=AssertionError, reason="TP 2 log-probs differ from one rank by 2.6e-3 (open bug)")
+DATA_PARALLEL = {"tp2": 1, "tp2-sp": 1, "pp2": 1, "dp2": 2, "cp2": 1, "cp2-allgather": 1}
 
 
-@pytest.mark.parametrize("layout", [pytest.param(n, marks=TP_MISMATCH) if n.startswith("tp") else n for n in LAYOUTS])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_the_one_rank_run(model_dir, reference, tmp_path, layout):
-    # TP > 1 is refused by the cpu plugin until it matches; the switch runs it here so the mismatch stays tracked
-    run = _run(model_dir, tmp_path / layout, LAYOUTS[layout],
-               {"SLIME_ASCEND_CPU_ALLOW_TP": "1"} if layout.startswith("tp") else None)
+    run = _run(model_dir, tmp_path / layout, LAYOUTS[layout])
     assert _ranks(run) == int(LAYOUTS[layout][1]), _ranks(run)
     assert "applied runtime patch train.cpu_device_properties" in run.log
+    if layout == "cp2-allgather":
+        assert "applied runtime patch driver.allgather_cp_local_spec" in run.log, run.log[-4000:]
     _assert_like_reference(reference, tmp_path / layout, run, DATA_PARALLEL[layout])
 
 
-# each refusal in slime's own driver once per kind (TP, CP, MoE); every refused flag's line is unit-tested in
-# tests/cpu/test_cpu_layouts.py (each run here starts an engine and slime's imports: about a minute)
+# one refusal in slime's own driver (the mechanism: the cpu plugin's line at parse_args, before Ray); every
+# refused flag's line is unit-tested in tests/cpu/test_cpu_layouts*.py (each run here costs about a minute)
 REFUSED = {
-    "--tensor-model-parallel-size": ["--tensor-model-parallel-size", "2"],
-    "--context-parallel-size": ["--context-parallel-size", "2"],
-    "--expert-model-parallel-size": ["--num-experts", "4", "--moe-ffn-hidden-size", "64",
-                                     "--expert-model-parallel-size", "2"],
+    "--moe-grouped-gemm": ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-grouped-gemm"],
 }
 
 

@@ -45,8 +45,6 @@ NUM_ROLLOUT = 2
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    pytest.importorskip("megatron.training", reason="megatron-core with megatron.training is not installed")
-    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
     return make_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
 
 
