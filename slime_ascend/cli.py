@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands whose module owns its own argument parser: ``slime-ascend NAME ARGS...`` calls
 # ``function(ARGS)`` (imported only when used).
 PASSTHROUGH: dict[str, tuple[str, str]] = {
-    "serve-reference": ("slime_ascend.rollout.http_api:serve_reference",
+    "serve-reference": ("slime_ascend.rollout.reference.cli:serve_reference",
                         "serve a CPU reference engine over SGLang's HTTP API (loopback by default)"),
     "check": ("slime_ascend.contracts.check_cli:main",
               "numerical-contract report on this device (log-prob mismatch, DIS/IcePop, top-k determinism)"),
@@ -128,7 +128,7 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
                  "offline converter: HF_DIR OUT_DIR --format fp8-block|int8-w8a8|int8-ct|int4-group"),
     "verify-quant": ("slime_ascend.quant.cli:main_verify",
                      "check online-synced tensors against the offline converter's file, bit for bit"),
-    "tito-fingerprint": ("slime_ascend.tito.hooks:main",
+    "tito-fingerprint": ("slime_ascend.tito.cli:main",
                          "print a checkpoint's tokenizer/chat-template revision (for ascend_tito_tokenizer_revision)"),
     "memory": ("slime_ascend.memory.cli:main",
                "peak memory per role (actor, critic, reference, rollout, teachers), object by object, for a config "

@@ -10,7 +10,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from . import _bootstrap
+from .startup import bootstrap as _bootstrap
 from .plugins.runtime import ENV
 
 PTH_NAME = "slime_ascend_bootstrap.pth"
@@ -104,7 +104,7 @@ def ray_probe() -> Line:
     try:
         @ray.remote(num_cpus=0)
         def probe():
-            from slime_ascend import _bootstrap as b
+            from slime_ascend.startup import bootstrap as b
 
             return os.environ.get(ENV), sorted(b.started())
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from . import _bootstrap
 from .plugins import runtime
 from .plugins.registry import PluginError
 from .plugins.slots import get_slot
 
 
 def _entries(args: Any, slot: str) -> tuple[tuple[str, Any], ...]:
-    _bootstrap.raise_activation_error()
+    runtime.raise_activation_error()
     return runtime.active(args).selection.slots.get(slot, ())
 
 

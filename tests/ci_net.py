@@ -1,7 +1,8 @@
 """The nets CI stands on (``.ci/run`` sets SLIME_ASCEND_REQUIRE_SLIME=1).
 
 ``SLIME_STACK`` is what slime's real loop imports (train.py / train_async.py, its Ray actors, the
-rollout manager, the sglang router, the Megatron train actor, slime's tensorboard logger).
+rollout manager and engines, the sglang router with its Rust core, the Megatron train actor, slime's
+tensorboard and wandb loggers, the fully-async rollout) and what tests/e2e reads its results with.
 ``python tests/ci_net.py`` imports each module and names every one that fails; ``.ci/run`` runs it
 before the suite. ``absent()`` is its cheap form (nothing imported): tests/conftest.py skips the
 ``slime`` tests, saying which packages are missing, where it is not empty.
@@ -23,11 +24,20 @@ import sys
 import pytest
 
 SLIME_STACK = (
-    "ray", "transformers", "tensorboard", "torch.utils.tensorboard", "torch_memory_saver",
-    "sglang_router.launch_router", "sglang.srt.server_args", "megatron.core", "megatron.training.arguments",
-    "slime.utils.accelerator", "slime.utils.arguments", "slime.ray.placement_group", "slime.ray.rollout",
-    "slime.ray.train_actor", "slime.backends.megatron_utils.actor", "slime.rollout.sglang_rollout",
-    "slime.observability.logging_utils",
+    # the packages scripts/install-slime-cpu.sh installs for slime's tested paths (some are imported only deep in
+    # the modules below, e.g. sglang.utils -> IPython, slime's reward models -> pylatexenc: absent() sees them here)
+    "torchvision", "pybase64", "omegaconf", "blobfile", "pylatexenc", "xxhash", "zstandard", "openai",
+    "partial_json_parser", "msgspec", "sentencepiece", "zmq", "dill", "einops", "orjson", "setproctitle", "uvloop",
+    "gguf", "IPython",
+    "ray", "transformers", "tensorboard", "tensorboard.backend.event_processing.event_file_loader",
+    "torch.utils.tensorboard", "torch_memory_saver", "wandb",
+    # the router: its arguments, and launch_router's deferred import of the Rust router itself
+    "sglang_router.launch_router", "sglang_router.router", "sglang.srt.server_args",
+    "megatron.core", "megatron.training.arguments",
+    "slime.utils.accelerator", "slime.utils.arguments", "slime.utils.misc", "slime.utils.http_utils",
+    "slime.ray.placement_group", "slime.ray.actor_group", "slime.ray.rollout", "slime.ray.train_actor",
+    "slime.backends.megatron_utils.actor", "slime.backends.sglang_utils.sglang_engine",
+    "slime.rollout.sglang_rollout", "slime.rollout.fully_async_rollout", "slime.observability.logging_utils",
 )
 INSTALL_HINT = "bash scripts/install-slime-cpu.sh installs them"
 
@@ -45,7 +55,7 @@ REQUIRE = os.environ.get("SLIME_ASCEND_REQUIRE_SLIME") == "1"
 NETTED = ("slime", "slow")
 
 
-def _found(module: str) -> bool:
+def installed(module: str) -> bool:
     """Whether ``module`` is installed, running none of its code: its first regular package is found
     (namespace packages such as ``megatron`` are walked through, they run nothing)."""
     parts = module.split(".")
@@ -60,7 +70,7 @@ def _found(module: str) -> bool:
 
 def absent(stack: tuple[str, ...] = SLIME_STACK) -> list[str]:
     """The modules of ``stack`` whose package is not installed (nothing is imported)."""
-    return [m for m in stack if not _found(m)]
+    return [m for m in stack if not installed(m)]
 
 
 # megatron.training uses typing.override (Python 3.12): the cpu plugin's shim adds it on 3.11

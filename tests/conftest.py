@@ -3,8 +3,11 @@
 Tests that need real THUDM/slime are marked ``slime`` and skipped (with the reason) when it, or a
 package of the stack its real loop imports (``ci_net.SLIME_STACK``), is not installed: put an
 unpacked slime source tree on PYTHONPATH and run ``bash scripts/install-slime-cpu.sh`` to run them.
-Under SLIME_ASCEND_REQUIRE_SLIME=1 (CI) that is an error instead, and a ``slime`` or ``slow`` test
-that skips fails the run (``ci_net``'s hooks, imported here).
+Inside a ``slime`` test slime and its stack are imported plainly: an import that fails there fails.
+A test (or a test file, at its top) that needs another package slime-ascend does not depend on calls
+``need(module)``; one that needs something else the host may lack calls ``skip_outside_ci(reason)``.
+Under SLIME_ASCEND_REQUIRE_SLIME=1 (CI) each of these is an error instead of a skip, and a ``slime``
+or ``slow`` test that skips fails the run (``ci_net``'s hooks, imported here).
 """
 
 from __future__ import annotations
@@ -14,15 +17,19 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 import typing
 from pathlib import Path
 
 import pytest
 
+from slime_ascend.compat import typing_override
+
 from ci_net import (  # noqa: F401  (pytest hooks: no slime/slow test may skip on CI)
     INSTALL_HINT,
     REQUIRE,
     absent,
+    installed,
     pytest_collection_finish,
     pytest_collectreport,
     pytest_runtest_logreport,
@@ -54,21 +61,38 @@ def slime_importable() -> bool:
 SLIME = slime_importable()
 SLIME_REASON = "real THUDM/slime is not importable (put its source tree on PYTHONPATH to run this test)"
 
-if not hasattr(typing, "override"):  # megatron.training uses typing.override (Python 3.12)
-    try:
-        import typing_extensions
-
-        typing.override = typing_extensions.override
-    except ImportError:
-        pass
+typing_override.ensure()  # megatron.training uses typing.override (Python 3.12), as the cpu plugin adds it
 
 
 def slime_missing() -> str | None:
     """Why the ``slime`` tests cannot run here, or None: slime, or a package of its stack, is not installed."""
     if not SLIME:
         return SLIME_REASON
-    missing = absent()
+    missing = dict.fromkeys(module.partition(".")[0] for module in absent())  # the packages, in the stack's order
     return f"slime's dependencies are not installed: {', '.join(missing)} ({INSTALL_HINT})" if missing else None
+
+
+def skip_outside_ci(reason: str) -> typing.NoReturn:
+    """Skip the test (at a test file's top: the file) with ``reason``; on CI (SLIME_ASCEND_REQUIRE_SLIME=1),
+    where nothing a test needs may be missing, fail with it."""
+    __tracebackhide__ = True  # pytest reports the skip at the caller's line
+    if REQUIRE:
+        pytest.fail(f"SLIME_ASCEND_REQUIRE_SLIME=1 but {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def need(module: str, why: str = "") -> types.ModuleType:
+    """``module`` imported, for a test that needs a package slime-ascend does not depend on: where it is not
+    installed, ``skip_outside_ci`` naming it. Only absence skips: an installed package that fails to import
+    fails. For slime's own modules the reason is ``slime_missing()``'s (slime, or a package of its stack)."""
+    __tracebackhide__ = True
+    if module.partition(".")[0] == "slime":
+        reason = slime_missing()
+    else:
+        reason = None if installed(module) else f"{module} is not installed" + (f" ({why})" if why else "")
+    if reason:
+        skip_outside_ci(reason)
+    return importlib.import_module(module)
 
 
 def pytest_collection_modifyitems(config, items):

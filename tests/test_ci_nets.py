@@ -73,7 +73,25 @@ SLIME_SKIPS = """
      def test_never_collected():
          pass
      """, ["test_tiny.py (skipped whole at collection): could not import 'no_such_module_for_the_ci_net'"]),
-], ids=["slime-marked", "slow-skipif", "module-mark-one-param", "module-skipped-at-collection"])
+    ("""
+     import pytest
+
+     @pytest.fixture(scope="module")
+     def model_dir():
+         pytest.importorskip("no_such_module_for_the_ci_net")
+
+     @pytest.mark.slime
+     @pytest.mark.slow
+     def test_real_loop(model_dir):
+         pass
+
+     @pytest.mark.slime
+     def test_same_fixture(model_dir):
+         pass
+     """, ["test_tiny.py::test_real_loop: could not import 'no_such_module_for_the_ci_net'",
+           "test_tiny.py::test_same_fixture: could not import 'no_such_module_for_the_ci_net'"]),
+], ids=["slime-marked", "slow-skipif", "module-mark-one-param", "module-skipped-at-collection",
+        "fixture-skips-at-setup"])
 def test_a_skipped_slime_or_slow_test_fails_the_run_naming_it(tmp_path, body, hidden):
     res = run_pytest(tmp_path, body, "ci_net")
     out = res.stdout + res.stderr
@@ -196,3 +214,80 @@ def test_each_allowed_skip_names_a_real_test_and_its_reason():
     assert ci_net.allowed(x86, "x86-64-v3 / v4: the host's -march=native build is swept by test_quant_native")
     assert not ci_net.allowed(x86, "something else went wrong")
     assert not ci_net.allowed("tests/slime/test_x.py::test_y", "needs a CUDA device (the class over torch.cuda)")
+
+
+SKIPPER = """
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    pytest.skip("made to skip at run time")
+"""
+
+
+def test_a_real_loop_test_made_to_skip_at_run_time_fails_the_suites_run(tmp_path):
+    """One of slime's real-loop runs (tests/e2e), under the suite's own conftest and CI's variable, made to skip
+    as it starts (a plugin skips it in setup, before any fixture): the run fails and names it."""
+    (tmp_path / "skipper.py").write_text(SKIPPER)
+    target = "tests/e2e/test_slime_demo.py::test_demo_in_slime_loop"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env.update(SLIME_ASCEND_REQUIRE_SLIME="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])]))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "skipper", "-q", "-rs", target], cwd=TESTS.parent,
+                         env=env, capture_output=True, text=True, timeout=600)
+    out = res.stdout + res.stderr
+    missing = conftest.slime_missing()
+    if missing is None:
+        assert res.returncode == pytest.ExitCode.TESTS_FAILED, out
+        assert "SLIME_ASCEND_REQUIRE_SLIME=1: 1 slime/slow test(s) skipped" in out
+        assert f"{target}: made to skip at run time" in out.splitlines(), out
+    else:  # where slime's stack is absent CI's variable stops the run before any test
+        assert res.returncode == pytest.ExitCode.USAGE_ERROR, out
+        assert f"SLIME_ASCEND_REQUIRE_SLIME=1 but {missing}" in out
+
+
+NEEDS = """
+from conftest import need
+
+
+def test_absent():
+    need("no_such_module_for_the_ci_net", "an optional reader")
+
+
+def test_broken():
+    need("broken_for_the_ci_net")
+
+
+def test_present():
+    assert need("json").dumps([1]) == "[1]"
+"""
+
+
+@pytest.mark.parametrize("require", [False, True])
+def test_need_skips_on_absence_outside_ci_fails_on_ci_and_never_hides_a_broken_import(tmp_path, require):
+    (tmp_path / "broken_for_the_ci_net.py").write_text("import absent_dependency_for_ci_net\n")
+    res = run_pytest(tmp_path, NEEDS, "conftest", require=require)
+    out = res.stdout + res.stderr
+    if require and conftest.slime_missing() is not None:
+        assert res.returncode == pytest.ExitCode.USAGE_ERROR, out
+        return
+    assert res.returncode == pytest.ExitCode.TESTS_FAILED, out
+    assert "_ test_broken _" in out and "ModuleNotFoundError: No module named 'absent_dependency_for_ci_net'" in out
+    reason = "no_such_module_for_the_ci_net is not installed (an optional reader)"
+    if require:
+        assert "_ test_absent _" in out and f"SLIME_ASCEND_REQUIRE_SLIME=1 but {reason}" in out, out
+        assert "2 failed, 1 passed in" in out, out
+    else:
+        assert any(line.startswith("SKIPPED [1] ") and line.endswith(f": {reason}") for line in out.splitlines()), out
+        assert "1 failed, 1 passed, 1 skipped in" in out, out
+
+
+def test_need_gives_slimes_own_modules_the_reason_the_slime_tests_skip_with(tmp_path, monkeypatch):
+    monkeypatch.setattr(conftest, "REQUIRE", False)
+    monkeypatch.setattr(conftest, "slime_missing", lambda: "slime's dependencies are not installed: megatron")
+    with pytest.raises(pytest.skip.Exception, match="^slime's dependencies are not installed: megatron$"):
+        conftest.need("slime.utils.types")
+    monkeypatch.setattr(conftest, "REQUIRE", True)
+    with pytest.raises(pytest.fail.Exception, match="^SLIME_ASCEND_REQUIRE_SLIME=1 but slime's dependencies"):
+        conftest.need("slime.utils.types")

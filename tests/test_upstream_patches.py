@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import skip_outside_ci
 from slime_ascend.patch import LEDGER, get
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,9 +50,18 @@ def slime_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations))).resolve().parent
 
 
+def source_checkout() -> Path:
+    """The importable slime's source tree, which the patches are written against."""
+    root = slime_root()
+    if not (root / "setup.py").is_file():
+        skip_outside_ci(f"the importable slime at {root} is not a source checkout (no setup.py): put slime's "
+                        "source tree on PYTHONPATH")
+    return root
+
+
 def git_apply(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     if shutil.which("git") is None:
-        pytest.skip("git is not installed")
+        skip_outside_ci("git is not installed (git apply checks the patches)")
     # Inside an enclosing repository git apply resolves paths from its top level and silently
     # skips files outside cwd; stop repository discovery above the slime root.
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(cwd.parent))
@@ -97,9 +107,7 @@ def test_ledger_entries_pointing_at_a_patch_are_named_in_its_entry():
 @pytest.mark.slime
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
 def test_applies_to_importable_slime(patch: Path):
-    root = slime_root()
-    if not (root / "setup.py").is_file():
-        pytest.skip(f"the importable slime at {root} is not a source checkout (no setup.py)")
+    root = source_checkout()
     result = git_apply(["--check", "--verbose", str(patch)], cwd=root)
     assert result.returncode == 0, f"{patch.name} does not apply to {root}:\n{result.stderr}"
     checked = set(re.findall(r"^Checking patch (\S+?)\.\.\.$", result.stderr + result.stdout, re.MULTILINE))
@@ -109,9 +117,7 @@ def test_applies_to_importable_slime(patch: Path):
 
 @pytest.mark.slime
 def test_series_applies_in_order(tmp_path: Path):
-    root = slime_root()
-    if not (root / "setup.py").is_file():
-        pytest.skip(f"the importable slime at {root} is not a source checkout (no setup.py)")
+    root = source_checkout()
     for path in sorted({p for patch in PATCHES for p in touched_paths(patch)}):
         if (root / path).is_file():
             (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)

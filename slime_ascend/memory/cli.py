@@ -90,18 +90,16 @@ def _layout_from_slime(text: str) -> tuple[dict, str | None]:
 
 
 def _read_config(path: str) -> dict:
+    from ..files import read_json_object
+
     p = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(p):
         raise ValueError(f"--config {path!r}: {p} does not exist. Fix: pass an HF config.json or the checkpoint "
                          f"directory that holds one")
-    try:
-        with open(p, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--config {p}: not readable JSON ({exc}). Fix: pass an HF config.json") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"--config {p}: not a JSON object. Fix: pass an HF config.json")
-    return cfg
+    try:  # a regular file of at most 16 MiB (a FIFO or /dev/zero is refused before it is read)
+        return read_json_object(p)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--config: {exc}. Fix: pass an HF config.json") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

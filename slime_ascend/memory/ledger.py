@@ -70,6 +70,10 @@ GIB = 1024**3
 # --------------------------------------------------------------------------------------------- model
 
 
+# each weight tensor is one ledger row (about 30 us each on a 2-core Xeon): 1M rows would take a minute
+MAX_WEIGHT_TENSORS = 400_000
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The dimensions the ledger needs, read from an HF config (dense, GQA, MoE, MLA, DSA indexer)."""
@@ -149,6 +153,15 @@ class ModelShape:
                 shared = opt("shared_expert_intermediate_size")
             moe_ffn = moe_ffn or need("intermediate_size")
         kv_lora = opt("kv_lora_rank")
+        if heads % kv_heads:
+            raise ValueError(f"config field 'num_key_value_heads' ({kv_heads}) must divide 'num_attention_heads' "
+                             f"({heads}). Fix: correct the config (grouped-query attention shares each KV head "
+                             f"among num_attention_heads / num_key_value_heads query heads)")
+        tensors = layers * 16 + len(moe_layers) * experts * 3  # the ledger walks every weight tensor
+        if tensors > MAX_WEIGHT_TENSORS:
+            raise ValueError(f"config: {layers} layers{f' x {experts} experts' if experts else ''} is about {tensors:,} weight tensors; "
+                             f"the ledger models at most {MAX_WEIGHT_TENSORS:,} (GLM-5: ~60,000). Fix: check "
+                             f"'num_hidden_layers' and 'num_experts' in the config")
         mla = ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # read only with a kv_lora_rank
         return cls(
             hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

@@ -8,12 +8,16 @@ directory or one that holds a checkpoint (config.json + *.safetensors) is ever r
 0700, same filesystem). Only when the body finishes is it renamed into place; the previous
 output is moved aside first and deleted only after the new one is in. On any error or Ctrl-C
 the temporary directory is removed and the previous output is left as it was, so nothing
-partial ever sits under the output's name. No torch import: the CLI checks paths before
-loading heavy modules.
+partial ever sits under the output's name. Two runs into one output cannot both succeed: each holds
+an exclusive lock (``flock`` on ``.NAME.lock`` beside it, released by the kernel if the process dies) from
+its start to its rename, a second run is refused at once naming the first's pid, and a run without
+``--force`` refuses at its rename an output that appeared while it worked. No torch import: the CLI
+checks paths before loading heavy modules.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
@@ -24,6 +28,7 @@ from contextlib import contextmanager
 
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
+LOCK_MARK = ".lock"
 
 
 def _inside(path: str, root: str) -> bool:
@@ -95,22 +100,62 @@ def _swap_in(tmp: str, final: str) -> None:
 
 
 @contextmanager
-def staged_dir(final: str) -> Iterator[str]:
+def output_lock(final: str, label: str = "OUT_DIR") -> Iterator[None]:
+    """Hold the exclusive lock of output directory `final` (resolved path) for the body; ValueError at once
+    when another run holds it. The lock file is ours: created here and removed when the body ends."""
+    parent, name = os.path.split(final)
+    path = os.path.join(parent, f".{name}{LOCK_MARK}")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0),
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ValueError(f"{label} {final!r} is being written by another run (pid {holder}); wait for it to "
+                             f"finish or pick another directory") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:  # the run before us removed it between our open and our lock
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        finally:
+            os.close(fd)
+
+
+@contextmanager
+def staged_dir(final: str, overwrite: bool = True, *, label: str = "OUT_DIR",
+               force_flag: str = "--force") -> Iterator[str]:
     """Yield a private temporary directory beside `final`; move it to `final` if the body succeeds.
 
-    `final` must already have passed `check_out_dir` (resolved path). On any exception
-    (including KeyboardInterrupt) only the temporary directory is removed."""
+    `final` must already have passed `check_out_dir` (resolved path). The output's lock is held throughout;
+    without `overwrite`, an output that another run put in place meanwhile is refused, not replaced. On any
+    exception (including KeyboardInterrupt) only the temporary directory is removed."""
     final = os.path.abspath(final)
     parent, name = os.path.split(final)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}{TMP_MARK}", dir=parent)  # mode 0700
-    try:
-        yield tmp
-        os.chmod(tmp, creation_mode())
-        _swap_in(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with output_lock(final, label):
+        tmp = tempfile.mkdtemp(prefix=f".{name}{TMP_MARK}", dir=parent)  # mode 0700
+        try:
+            yield tmp
+            if not overwrite and os.path.isdir(final) and os.listdir(final):
+                raise ValueError(f"{label} {final!r} was filled by another run while this one worked; pass "
+                                 f"{force_flag} to replace it, or pick another directory")
+            os.chmod(tmp, creation_mode())
+            _swap_in(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
-__all__ = ["check_out_dir", "creation_mode", "looks_like_checkpoint", "staged_dir"]
+__all__ = ["check_out_dir", "creation_mode", "looks_like_checkpoint", "output_lock", "staged_dir"]

@@ -145,6 +145,7 @@ def convert_checkpoint(
     device: str = "cpu",
     overwrite: bool = False,
     progress: Callable[[int, int, int], None] | None = None,
+    names: tuple[str, str, str] = ("hf_dir", "out_dir", "overwrite=True"),
 ) -> ConvertReport:
     """Quantise an HF BF16 safetensors checkpoint into `fmt` ('fp8-block', 'int8-w8a8',
     'int8-ct', 'int4-group' or a QuantSpec).
@@ -162,11 +163,14 @@ def convert_checkpoint(
     `overwrite`, a non-empty `out_dir` is replaced only if it holds a checkpoint (config.json +
     *.safetensors), and only after the new one is complete. A NaN/inf in any floating tensor,
     quantised or passed through, is refused naming the tensor and its file. ``progress(done, total,
-    bytes_read)`` is called after each source tensor.
+    bytes_read)`` is called after each source tensor. ``names``: how errors name the source, the output and
+    the overwrite switch (the CLI passes ``("HF_DIR", "OUT_DIR", "--force")``). Two conversions into one
+    `out_dir` cannot both succeed: the second is refused while the first runs (``_outdir.output_lock``).
     """
     src, dst = os.fspath(hf_dir), os.fspath(out_dir)
     spec = as_spec(fmt)
-    dst_real = check_out_dir(src, dst, overwrite, label="out_dir", src_label="hf_dir", force_flag="overwrite=True")
+    src_label, out_label, force_flag = names
+    dst_real = check_out_dir(src, dst, overwrite, label=out_label, src_label=src_label, force_flag=force_flag)
     files = check_source(src, label="hf_dir")
     if "config.json" not in files:
         raise ValueError(f"{src}: no config.json; expected an HF checkpoint directory")
@@ -178,7 +182,7 @@ def convert_checkpoint(
     report = ConvertReport(fmt=spec.fmt, out_dir=dst)
     # Written into a private temporary directory beside out_dir and moved into place only when
     # complete: a failure or Ctrl-C leaves the previous out_dir (if any) untouched.
-    with staged_dir(dst_real) as work:
+    with staged_dir(dst_real, overwrite, label=out_label, force_flag=force_flag) as work:
         _write_converted(src, files, work, spec, config, report, max_shard_bytes, device, progress)
     report.files = sorted(os.listdir(dst_real))
     return report

@@ -108,7 +108,8 @@ def main_quantize(argv: Sequence[str] | None = None) -> int:
         spec = make_spec(ns.fmt, block_size=tuple(ns.block_size), group_size=ns.group_size,
                          symmetric=not ns.asymmetric, numerics=ns.numerics)
         report = convert_checkpoint(ns.hf_dir, ns.out_dir, spec, max_shard_bytes=int(ns.max_shard_gb * 1024**3),
-                                    overwrite=ns.force, progress=Progress(f"quantize {ns.fmt}"))
+                                    overwrite=ns.force, progress=Progress(f"quantize {ns.fmt}"),
+                                    names=("HF_DIR", "OUT_DIR", "--force"))
     except ValueError as exc:
         return _fail(str(exc))
     except OSError as exc:

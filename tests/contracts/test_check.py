@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from conftest import need
+
+need("transformers")
 
 from slime_ascend.contracts.check import (  # noqa: E402
     DEFAULT_THRESHOLDS,

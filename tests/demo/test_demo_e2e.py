@@ -11,9 +11,10 @@ import os
 
 import pytest
 
-pytest.importorskip("ray")
-pytest.importorskip("transformers")
-pytest.importorskip("matplotlib")
+from conftest import need
+
+for package in ("ray", "transformers", "matplotlib"):
+    need(package)
 
 STEPS = 24
 REWARD_MARGIN = 0.10  # mean reward of the last 4 steps minus the first 4 steps

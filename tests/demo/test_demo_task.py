@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from conftest import need
 from slime_ascend.demo.task import (
     DOMAINS,
     DigitsEnv,
@@ -64,7 +65,7 @@ def test_transcripts_supervise_the_answer_then_eos():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    pytest.importorskip("transformers")
+    need("transformers")
     from slime_ascend.demo.task import prepare_checkpoints
 
     return prepare_checkpoints(tmp_path_factory.mktemp("ckpt"), seed=5)
@@ -93,7 +94,7 @@ def test_checkpoints_are_deterministic_given_the_seed(checkpoints, tmp_path):
 
 
 def test_soft_label_sft_reaches_the_requested_probability():
-    pytest.importorskip("transformers")
+    need("transformers")
     from slime_ascend.demo.task import _answer_prob, _sft
     from slime_ascend.rollout.reference.model import build_byte_tokenizer, load_model
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
+from conftest import need
 
-pytest.importorskip("matplotlib")
+need("matplotlib")
 
 from slime_ascend.demo import plots  # noqa: E402
 

@@ -229,7 +229,7 @@ def test_freeze_indexer_keeps_working(indexer):
 
 def test_plugin_installs_it_when_slimes_indexer_is_imported(monkeypatch):
     from slime_ascend.dsa.plugin import PLUGIN
-    from slime_ascend.plugins import patch_plan
+    from slime_ascend.startup import patch_plan
 
     _stub_tilelang_kernels(monkeypatch)
     try:

@@ -49,8 +49,6 @@ def _model(path: Path, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def standin_root(tmp_path_factory) -> Path:
-    pytest.importorskip("megatron.training", reason="megatron-core with megatron.training is not installed")
-    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
     root = tmp_path_factory.mktemp("standin")
     tiny = _model(root / "tiny")
     teachers = root / "teachers"

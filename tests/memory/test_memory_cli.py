@@ -85,7 +85,7 @@ def test_missing_config(tmp_path, capsys):
     assert "--config" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{not json")
     assert cli.main(["memory", "--config", str(tmp_path)]) == 2
-    assert "not readable JSON" in capsys.readouterr().err
+    assert "is not valid JSON" in capsys.readouterr().err
 
 
 def test_the_command_imports_no_torch(tmp_path):

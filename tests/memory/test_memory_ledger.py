@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from conftest import need
 from slime_ascend.memory.ledger import (
     CATEGORIES, Layout, ModelShape, build_ledger, layer_activation_bytes, layer_params, model_state_bytes_per_param,
     param_count, param_shapes,
@@ -30,14 +31,14 @@ def test_tiny_param_count_by_hand_and_by_shapes():
 
 
 def test_tiny_param_count_matches_transformers():
-    pytest.importorskip("transformers")
+    need("transformers")
     from slime_ascend.rollout.reference.model import load_model
 
     assert load_model(None).num_parameters() == param_count(ModelShape.from_hf(TINY))
 
 
 def test_moe_and_mla_counts_match_transformers_state_dict():
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     from transformers import AutoModelForCausalLM
 
     cfgs = [transformers.Qwen3MoeConfig(

@@ -45,7 +45,6 @@ def test_read_probe_takes_step_1_of_each_rollout(tmp_path):
 
 @pytest.mark.slime
 def test_rollouts_load_in_slime_as_one_micro_batch_per_step(tmp_path):
-    pytest.importorskip("torch")
     from slime.observability.rollout_data_utils import load_debug_rollout_data
 
     template = measure.write_rollouts(tmp_path, [2048, 8192], vocab=1024)

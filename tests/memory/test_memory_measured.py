@@ -24,7 +24,6 @@ TOKENS = [2048, 8192]
 
 @pytest.fixture(scope="module", params=[SMALL, LARGER])
 def comparisons(request, tmp_path_factory):
-    pytest.importorskip("megatron.training", reason="megatron-core with megatron.training is not installed")
     return compare(request.param, TOKENS, work=tmp_path_factory.mktemp(request.param))
 
 

@@ -42,7 +42,8 @@ def test_peak_sees_a_freed_buffer_and_resets():
 
 
 def test_model_state_counts_each_storage_once():
-    torch = pytest.importorskip("torch")
+    import torch
+
     model = torch.nn.Linear(10, 20)                   # 220 fp32 parameters: 880 B
     model.weight.main_grad = torch.zeros(20, 10)      # Megatron's fp32 grad buffer for the weight: 800 B
     opt = torch.optim.Adam(model.parameters())
@@ -54,7 +55,8 @@ def test_model_state_counts_each_storage_once():
 
 
 def test_hook_writes_one_line_per_step_and_nothing_without_its_env(tmp_path, monkeypatch):
-    torch = pytest.importorskip("torch")
+    import torch
+
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monkeypatch.delenv(probe.ENV, raising=False)

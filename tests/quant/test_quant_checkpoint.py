@@ -11,13 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import need
 from slime_ascend.quant import (
     FORMATS, convert_checkpoint, format_from_checkpoint, load_state_dict_dequantized, quantize_named_params,
     spec_from_checkpoint, verify_against_checkpoint, verify_named_tensors, verify_tensor,
 )
 from slime_ascend.quant.checkpoint import CheckpointReader
 
-transformers = pytest.importorskip("transformers")
+transformers = need("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -256,15 +257,11 @@ def test_unquantised_checkpoint_loads_as_is(tiny_qwen3):
 @pytest.mark.parametrize("fmt", ["int8-ct", "int4-group"])
 def test_ct_checkpoint_loads_in_transformers(fmt, tiny_qwen3, tmp_path):
     """transformers + compressed-tensors load our checkpoint and decompress it to our values."""
-    pytest.importorskip("compressed_tensors")
+    need("compressed_tensors")
     out = tmp_path / "ct"
     convert_checkpoint(tiny_qwen3, out, fmt)
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            out, torch_dtype=torch.bfloat16,
-            quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
-    except Exception as e:  # pragma: no cover - depends on the transformers/compressed-tensors pairing
-        pytest.skip(f"transformers cannot load compressed-tensors checkpoints here: {type(e).__name__}: {e}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, torch_dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
     sd = model.state_dict()
     deq = load_state_dict_dequantized(out, dtype=torch.bfloat16)
     w = sd["model.layers.0.mlp.down_proj.weight"]

@@ -19,12 +19,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import need
 from slime_ascend.quant import fused as F
 from slime_ascend.quant import make_spec, quantize_param
 from slime_ascend.quant import native as N
 from slime_ascend.quant.int_quant import quantize_int
 
-ct = pytest.importorskip("compressed_tensors")
+ct = need("compressed_tensors")
 from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from conftest import need
 from slime_ascend.quant import (
     ascend_quant_description, ct_int4_quantization_config, ct_int8_quantization_config,
     format_from_quantization_config, fp8_block_quantization_config, spec_from_quantization_config,
@@ -14,7 +15,7 @@ from slime_ascend.quant import (
 
 
 def library_config(preset: str, fmt: str, ignore, tmp_path):
-    ct = pytest.importorskip("compressed_tensors")
+    ct = need("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 

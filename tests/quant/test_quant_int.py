@@ -7,11 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import need
 from slime_ascend.quant import dequantize_int, make_spec, pack_int4, quantize_int, quantize_param, unpack_int4
 from slime_ascend.quant.int_quant import IntQuantized, pack_int4_zero_point, unpack_int4_zero_point
 from slime_ascend.quant.params import dequantize_param
 
-ct = pytest.importorskip("compressed_tensors")
+ct = need("compressed_tensors")
 from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402

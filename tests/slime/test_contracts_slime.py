@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from slime_ascend.algorithms.cp import cp_slice
 from slime_ascend.algorithms.masks import DIS_PRESETS, dis_policy_loss
-from slime_ascend.offpolicy import hooks as staleness_hook
+from slime_ascend.offpolicy import staleness as staleness_hook
 from slime_ascend.offpolicy.plugin import DIS, ICEPOP, STALENESS
 
 pytestmark = pytest.mark.slime
@@ -137,7 +137,7 @@ def test_icepop_through_policy_loss_function_equals_slimes_icepop(mpu_state, see
 def test_icepop_direct_call_equals_slimes_icepop_function():
     from slime.backends.megatron_utils.loss import icepop_function
 
-    from slime_ascend.offpolicy.hooks import CPContext, icepop_apply
+    from slime_ascend.offpolicy.tis import CPContext, icepop_apply
 
     g = torch.Generator().manual_seed(5)
     rl = [3, 9, 4]

@@ -181,7 +181,8 @@ def test_samples_flow_through_slimes_converter_and_dp_split():
         assert t.tolist() == pytest.approx(expected[i])
     assert train_data["metadata"][0] == {"opd_teacher": "t", "opd_coef": 1.0}
 
-    ray = pytest.importorskip("ray")
+    import ray
+
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         refs = RolloutManager._split_train_data_by_dp(fake, train_data)

@@ -40,13 +40,7 @@ def mpu():
 
 @pytest.fixture
 def actor_module():
-    """slime's actor module (torch_memory_saver is a CUDA-only extra: stubbed when absent)."""
-    try:
-        import torch_memory_saver  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("torch_memory_saver")
-        stub.torch_memory_saver = types.SimpleNamespace()
-        sys.modules["torch_memory_saver"] = stub
+    """slime's actor module."""
     import slime.backends.megatron_utils.actor as actor
 
     return actor
@@ -127,8 +121,8 @@ class Scheduler:
 
 @pytest.mark.parametrize("k,schedule,advance", [(2, "per_rollout", 1), (3, "per_pass", 3), (1, "per_rollout", 1)])
 def test_patched_train_critic_runs_train_k_times(mpu, actor_module, args, monkeypatch, k, schedule, advance):
-    from slime_ascend.plugins import early
     from slime_ascend.sao import critic as sao_critic
+    from slime_ascend.startup import early
 
     counting = CountingTrain()
     monkeypatch.setattr(actor_module, "train", counting)

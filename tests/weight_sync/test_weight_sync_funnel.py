@@ -167,15 +167,15 @@ def test_int4_numerics_setting_changes_the_bytes(ckpts):
 
 @pytest.mark.parametrize("plugin", ["fp8-sync", "int8-sync", "int4-sync"])
 def test_an_unquantised_engine_checkpoint_stops_the_driver_in_one_line(plugin, ckpts, capsys):
-    """Checked where the driver first holds args (slime's parse_args, wrapped by plugins.early), so the job stops
+    """Checked where the driver first holds args (slime's parse_args, wrapped by driver.validate_at_parse_args), so the job stops
     before Ray and the engines start, not as a Ray traceback from the train actor's megatron_init."""
-    from slime_ascend.plugins import early
+    from slime_ascend.startup import early
 
     args = fresh(sync_args(plugin, ckpts["hf"]))
     with pytest.raises(SettingsError, match="is unquantised"):
         runtime.check(args)
     with pytest.raises(SystemExit) as info:
-        early._driver_parse_args(lambda: args)()
+        early.entered(args, "driver")  # what the driver.validate_at_parse_args patch runs on parse_args' result
     assert info.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"slime-ascend: error: plugin {plugin!r} syncs") and "Fix:" in lines[0]
