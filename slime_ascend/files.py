@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_JSON_BYTES", "check_regular_file", "read_json_object", "read_regular_file"]
+__all__ = ["MAX_JSON_BYTES", "check_regular_file", "read_json_object", "read_regular_file", "regular_files"]
 
 MAX_JSON_BYTES = 16 * 1024 * 1024  # config.json and friends; real ones are a few KiB
 _READ_CHUNK = 8 * 1024 * 1024
@@ -81,3 +81,12 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(value).__name__}")
     return value
+
+
+def regular_files(directory: str | Path, pattern: str) -> list[Path]:
+    """The sorted entries of ``directory`` matching ``pattern``, each checked to be a regular file (``ValueError``
+    naming the first that is not: a FIFO would block its reader, a device would be read without end)."""
+    files = sorted(Path(directory).glob(pattern))
+    for f in files:
+        check_regular_file(f)  # never blocks: opened O_NONBLOCK, checked with fstat
+    return files

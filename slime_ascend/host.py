@@ -9,8 +9,17 @@ from __future__ import annotations
 import importlib.util
 
 
+def module_installed(name: str) -> bool:
+    """Whether module ``name`` can be found, without importing it (False where its parent is missing, or where
+    ``sys.modules`` holds None for it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def torch_npu_installed() -> bool:
-    return importlib.util.find_spec("torch_npu") is not None
+    return module_installed("torch_npu")
 
 
 def on_host() -> bool:

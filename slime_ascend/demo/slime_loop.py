@@ -50,17 +50,9 @@ SLIME_DEPENDENCIES = ("ray", "megatron.training", "sglang", "sglang_router", "tr
 
 
 def missing_dependencies() -> list[str]:
-    import importlib.util
+    from ..host import module_installed
 
-    missing = []
-    for name in SLIME_DEPENDENCIES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
+    return [name for name in SLIME_DEPENDENCIES if not module_installed(name)]
 
 
 def resolve_slime(explicit: str | None) -> tuple[Path | None, str]:

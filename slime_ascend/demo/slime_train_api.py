@@ -35,16 +35,9 @@ def slime_importable() -> bool:
     mod = sys.modules.get("slime")
     if mod is not None:
         return not getattr(mod, "__slime_ascend_standin__", False)
-    return importlib.util.find_spec("slime") is not None and _found("megatron")
+    from ..host import module_installed
 
-
-def _found(module: str) -> bool:
-    if module in sys.modules:
-        return sys.modules[module] is not None
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+    return module_installed("slime") and module_installed("megatron")
 
 
 def _responses(logits: torch.Tensor, args: Any, unconcat_tokens: Sequence[torch.Tensor],

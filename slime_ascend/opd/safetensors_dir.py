@@ -17,12 +17,9 @@ __all__ = ["safetensors_files", "validate_safetensors_dir", "read_safetensors_di
 def safetensors_files(ckpt_dir: Path | str) -> list[Path]:
     """Sorted ``*.safetensors`` files of a checkpoint directory; ``ValueError`` naming the first one that is not
     a regular file (a FIFO would block the reader for ever, a device would be read without end)."""
-    from ..files import check_regular_file
+    from ..files import regular_files
 
-    files = sorted(Path(ckpt_dir).glob("*.safetensors"))
-    for f in files:
-        check_regular_file(f)  # never blocks: opened O_NONBLOCK, checked with fstat
-    return files
+    return regular_files(ckpt_dir, "*.safetensors")
 
 
 def validate_safetensors_dir(ckpt_dir: Path | str) -> int:

@@ -24,7 +24,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slime_ascend import files
-from slime_ascend.rollout.reference import model as reference_model
 from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.reference.engine import ReferenceEngine
 from slime_ascend.rollout.reference.model import save_model

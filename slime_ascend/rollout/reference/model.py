@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ...files import MAX_JSON_BYTES, check_regular_file, read_json_object, read_regular_file  # noqa: F401
+from ...files import MAX_JSON_BYTES, check_regular_file, read_json_object, read_regular_file, regular_files  # noqa: F401
 
 __all__ = [
     "TINY_QWEN3_KWARGS",
@@ -194,7 +194,7 @@ def is_quantized_checkpoint(model_dir: str | Path) -> bool:
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
     """The ``*.safetensors`` files of ``model_dir``, each checked to be a regular file (ValueError otherwise)."""
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = regular_files(model_dir, "*.safetensors")
     if not files:
         bins = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
         if bins:
@@ -203,8 +203,6 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
                 "engine loads safetensors only. Convert with `save_pretrained(..., safe_serialization=True)`."
             )
         raise ValueError(f"model_dir {str(model_dir)!r} contains no *.safetensors weight files.")
-    for path in files:
-        check_regular_file(path)
     return files
 
 
