@@ -120,8 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands whose module owns its own argument parser: ``slime-ascend NAME ARGS...`` calls
 # ``function(ARGS)`` (imported only when used).
 PASSTHROUGH: dict[str, tuple[str, str]] = {
-    "serve-reference": ("slime_ascend.rollout.reference.cli:serve_reference",
-                        "serve a CPU reference engine over SGLang's HTTP API (loopback by default)"),
+    "serve-torch": ("slime_ascend.rollout.torch_engine.cli:serve_torch",
+                    "serve the torch engine (transformers' models in plain torch) over SGLang's HTTP API "
+                    "(loopback by default)"),
+    "serve-reference": ("slime_ascend.rollout.torch_engine.cli:serve_torch",
+                        "old name of serve-torch (the engine is not the RL reference model)"),
     "check": ("slime_ascend.contracts.check_cli:main",
               "numerical-contract report on this device (log-prob mismatch, DIS/IcePop, top-k determinism)"),
     "quantize": ("slime_ascend.quant.cli:main_quantize",
@@ -134,7 +137,7 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
                "peak memory per role (actor, critic, reference, rollout, teachers), object by object, for a config "
                "and layout"),
     "demo": ("slime_ascend.demo.cli:main",
-             "the embedded closed loop on this machine (Ray, reference engine, tiny policy, every plugin)"),
+             "the embedded closed loop on this machine (Ray, torch engine, tiny policy, every plugin)"),
 }
 
 

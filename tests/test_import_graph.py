@@ -12,9 +12,9 @@ The graph is read statically (``ast``), so it sees every import whether or not i
   package's own modules).
 
 Files: one node per ``.py`` file. Folders, checked twice: one node per top-level package (``rollout``, with
-``rollout/reference`` inside it: the feature and layer boundaries; this is where a ledger that loads its patches
+``rollout/torch_engine`` inside it: the feature and layer boundaries; this is where a ledger that loads its patches
 by name and patches that import features meet the features' own imports), and one node per package folder at
-its full depth (``rollout`` and ``rollout/reference`` are two). A package's ``__init__.py`` belongs to its own
+its full depth (``rollout`` and ``rollout/torch_engine`` are two). A package's ``__init__.py`` belongs to its own
 folder (it is that package: importing a name from it depends on the folder). The files directly in
 ``slime_ascend/`` are not a folder here: that folder is the whole package (its modules are entry points and
 bottom-level helpers reached from every folder), so each of them is its own node in the folder graphs too. An

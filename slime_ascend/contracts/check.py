@@ -56,7 +56,7 @@ from slime_ascend.algorithms.dsa_topk import deterministic_topk, index_set_agree
 from slime_ascend.algorithms.masks import DIS_PRESETS, dis_mask, icepop_weights
 from slime_ascend.algorithms.mismatch import mismatch_stats
 from slime_ascend.algorithms.topk import deterministic_topk_indices, replay_topk_indices
-from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
+from slime_ascend.rollout.torch_engine.model import TINY_QWEN3_KWARGS
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
@@ -93,7 +93,7 @@ DSA_SHAPE: tuple[int, int, int, int] = (512, 8, 32, 64)
 #:   dsa_bf16_noise: the bf16 DSA indexer path's scores get N(0, (0.005 std)²) noise (std: the scores').
 INJECTIONS = ("logprob_noise", "logprob_nan", "topk_unstable", "dsa_merge_unstable", "dsa_bf16_noise")
 
-# the reference engine's tiny model, with a shorter context and a wider init (the default init gives
+# the torch engine's tiny model, with a shorter context and a wider init (the default init gives
 # near-uniform log-probs, which would make every numeric path look alike)
 _TINY = dict(TINY_QWEN3_KWARGS, max_position_embeddings=256, initializer_range=0.1)
 _DIS_PRESET = "glm5"

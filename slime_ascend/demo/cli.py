@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="slime-ascend demo",
         description="Run slime's RL loop on this machine: in slime's own train_async.py when slime is available "
-                    "(--slime-src), else in miniature on a local Ray cluster: rollout on the reference engine, "
+                    "(--slime-src), else in miniature on a local Ray cluster: rollout on the torch engine, "
                     "rewards from a digits task, a tiny policy and critic trained through the enabled plugins' "
                     "hooks, and an online-quantised weight sync after every update.",
     )

@@ -123,7 +123,7 @@ def build_args(cfg: DemoConfig, plugins: tuple[str, ...], paths: dict[str, str],
     """slime-shaped args: slime defaults for the flags the hooks read, then the plugins' YAML on top."""
     import yaml
 
-    from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
+    from slime_ascend.rollout.torch_engine.model import TINY_QWEN3_KWARGS
 
     host, port = urls["engine"].removeprefix("http://").rsplit(":", 1)
     args = argparse.Namespace(

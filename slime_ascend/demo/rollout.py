@@ -1,6 +1,6 @@
 """The demo's rollout side: engines, generation and rewards the way slime's RolloutManager runs them.
 
-:class:`RolloutWorker` hosts two reference engines over SGLang's HTTP API on loopback: the policy's
+:class:`RolloutWorker` hosts two torch engines over SGLang's HTTP API on loopback: the policy's
 (rollout) engine and the teacher engine that the opd plugin's TeacherPool switches between the two
 teachers with ``/update_weights_from_disk``. Per rollout step it mirrors slime's
 ``generate_and_rm``: ``hooks.generate`` (the compaction plugin's segmenting generate) or, without a
@@ -108,13 +108,13 @@ class RolloutWorker:
     def __init__(self, policy_dir: str, teacher_dir: str, seed: int) -> None:
         import torch
 
-        from slime_ascend.rollout.reference.engine import ReferenceEngine
+        from slime_ascend.rollout.torch_engine.engine import TorchEngine
 
         torch.set_num_threads(1)
         self.seed = seed
         self._stack = contextlib.ExitStack()
-        self.engine = ReferenceEngine(policy_dir, seed=seed)
-        self.teacher_engine = ReferenceEngine(teacher_dir, seed=seed + 1)
+        self.engine = TorchEngine(policy_dir, seed=seed)
+        self.teacher_engine = TorchEngine(teacher_dir, seed=seed + 1)
         self.engine_url = self._stack.enter_context(self.engine.start_in_thread())
         self.teacher_url = self._stack.enter_context(self.teacher_engine.start_in_thread())
         # generation runs on one persistent event loop in its own thread (Ray may run actor methods

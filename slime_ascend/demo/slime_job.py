@@ -1,7 +1,7 @@
 """Run slime's own ``train.py`` / ``train_async.py`` on this CPU with the ``cpu`` plugin.
 
 A tiny Qwen3 (vocab 1024, hidden 64, 2 layers) and a byte-level tokenizer are made locally, a
-prompt set is written as JSONL, reference engines serve on 127.0.0.1 (slime reaches them through its
+prompt set is written as JSONL, torch engines serve on 127.0.0.1 (slime reaches them through its
 own sglang router, ``--rollout-external-engine-addrs``), and weights sync through
 ``--update-weight-transport disk``. Nothing of slime or Megatron is edited; slime is found by
 :func:`slime_src`. Used by ``slime-ascend demo --slime-src`` and by ``tests/e2e``.
@@ -92,7 +92,7 @@ def make_model(out_dir: Path, seed: int = 0, moe: bool = False) -> Path:
     HF safetensors directory (bf16 weights)."""
     import torch
 
-    from slime_ascend.rollout.reference.model import build_byte_tokenizer, load_model, save_model
+    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
 
     if (out_dir / "config.json").is_file():
         return out_dir
@@ -124,12 +124,12 @@ class Engine:
 
 
 def start_engine(model_dir: Path, log: Path, timeout: float = 120) -> Engine:
-    """``slime-ascend serve-reference`` on 127.0.0.1, waited for until /health answers."""
+    """``slime-ascend serve-torch`` on 127.0.0.1, waited for until /health answers."""
     from slime_ascend.json_client import JSONRequestError, request_json
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
-    cmd = [sys.executable, "-m", "slime_ascend.cli", "serve-reference", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port)]
     fh = log.open("w")
     proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent),
@@ -138,13 +138,13 @@ def start_engine(model_dir: Path, log: Path, timeout: float = 120) -> Engine:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"reference engine exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"torch engine exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
         with contextlib.suppress(JSONRequestError):
             request_json(url + "/health", timeout_s=2)
             return Engine(url, proc, log)
         time.sleep(0.3)
     stop(proc)
-    raise RuntimeError(f"reference engine did not answer /health within {timeout}s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"torch engine did not answer /health within {timeout}s:\n{log.read_text()[-3000:]}")
 
 
 def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
@@ -162,7 +162,7 @@ def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
 
 def slime_flags(model_dir: Path, prompts: Path, engines: list[Engine], work: Path, *, num_rollout: int = 2,
                 batch: int = 4, n_samples: int = 2, max_response: int = 8) -> list[str]:
-    """A GRPO job on the tiny model: one train actor on the host, external reference engine(s)."""
+    """A GRPO job on the tiny model: one train actor on the host, external torch engine(s)."""
     disk = work / "weights"
     disk.mkdir(exist_ok=True)
     flags = f"""

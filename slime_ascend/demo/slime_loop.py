@@ -4,7 +4,7 @@ The same task as the miniature loop (:mod:`.task`: the tiny Qwen3 policy that kn
 but hedges, two domain-expert teachers of the same origin, the digits environment with long
 episodes that need compaction), the same plugins, run by stock slime on this CPU with the ``cpu``
 plugin: RayTrainGroup, the RolloutManager, slime's sglang router, a Megatron actor (and critic, for
-SAO), weight updates to the reference engine through ``--update-weight-transport disk``.
+SAO), weight updates to the torch engine through ``--update-weight-transport disk``.
 
 Everything reported comes from slime's own output: the metric dicts slime logs per rollout and per
 train step (``rollout N: {...}``, ``step N: {...}``, ``perf N: {...}``), its log lines and the files
@@ -267,7 +267,7 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
                 log(f"set up {plugin} in {time.perf_counter() - t0:.1f}s")
         t0 = time.perf_counter()
         engine = start_engine(Path(job.paths.get("engine_checkpoint", paths["policy"])), out / "engine.log")
-        log(f"reference engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
+        log(f"torch engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
         job.engines.append(engine)
         generated = write_yaml(plugins, job.yaml, out / "ascend.yaml")
         own = {**_base_flags(cfg, job, engine), **job.flags}  # the demo's values, then the plugins' other flags

@@ -320,7 +320,7 @@ def prepare_checkpoints(out_dir: str | Path, seed: int, *, sft_lr: float = 3e-3,
 
     import torch
 
-    from slime_ascend.rollout.reference.model import build_byte_tokenizer, load_model, save_model
+    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
 
     out_dir = Path(out_dir)
     tok = build_byte_tokenizer()
@@ -349,7 +349,7 @@ def prepare_checkpoints(out_dir: str | Path, seed: int, *, sft_lr: float = 3e-3,
 
 def checkpoint_answer_probs(dirs: dict[str, str]) -> dict[str, dict[str, float]]:
     """Mean p(right answer) of each checkpoint per domain over :func:`task_transcripts`."""
-    from slime_ascend.rollout.reference.model import build_byte_tokenizer, load_model
+    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model
 
     tok = build_byte_tokenizer()
     examples = task_transcripts(tok)

@@ -108,7 +108,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, policy_dir: str, out_dir: str, *, lr: float, critic_lr: float,
                  seed: int, sync_format: str | None, lr_warmup_steps: int = 0) -> None:
-        from slime_ascend.rollout.reference.model import load_model
+        from slime_ascend.rollout.torch_engine.model import load_model
         from slime_ascend.sao.freeze import matching_names
 
         torch.set_num_threads(1)
@@ -303,6 +303,6 @@ class Trainer:
                 "sync_export_s": time.perf_counter() - t0}
 
     def save_final(self, path: str) -> str:
-        from slime_ascend.rollout.reference.model import build_byte_tokenizer, save_model
+        from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, save_model
 
         return str(save_model(self.policy, path, build_byte_tokenizer()))

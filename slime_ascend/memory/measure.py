@@ -42,7 +42,7 @@ HOOK = "slime_ascend.memory.probe.before_train_step"
 SMALL = "tiny-qwen3"
 LARGER = "qwen3-h256-l4"
 MODELS: dict[str, dict[str, Any]] = {
-    SMALL: {},  # slime_ascend.rollout.reference.model.TINY_QWEN3_KWARGS
+    SMALL: {},  # slime_ascend.rollout.torch_engine.model.TINY_QWEN3_KWARGS
     LARGER: dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=4096, max_position_embeddings=8192),
 }
@@ -125,7 +125,7 @@ def model_config(model: str | dict[str, Any]) -> dict[str, Any]:
     """The HF config of a model of :data:`MODELS` (the tiny Qwen3's fields, overridden), or ``model`` itself."""
     if isinstance(model, dict):
         return model
-    from ..rollout.reference.model import TINY_QWEN3_KWARGS
+    from ..rollout.torch_engine.model import TINY_QWEN3_KWARGS
 
     return dict(TINY_QWEN3_KWARGS, **MODELS[model], model_type="qwen3")
 
@@ -150,7 +150,7 @@ def make_checkpoint(cfg: dict[str, Any], out_dir: Path) -> tuple[Path, dict[str,
     """A random Qwen3 HF checkpoint of ``cfg`` (bf16, a byte-level tokenizer of its vocab) and its config.json."""
     import torch
 
-    from ..rollout.reference.model import build_byte_tokenizer, save_model, tiny_qwen3_config
+    from ..rollout.torch_engine.model import build_byte_tokenizer, save_model, tiny_qwen3_config
 
     overrides = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype",
                                                              "transformers_version", "_name_or_path")}

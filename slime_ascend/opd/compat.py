@@ -48,7 +48,7 @@ all: ``strict`` (refuse to start), ``warn`` (log the mismatches and go on), ``of
 
 A teacher served at a URL whose ``checkpoint_dir`` is not a local directory is asked at its engine, all
 its requests under one deadline (``timeout_s``): ``/model_info`` and ``/server_info`` (``model_path``,
-``tokenizer_path``; ``vocab_size`` where the engine reports it, as the reference engine does); a
+``tokenizer_path``; ``vocab_size`` where the engine reports it, as the torch engine does); a
 ``tokenizer_path`` or ``model_path`` that is a directory here is then fingerprinted like a checkpoint.
 Otherwise the engine is probed (:mod:`.engine_probe`: it tokenizes the student's special tokens and fixed
 texts, applies its chat template to a fixed conversation, scores a short prefix, and shows its vocabulary

@@ -18,7 +18,7 @@ with what the student's tokenizer does with the same fixed probe set:
   (``max_new_tokens`` 0, ``return_logprob``, ``logprob_start_len`` 0): one ``input_token_logprobs`` entry
   per id, the same ids, finite log-probs after the first -> field ``scoring``.
 * The vocabulary bound (the largest id the engine can score or return): the engine's ``vocab_size`` when
-  ``/server_info`` reports one (the reference engine does; :mod:`.compat` compares it). Otherwise through
+  ``/server_info`` reports one (the torch engine does; :mod:`.compat` compares it). Otherwise through
   ``token_ids_logprob``, which SGLang checks against the model's ``vocab_size`` before it runs anything
   (managers/tokenizer_manager.py:1074-1092: HTTP 400 outside ``[0, vocab_size)``): the scoring request asks
   for id ``V - 1`` (``V``: the student's vocab_size), so an engine with a smaller vocabulary refuses it

@@ -2,7 +2,7 @@
 :class:`~slime_ascend.rollout.sglang_protocol.SGLangEngine` (stdlib only; binds 127.0.0.1 unless told otherwise).
 
 A thread per connection, and every connection bounded by a limit that names its flag
-(``slime-ascend serve-reference`` and the vLLM adapter take the same flags, :func:`add_server_flags`):
+(``slime-ascend serve-torch`` and the vLLM adapter take the same flags, :func:`add_server_flags`):
 
 * **receiving a request** (and idle between requests): each read waits at most ``--timeout`` s, and the whole
   request (request line, headers, body) must arrive within ``--request-timeout`` s of its first byte, so a

@@ -1,7 +1,7 @@
 """SGLang's HTTP surface as a protocol: what an engine implements, the request checks both engines share,
 and the route table mapping SGLang's endpoint names onto an engine (stdlib only; no sockets here).
 
-One route table for the CPU reference engine (:mod:`slime_ascend.rollout.reference.engine`) and the
+One route table for the torch engine (:mod:`slime_ascend.rollout.torch_engine.engine`) and the
 vLLM adapter (:mod:`slime_ascend.rollout.backends.vllm_ascend`); :mod:`slime_ascend.rollout.http_server`
 serves it. Endpoints (the ones slime's rollout, external-engine discovery and weight sync call):
 
@@ -13,7 +13,7 @@ serves it. Endpoints (the ones slime's rollout, external-engine discovery and we
   for an engine without them), ``/post_process_weights`` (a no-op)
 * ``POST /update_weights_from_distributed``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
   ``/destroy_weights_update_group``: 501 (disk sync only).
-* ``POST /tokenize``, ``/v1/tokenize`` for an engine with a ``tokenize`` method (the reference engine;
+* ``POST /tokenize``, ``/v1/tokenize`` for an engine with a ``tokenize`` method (the torch engine;
   the OPD teacher check asks a remote teacher's engine through it): SGLang's request and answer.
 
 Client errors (:class:`RequestError`, the one error type of both engines) answer 4xx/5xx with

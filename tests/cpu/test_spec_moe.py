@@ -15,7 +15,7 @@ pytest.importorskip("slime.backends.megatron_utils.hf_to_megatron", reason="real
 
 from conftest import single_process_megatron  # noqa: E402
 from slime_ascend.cpu import spec  # noqa: E402
-from slime_ascend.rollout.reference.model import TINY_QWEN3_MOE_KWARGS, load_model, save_model  # noqa: E402
+from slime_ascend.rollout.torch_engine.model import TINY_QWEN3_MOE_KWARGS, load_model, save_model  # noqa: E402
 
 K = TINY_QWEN3_MOE_KWARGS
 LOGITS_ATOL = 1e-6  # fp32, two implementations: the matmuls summed in another order (measured: 6e-8)

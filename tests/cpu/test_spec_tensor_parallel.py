@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from slime_ascend.rollout.reference.model import tiny_qwen3_config
+    from slime_ascend.rollout.torch_engine.model import tiny_qwen3_config
 
     root = tmp_path_factory.mktemp("tp")
     torch.manual_seed(0)

@@ -50,7 +50,7 @@ def test_episodes_alternate_domains_and_mark_a_fraction_long():
 
 
 def test_transcripts_supervise_the_answer_then_eos():
-    from slime_ascend.rollout.reference.model import build_byte_tokenizer
+    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer
 
     tok = build_byte_tokenizer()
     examples = task_transcripts(tok)
@@ -84,7 +84,7 @@ def test_checkpoints_start_hedging_and_teachers_are_domain_experts(checkpoints):
 
 def test_checkpoints_are_deterministic_given_the_seed(checkpoints, tmp_path):
     from slime_ascend.demo.task import prepare_checkpoints
-    from slime_ascend.rollout.reference.model import load_state_dict_from_dir
+    from slime_ascend.rollout.torch_engine.model import load_state_dict_from_dir
 
     again = prepare_checkpoints(tmp_path, seed=5)
     for name in ("policy", "copy"):
@@ -96,7 +96,7 @@ def test_checkpoints_are_deterministic_given_the_seed(checkpoints, tmp_path):
 def test_soft_label_sft_reaches_the_requested_probability():
     need("transformers")
     from slime_ascend.demo.task import _answer_prob, _sft
-    from slime_ascend.rollout.reference.model import build_byte_tokenizer, load_model
+    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model
 
     tok = build_byte_tokenizer()
     examples = task_transcripts(tok)[:4]

@@ -1,5 +1,5 @@
 """Fixtures shared by the tests of slime's own loop: the tiny Qwen3 (made once per test module) and a
-reference engine serving it on 127.0.0.1 for one test. Imported by name into each test module."""
+torch engine serving it on 127.0.0.1 for one test. Imported by name into each test module."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The ``compaction`` plugin inside slime's own ``train.py`` on this CPU (``cpu`` plugin).
 
 slime's RolloutManager calls the compaction generate hook with its built-in ``kv_lookup`` environment
-against the reference engine (through slime's router); the context budget is small, so every episode
+against the torch engine (through slime's router); the context budget is small, so every episode
 compacts once and comes back as two segments (two ``Sample``s sharing one ``rollout_id``). Evidence
 comes from slime's own output only:
 

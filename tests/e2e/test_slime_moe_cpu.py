@@ -3,7 +3,7 @@
 
 The same seeded, deterministic job as ``test_slime_parallel_cpu`` (its helpers: fp32 training, per-sample
 sampling seeds, a reward of the response, ``--save-debug-train-data``, 2 rollouts), on the MoE checkpoint the
-reference engine serves. EP 2 must reproduce the one-rank run's tokens and train-side log-probs of every
+torch engine serves. EP 2 must reproduce the one-rank run's tokens and train-side log-probs of every
 sample (log-probs to 2e-5 absolute), and its loss and grad norm of each step (1e-4 relative): the experts
 live on two ranks and Megatron's all-to-all dispatcher moves the tokens over gloo. fp32 routing has no ties
 here: the router's top-2 over 4 experts of random weights is decided by margins far above fp32 rounding.
@@ -52,7 +52,7 @@ def moe_reference(moe_model_dir, tmp_path_factory):
 
 
 def test_moe_one_rank_runs_slimes_loop_and_pushes_every_expert(moe_model_dir, moe_reference):
-    from slime_ascend.rollout.reference.model import load_model, validate_state_dict
+    from slime_ascend.rollout.torch_engine.model import load_model, validate_state_dict
 
     work, run = moe_reference
     assert _ranks(run) == 1

@@ -1,6 +1,6 @@
 """The ``opd`` plugin (multi-teacher on-policy distillation) inside slime's own ``train.py`` on this CPU.
 
-Two teachers, each a tiny Qwen3 made with its own seed and served by ``slime-ascend serve-reference``
+Two teachers, each a tiny Qwen3 made with its own seed and served by ``slime-ascend serve-torch``
 on 127.0.0.1:
 
 * ``math`` (coef 1.0) behind a URL: an engine started on the math teacher's checkpoint;

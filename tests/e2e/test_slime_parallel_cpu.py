@@ -2,7 +2,7 @@
 (zig-zag and ``--allgather-cp``) parallelism of the tiny dense Qwen3, each against the one-rank run of the same job
 (DIS and staleness then judge CP-split sequences as one rank judges them whole).
 
-Every run is stock slime with the ``cpu``, ``dis`` and ``staleness`` plugins, the reference engine and disk
+Every run is stock slime with the ``cpu``, ``dis`` and ``staleness`` plugins, the torch engine and disk
 weight updates, 2 rollouts. The runs are made comparable: fp32 training (``bf16: false`` in the
 ``--custom-config-path`` YAML: slime's ``_set_default_megatron_args`` sets ``args.bf16 = not args.fp16``
 whatever the command line says, and in bf16 TP 2's split matmuls round differently: up to 2.6e-3 in the

@@ -3,7 +3,7 @@
 slime's PPO path with its critic role (``--advantage-estimator ppo``, one sample per prompt,
 ``--megatron-config-path`` from ``python -m slime_ascend.sao.critic``): a separate critic Megatron
 actor next to the policy, both behind slime's RayTrainGroup, rollouts through slime's router to the
-reference engine. Evidence comes from slime's own output only:
+torch engine. Evidence comes from slime's own output only:
 
 * K = ``ascend_sao_critic_iters`` critic passes per rollout: slime's ``train`` logs one
   ``critic-step`` metric dict per optimizer step, so K dicts per rollout;

@@ -1,7 +1,7 @@
 """slime's own ``train.py`` and ``train_async.py`` on this CPU with the ``cpu`` plugin.
 
 Each test runs stock slime from ``SLIME_SRC`` (RayTrainGroup, RolloutManager, slime's sglang router,
-a Megatron train actor, disk weight updates) against the reference engine on 127.0.0.1, and reads
+a Megatron train actor, disk weight updates) against the torch engine on 127.0.0.1, and reads
 its evidence from slime's own output: exit code, the step metrics slime logs, the weight versions it
 writes. Reward is slime's ``--rm-type random``, so the policy gradient is not identically zero.
 """
@@ -176,7 +176,7 @@ def test_a_weight_update_one_engine_refuses_leaves_every_engine_on_the_old_versi
     from transformers import AutoModelForCausalLM
 
     from slime_ascend.demo.slime_job import start_engine, stop
-    from slime_ascend.rollout.reference.model import build_byte_tokenizer, save_model, tiny_qwen3_config
+    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, save_model, tiny_qwen3_config
 
     config = tiny_qwen3_config()
     config.intermediate_size = 96  # another shape: version 1 cannot load into it

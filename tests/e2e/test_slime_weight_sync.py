@@ -1,6 +1,6 @@
 """``int8-sync`` and ``fp8-sync`` in slime's own ``train.py`` on this CPU.
 
-The rollout engine (the reference engine on 127.0.0.1) serves a checkpoint made by ``slime-ascend
+The rollout engine (the torch engine on 127.0.0.1) serves a checkpoint made by ``slime-ascend
 quantize`` from the tiny BF16 model; slime trains the BF16 model (``--load``) and, with the sync plugin,
 pushes every weight version in the engine's format through ``--update-weight-transport disk``.
 

@@ -13,7 +13,7 @@ three things standing in for what this host lacks:
 
 What changes for the host, and nothing else: ``npu`` runs as ``cpu,npu`` (npu on the host: the npu
 plugin's own code with the cpu accelerator's device operations), ``sglang-npu`` gives way to the
-package's reference engine (SGLang's HTTP surface; slime reaches it as an external engine, and weights
+package's torch engine (SGLang's HTTP surface; slime reaches it as an external engine, and weights
 travel by disk), every device count and parallel size is 1, and the sizes are one small rollout.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ ONE = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus", "
 # and engines slime starts, and the stand-in's engine is an external one (slime asks an external engine
 # for SGLang's memory saver when colocated)
 DROPPED_SWITCHES = ("--sequence-parallel", "--colocate")
-DROPPED_WITH_VALUE = ("--sglang-mem-fraction-static",)  # an SGLang engine option; the reference engine has none
+DROPPED_WITH_VALUE = ("--sglang-mem-fraction-static",)  # an SGLang engine option; the torch engine has none
 ROLLOUT_BATCH, MAX_SAMPLES, MAX_RESPONSE = 2, 2, 8
 
 
@@ -46,7 +46,7 @@ def _takes_value(argv: list[str], i: int) -> bool:
 
 def rewrite_flags(argv: list[str], engine_addrs: list[str], disk: Path, config: Path | None) -> list[str]:
     """The recipe's slime flags for this host: sizes of one small rollout, every count and parallel size 1,
-    the external reference engine(s) and disk weight transport, the cpu plugin's Megatron flags."""
+    the external torch engine(s) and disk weight transport, the cpu plugin's Megatron flags."""
     out: list[str] = []
     values: dict[str, str] = {}
     i = 0
@@ -116,7 +116,7 @@ def standin_plugins(plugins: list[str]) -> list[str]:
 
 def rewrite_config(src: Path, dst: Path, plugins: list[str], base: Path, start) -> list:
     """The recipe's YAML for this host: the stand-in plugins, the cpu plugin's settings, no sglang-npu
-    settings, and OPD teachers served by reference engines (``start(model_dir)`` starts one and returns
+    settings, and OPD teachers served by torch engines (``start(model_dir)`` starts one and returns
     it). Returns the engines it started."""
     import yaml
 

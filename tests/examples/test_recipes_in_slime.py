@@ -3,7 +3,7 @@
 ``bash run.sh`` as written, from a copy of the recipe's folder, with ``recipe_standin.py`` standing in
 for the cluster (``ray`` on PATH), ``$SLIME_DIR/scripts/models`` (the tiny Qwen3) and ``$BASE`` (its
 checkpoints and prompts): slime's own ``train.py``/``train_async.py`` runs the recipe's flags and YAML
-with ``cpu,npu`` in place of ``npu`` and the reference engine in place of SGLang on NPU.
+with ``cpu,npu`` in place of ``npu`` and the torch engine in place of SGLang on NPU.
 
 What the stand-in cannot give: the MoE recipe's experts (the cpu plugin refuses MoE layers; its tiny
 stand-in model is dense, so that run checks the recipe's flags, YAML and script, not expert parallelism).

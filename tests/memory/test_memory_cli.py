@@ -10,7 +10,7 @@ import pytest
 
 from slime_ascend import cli
 
-from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
+from slime_ascend.rollout.torch_engine.model import TINY_QWEN3_KWARGS
 
 TINY = dict(TINY_QWEN3_KWARGS, model_type="qwen3")
 QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,

@@ -11,7 +11,7 @@ from slime_ascend.memory.ledger import (
     CATEGORIES, Layout, ModelShape, build_ledger, layer_activation_bytes, layer_params, model_state_bytes_per_param,
     param_count, param_shapes,
 )
-from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
+from slime_ascend.rollout.torch_engine.model import TINY_QWEN3_KWARGS
 
 TINY = dict(TINY_QWEN3_KWARGS, model_type="qwen3")
 QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
@@ -32,7 +32,7 @@ def test_tiny_param_count_by_hand_and_by_shapes():
 
 def test_tiny_param_count_matches_transformers():
     need("transformers")
-    from slime_ascend.rollout.reference.model import load_model
+    from slime_ascend.rollout.torch_engine.model import load_model
 
     assert load_model(None).num_parameters() == param_count(ModelShape.from_hf(TINY))
 

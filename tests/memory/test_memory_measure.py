@@ -9,7 +9,7 @@ import pytest
 
 from slime_ascend.demo.slime_job import TINY_QWEN3_ARGS
 from slime_ascend.memory import measure
-from slime_ascend.rollout.reference.model import TINY_QWEN3_KWARGS
+from slime_ascend.rollout.torch_engine.model import TINY_QWEN3_KWARGS
 
 TINY = dict(TINY_QWEN3_KWARGS, model_type="qwen3")
 

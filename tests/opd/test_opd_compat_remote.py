@@ -7,7 +7,7 @@ without ``vocab_size``, ``/tokenize``, ``/generate`` refusing a ``token_ids_logp
 tokenizer read from a checkpoint the driver is then told nothing about. It records every request and marks
 itself *crashed* when asked to embed an input id outside its vocabulary (real SGLang does not check input
 ids: on a GPU that is a device-side assert), so each test also shows the probe never sends one. Then the
-project's reference engine, and the plugin's validation (one line, naming the teacher and the address).
+project's torch engine, and the plugin's validation (one line, naming the teacher and the address).
 """
 
 from __future__ import annotations
@@ -315,22 +315,22 @@ def test_plugin_validation_stops_on_an_unreachable_teacher(ckpts, opd_state):
     assert str(e.value).startswith(f"opd teacher 'code': {url} did not answer /model_info (") and "\n" not in str(e.value)
 
 
-# ---------------------------------------------------------------------------------------------- reference engine
+# ---------------------------------------------------------------------------------------------- torch engine
 @pytest.fixture(scope="module")
 def reference_teacher(ckpts, tmp_path_factory):
-    """The reference engine serving a tiny Qwen3 with the student's tokenizer and vocabulary, whose directory is
+    """The torch engine serving a tiny Qwen3 with the student's tokenizer and vocabulary, whose directory is
     then moved away: the driver reads nothing of it, as for an engine on another host."""
     pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slime_ascend.rollout.reference.engine import ReferenceEngine
-    from slime_ascend.rollout.reference.model import save_model, tiny_qwen3_config
+    from slime_ascend.rollout.torch_engine.engine import TorchEngine
+    from slime_ascend.rollout.torch_engine.model import save_model, tiny_qwen3_config
 
     def serve(tokenizer_dir: Path, name: str):
         model_dir = tmp_path_factory.mktemp(name)
         model = AutoModelForCausalLM.from_config(tiny_qwen3_config(vocab_size=VOCAB))
         save_model(model, model_dir, AutoTokenizer.from_pretrained(str(tokenizer_dir)))
-        engine = ReferenceEngine(model_path=str(model_dir))
+        engine = TorchEngine(model_path=str(model_dir))
         shutil.move(str(model_dir), str(model_dir) + "-elsewhere")
         return engine.start_in_thread()
 
@@ -338,7 +338,7 @@ def reference_teacher(ckpts, tmp_path_factory):
         yield {"same": same, "template": other}
 
 
-def test_reference_engine_teacher_is_checked_through_tokenize(ckpts, reference_teacher):
+def test_torch_engine_teacher_is_checked_through_tokenize(ckpts, reference_teacher):
     (report,) = compat.check_teachers([remote("code", reference_teacher["same"])], ckpts["student"])
     assert report.ok and set(report.unchecked) == {"tokenizer_len"}, report.unchecked
     msg = refusal(ckpts, remote("chat", reference_teacher["template"]))

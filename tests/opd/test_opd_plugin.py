@@ -148,15 +148,15 @@ def test_response_teacher_log_probs_matches_slime_slicing_and_checks():
 
 @pytest.fixture(scope="module")
 def two_teacher_engines():
-    from slime_ascend.rollout.reference.engine import ReferenceEngine
+    from slime_ascend.rollout.torch_engine.engine import TorchEngine
 
-    engines = [ReferenceEngine(seed=1), ReferenceEngine(seed=2)]
+    engines = [TorchEngine(seed=1), TorchEngine(seed=2)]
     with engines[0].start_in_thread() as url_a, engines[1].start_in_thread() as url_b:
         yield engines, url_a, url_b
 
 
 def test_reward_hooks_fill_teacher_log_probs_from_the_routed_teacher(two_teacher_engines, caplog):
-    from slime_ascend.rollout.reference.model import score_tokens
+    from slime_ascend.rollout.torch_engine.model import score_tokens
 
     (eng_a, eng_b), url_a, url_b = two_teacher_engines
     teachers = [dict(TEACHERS[0], url=url_a), dict(TEACHERS[1], url=url_b)]
@@ -408,15 +408,15 @@ def test_switch_gate_batches_queued_requests_and_reports_failures():
 
 def test_switched_teachers_use_the_pool_and_engine(two_teacher_engines, tmp_path):
     """Teachers without url: a local TeacherPool switches one engine with /update_weights_from_disk."""
-    from slime_ascend.rollout.reference.model import save_model, score_tokens
+    from slime_ascend.rollout.torch_engine.model import save_model, score_tokens
 
     (eng_a, eng_b), url_a, _ = two_teacher_engines
     dirs = {}
     for name, eng in (("math", eng_a), ("code", eng_b)):
         dirs[name] = save_model(eng.model, tmp_path / name)
-    from slime_ascend.rollout.reference.engine import ReferenceEngine
+    from slime_ascend.rollout.torch_engine.engine import TorchEngine
 
-    switched = ReferenceEngine(seed=3)
+    switched = TorchEngine(seed=3)
     teachers = [
         {"name": "math", "checkpoint_dir": str(dirs["math"]), "domains": ["math"]},
         {"name": "code", "checkpoint_dir": str(dirs["code"]), "domains": ["code"]},
@@ -443,15 +443,15 @@ def test_switched_teacher_is_prefetched_before_its_first_switch(two_teacher_engi
     gate never had a *next* teacher to prefetch, so the first switch was always a cold copy into the stage
     dir). The pool now stages the switched teachers in the background when it is created, and the rollout
     manager logs the pool's counters each step."""
-    from slime_ascend.rollout.reference.engine import ReferenceEngine
-    from slime_ascend.rollout.reference.model import save_model, score_tokens
+    from slime_ascend.rollout.torch_engine.engine import TorchEngine
+    from slime_ascend.rollout.torch_engine.model import save_model, score_tokens
 
     (eng_a, eng_b), url_a, _ = two_teacher_engines
     code_dir = save_model(eng_b.model, tmp_path / "code-ckpt")
     stage = tmp_path / "stage"
     teachers = [dict(TEACHERS[0], url=url_a), {"name": "code", "checkpoint_dir": str(code_dir), "domains": ["code"],
                                                "coef": 0.5}]
-    switched = ReferenceEngine(seed=3)
+    switched = TorchEngine(seed=3)
     with switched.start_in_thread() as url:
         args = make_args(ascend_opd_teachers=teachers, ascend_opd_switch_engine_urls=[url],
                          ascend_opd_stage_dir=str(stage), ascend_opd_prefetch=prefetch,

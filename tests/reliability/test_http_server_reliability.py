@@ -320,7 +320,7 @@ def test_the_issue_s_45_mb_body_is_refused_before_it_is_parsed(serve):
 def test_the_default_body_limit_holds_a_full_default_prompt():
     """4x the JSON of the engine's default --max-prompt-tokens (131072) of the largest 6-digit ids, as
     ``json.dumps`` writes them (8 bytes each)."""
-    from slime_ascend.rollout.reference import DEFAULT_MAX_PROMPT_TOKENS
+    from slime_ascend.rollout.torch_engine import DEFAULT_MAX_PROMPT_TOKENS
 
     full = len(json.dumps({"input_ids": [151935] * 131072}))
     assert DEFAULT_MAX_PROMPT_TOKENS == 131072 and full == 8 * 131072 + 15
@@ -357,9 +357,9 @@ def test_the_vllm_adapter_serves_with_the_same_flags(monkeypatch):
     assert _limits(served[0]) == (3.0, 1.5, 7, 2048, 4096, 5, 9)
 
 
-def test_serve_reference_takes_the_limit_flags_and_refuses_bad_ones_in_one_line(capsys):
+def test_serve_torch_takes_the_limit_flags_and_refuses_bad_ones_in_one_line(capsys):
     from slime_ascend.rollout.http_server import server_options
-    from slime_ascend.rollout.reference.cli import build_parser
+    from slime_ascend.rollout.torch_engine.cli import build_parser
 
     server = make_server(StubEngine(), **server_options(build_parser().parse_args(LIMIT_FLAGS)))
     try:

@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from slime_ascend.rollout.backends import BackendError, reference, sglang_npu
+from slime_ascend.rollout.backends import BackendError, sglang_npu, torch_engine
 
 
 def test_options_defaults_overrides_and_bad_values():
@@ -70,10 +70,10 @@ def test_vllm_plugin_command_line_checks():
     assert disk.check(argparse.Namespace(update_weight_transport="disk", update_weight_disk_dir="/x"))
 
 
-def test_reference_backend_serves_slime_discovery_fields():
-    b = reference.BACKEND
+def test_torch_engine_backend_serves_slime_discovery_fields():
+    b = torch_engine.BACKEND
     assert b.slime_flags({}, ["h:1"])[:2] == ["--rollout-external-engine-addrs", "h:1"]
-    with reference.serve(seed=0) as addr:
+    with torch_engine.serve(seed=0) as addr:
         info = json.loads(urllib.request.urlopen(f"http://{addr}/server_info", timeout=30).read())
         # the fields slime's external discovery and server-args sanity check read
         assert info["tp_size"] == 1 and info["enable_memory_saver"] is False
@@ -89,10 +89,10 @@ def test_reference_backend_serves_slime_discovery_fields():
 
 
 @pytest.mark.slime
-def test_reference_backend_through_slime_external_discovery():
+def test_torch_engine_backend_through_slime_external_discovery():
     from slime.backends.sglang_utils.external import discover_external_engines
 
-    with reference.serve(seed=0) as addr:
+    with torch_engine.serve(seed=0) as addr:
         (info,) = discover_external_engines([addr])
         assert info.worker_type == "regular" and info.num_gpus == 1
         assert info.parallel_config == {"tp_size": 1, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1}

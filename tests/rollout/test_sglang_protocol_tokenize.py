@@ -1,4 +1,4 @@
-"""``POST /tokenize`` (and ``/v1/tokenize``) on the reference engine: SGLang 0.5.15's request and answer
+"""``POST /tokenize`` (and ``/v1/tokenize``) on the torch engine: SGLang 0.5.15's request and answer
 (sglang/srt/entrypoints/openai/protocol.py:1225-1267, serving_tokenize.py:39-115), with ids computed by hand
 from the byte tokenizer: ids 0-2 are ``<pad>`` ``<s>`` ``</s>``, then the 256 byte symbols in code-point
 order, so a printable ASCII character ``c`` other than the space is id ``3 + ord(c) - 33``."""
@@ -11,7 +11,7 @@ from conftest import need
 
 need("transformers")
 
-from slime_ascend.rollout.reference.engine import ReferenceEngine  # noqa: E402
+from slime_ascend.rollout.torch_engine.engine import TorchEngine  # noqa: E402
 
 HTTP = httpx.Client(trust_env=False)
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>{% endfor %}"
@@ -25,12 +25,12 @@ def ids(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    from slime_ascend.rollout.reference.model import build_byte_tokenizer, load_model, save_model
+    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
 
     tok = build_byte_tokenizer()
     tok.chat_template = TEMPLATE
     path = save_model(load_model(None), tmp_path_factory.mktemp("tok-model"), tok)
-    engine = ReferenceEngine(model_path=str(path), max_prompt_tokens=64)
+    engine = TorchEngine(model_path=str(path), max_prompt_tokens=64)
     with engine.start_in_thread() as base:
         yield base
 
@@ -80,7 +80,7 @@ def test_refusals_name_the_field(url, body, status, needle):
 def test_engine_without_tokenizer_or_method():
     from slime_ascend.rollout.http_server import make_server
 
-    engine = ReferenceEngine()  # the tiny random model has no tokenizer
+    engine = TorchEngine()  # the tiny random model has no tokenizer
     with engine.start_in_thread() as base:
         r = post(base, {"prompt": "a"})
         assert r.status_code == 400 and "no tokenizer" in r.json()["error"]

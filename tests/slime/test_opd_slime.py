@@ -58,9 +58,9 @@ def make_samples(n: int, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def teacher_url():
-    from slime_ascend.rollout.reference.engine import ReferenceEngine
+    from slime_ascend.rollout.torch_engine.engine import TorchEngine
 
-    with ReferenceEngine(seed=7).start_in_thread() as url:
+    with TorchEngine(seed=7).start_in_thread() as url:
         yield url
 
 

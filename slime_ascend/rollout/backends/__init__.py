@@ -9,7 +9,7 @@ into four things, each a plain value a test or ``doctor`` can inspect:
 * ``slime_flags(options, addrs)``: what to add to slime's command line;
 * ``validate(options)``: problems (empty when the options are usable).
 
-Each backend module has one ``BACKEND`` object: :mod:`.sglang_npu`, :mod:`.vllm_ascend`, :mod:`.reference`.
+Each backend module has one ``BACKEND`` object: :mod:`.sglang_npu`, :mod:`.vllm_ascend`, :mod:`.torch_engine`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ is a small stdlib HTTP server in front of one vLLM server, attached to slime wit
 * the rest of SGLang's surface as :mod:`slime_ascend.rollout.sglang_protocol` maps it for every engine
   (``/server_info``, ``/model_info``, ``/v1/loads``, ``/health*``, ``/flush_cache``, the same input checks,
   501 for the distributed weight-sync endpoints), served by :mod:`slime_ascend.rollout.http_server` with the
-  same connection and request limits (and flags) as ``slime-ascend serve-reference``.
+  same connection and request limits (and flags) as ``slime-ascend serve-torch``.
 
 Needs a vLLM with the dev-mode RL endpoints ``GET /weight_info`` / ``POST /update_weight_version`` and
 ``return_weight_versions`` (vllm-project/vllm#49040; present in vLLM 0.33.0) started with
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--tp-size", type=int, default=1, help="reported to slime as the engine's GPU count")
     parser.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
-    add_server_flags(parser.add_argument_group("limits (bounded work per server, as serve-reference's)"))
+    add_server_flags(parser.add_argument_group("limits (bounded work per server, as serve-torch's)"))
     ns = parser.parse_args(argv)
     adapter = VLLMAdapter(ns.vllm_url, ns.model, tp_size=ns.tp_size, sleep_level=ns.sleep_level)
     server = make_server(adapter, ns.host, ns.port, **server_options(ns))

@@ -1,6 +1,6 @@
-"""What the reference engine's tests (tests/rollout, tests/reliability) share: module-scoped ``engine``
-and ``url`` fixtures (a ReferenceEngine served on 127.0.0.1 from a thread; bind them in a test module as
-``engine, url = reference_engine_fixtures.engine, reference_engine_fixtures.url``), the prompt they send,
+"""What the torch engine's tests (tests/rollout, tests/reliability) share: module-scoped ``engine``
+and ``url`` fixtures (a TorchEngine served on 127.0.0.1 from a thread; bind them in a test module as
+``engine, url = torch_engine_fixtures.engine, torch_engine_fixtures.url``), the prompt they send,
 and a ``/generate`` posted from a background thread."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from slime_ascend.rollout.reference.engine import ReferenceEngine
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
 
 PROMPT = [1, 17, 250, 3, 999, 42]
 HTTP = httpx.Client(trust_env=False)  # thread-safe; no proxies for loopback
@@ -18,7 +18,7 @@ HTTP = httpx.Client(trust_env=False)  # thread-safe; no proxies for loopback
 
 @pytest.fixture(scope="module")
 def engine():
-    return ReferenceEngine(return_original_logprob=False)
+    return TorchEngine(return_original_logprob=False)
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,17 @@ import httpx
 import pytest
 import torch
 
-from slime_ascend.rollout.reference import model as reference_model
+from slime_ascend.rollout.torch_engine import model as reference_model
 from slime_ascend.rollout.http_server import make_server
-from slime_ascend.rollout.reference.cli import build_parser
-from slime_ascend.rollout.reference.engine import ReferenceEngine
-from slime_ascend.rollout.reference.model import load_model, save_model, score_tokens
+from slime_ascend.rollout.torch_engine.cli import build_parser
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
+from slime_ascend.rollout.torch_engine.model import load_model, save_model, score_tokens
 
-import reference_engine_fixtures
-from reference_engine_fixtures import PROMPT, post_in_thread
+import torch_engine_fixtures
+from torch_engine_fixtures import PROMPT, post_in_thread
 
 HTTP = httpx.Client(timeout=300, trust_env=False)  # thread-safe; no proxies for loopback
-engine, url = reference_engine_fixtures.engine, reference_engine_fixtures.url  # pytest fixtures
+engine, url = torch_engine_fixtures.engine, torch_engine_fixtures.url  # pytest fixtures
 
 
 def gen(url: str, **payload) -> dict:
@@ -146,7 +146,7 @@ def test_logprob_contract_matches_training_forward(url, engine, sp):
 
 
 def test_return_original_logprob_reports_temperature_one():
-    engine = ReferenceEngine(return_original_logprob=True)
+    engine = TorchEngine(return_original_logprob=True)
     out = engine.generate(
         {"input_ids": PROMPT, "sampling_params": {"temperature": 0.5, "max_new_tokens": 4, "sampling_seed": 2}, "return_logprob": True}
     )
@@ -268,7 +268,7 @@ def test_top_logprobs_with_start_len_and_generation(url, engine):
 
 
 def test_update_weights_from_disk_changes_outputs_and_version(tmp_path):
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         sp = {"temperature": 0, "max_new_tokens": 6}
         before = gen(url, sampling_params=sp)
@@ -293,7 +293,7 @@ def test_update_weights_from_disk_changes_outputs_and_version(tmp_path):
 
 
 def test_update_weights_rejects_other_architecture_and_keeps_model(tmp_path):
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         before = gen(url, sampling_params={"temperature": 0, "max_new_tokens": 4})
         from transformers import AutoModelForCausalLM
@@ -329,7 +329,7 @@ LONG = {"input_ids": [1, 2], "sampling_params": {"temperature": 1.0, "max_new_to
 
 
 def test_pause_aborts_inflight_and_holds_new_requests():
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         running, running_box = post_in_thread(url, LONG)
         _wait_running(url, 1)
@@ -350,7 +350,7 @@ def test_pause_aborts_inflight_and_holds_new_requests():
 
 
 def test_in_place_pause_parks_then_resumes(tmp_path):
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         payload = {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 800}}
         running, box = post_in_thread(url, payload)
@@ -371,7 +371,7 @@ def test_in_place_pause_parks_then_resumes(tmp_path):
 
 
 def test_abort_request_all():
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     with engine.start_in_thread() as url:
         running, box = post_in_thread(url, LONG)
         _wait_running(url, 1)
@@ -496,7 +496,7 @@ def text_engine_dir(tmp_path_factory) -> Path:
 
 
 def test_text_prompt_and_stop_string(text_engine_dir):
-    engine = ReferenceEngine(model_path=str(text_engine_dir))
+    engine = TorchEngine(model_path=str(text_engine_dir))
     with engine.start_in_thread() as url:
         out = gen(url, input_ids=None, text="hello world", sampling_params={"temperature": 0, "max_new_tokens": 6}, return_logprob=True)
         assert out["meta_info"]["prompt_tokens"] == len(engine.tokenizer.encode("hello world", add_special_tokens=False))
@@ -625,13 +625,13 @@ def test_engine_reports_the_quantised_format_it_serves(tmp_path, fmt, caplog):
     bf16 = save_model(load_model(None, seed=3), tmp_path / "bf16")
     qdir = tmp_path / fmt
     assert main_quantize([str(bf16), str(qdir), "--format", fmt]) == 0
-    eng = ReferenceEngine(model_path=str(bf16))
+    eng = TorchEngine(model_path=str(bf16))
     assert eng.server_info()["quantization"] is None and eng.model_info()["quantization"] is None
     with caplog.at_level("INFO", logger="slime_ascend.rollout.engine"):
         eng.update_weights_from_disk(str(qdir), weight_version="7")
     assert eng.server_info()["quantization"] == fmt and eng.model_info()["quantization"] == fmt
     assert f"loaded weight version 7 from {qdir} ({fmt})" in caplog.text
-    assert ReferenceEngine(model_path=str(qdir)).model_info()["quantization"] == fmt
+    assert TorchEngine(model_path=str(qdir)).model_info()["quantization"] == fmt
     with caplog.at_level("INFO", logger="slime_ascend.rollout.engine"):
         eng.update_weights_from_disk(str(bf16))
     assert eng.model_info()["quantization"] is None and eng.weight_version == "8"

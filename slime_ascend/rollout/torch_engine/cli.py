@@ -1,4 +1,4 @@
-"""``slime-ascend serve-reference``: the CPU reference engine (:mod:`.engine`) served over SGLang's HTTP surface
+"""``slime-ascend serve-torch``: the torch engine (:mod:`.engine`) served over SGLang's HTTP surface
 (:mod:`slime_ascend.rollout.http_server`) until interrupted. ``--help`` answers before torch is imported."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from ...command import ArgumentParser
 from ..http_server import add_server_flags, make_server, positive_int, serve_until_interrupted, server_options
 from . import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOP_LOGPROBS
 
-__all__ = ["build_parser", "serve_reference"]
+__all__ = ["build_parser", "serve_torch"]
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
-        prog="slime-ascend serve-reference",
+        prog="slime-ascend serve-torch",
         description="Serve a CPU torch+transformers model over SGLang's HTTP API (reference rollout engine).",
     )
     parser.add_argument("--model", default=None, help="HF safetensors checkpoint dir (default: tiny random Qwen3)")
@@ -36,24 +36,24 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def serve_reference(argv: list[str] | None = None) -> int:
-    """CLI entry: ``slime-ascend serve-reference --model DIR --host 127.0.0.1 --port PORT``: load the
-    reference engine and serve it until interrupted."""
+def serve_torch(argv: list[str] | None = None) -> int:
+    """CLI entry: ``slime-ascend serve-torch --model DIR --host 127.0.0.1 --port PORT``: load the
+    torch engine and serve it until interrupted."""
     args = build_parser().parse_args(argv)  # before torch is imported: --help answers at once
-    from .engine import ReferenceEngine
+    from .engine import TorchEngine
 
     if not logging.getLogger().handlers:  # the engine's own events (weight updates) on stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = ReferenceEngine(model_path=args.model, dtype=args.dtype, seed=args.seed,
+    engine = TorchEngine(model_path=args.model, dtype=args.dtype, seed=args.seed,
                              max_batch_size=args.max_batch_size, max_prompt_tokens=args.max_prompt_tokens,
                              max_new_tokens=args.max_new_tokens, max_top_logprobs=args.max_top_logprobs)
     server = make_server(engine, host=args.host, port=args.port, **server_options(args))
     bound_host, bound_port = server.server_address[:2]
-    print(f"reference engine serving {engine.server_info()['model_path']} at http://{bound_host}:{bound_port}",
+    print(f"torch engine serving {engine.server_info()['model_path']} at http://{bound_host}:{bound_port}",
           flush=True)
     serve_until_interrupted(server)
     return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(serve_reference())
+    raise SystemExit(serve_torch())

@@ -25,14 +25,14 @@ from safetensors.torch import load_file, save_file
 
 from slime_ascend import files
 from slime_ascend.rollout.http_server import make_server
-from slime_ascend.rollout.reference.engine import ReferenceEngine
-from slime_ascend.rollout.reference.model import save_model
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
+from slime_ascend.rollout.torch_engine.model import save_model
 
-import reference_engine_fixtures
-from reference_engine_fixtures import PROMPT
+import torch_engine_fixtures
+from torch_engine_fixtures import PROMPT
 
 HTTP = httpx.Client(timeout=30, trust_env=False)
-engine, url = reference_engine_fixtures.engine, reference_engine_fixtures.url  # pytest fixtures
+engine, url = torch_engine_fixtures.engine, torch_engine_fixtures.url  # pytest fixtures
 GREEDY = {"temperature": 0, "max_new_tokens": 4}
 
 
@@ -92,7 +92,7 @@ def test_unknown_generate_key_is_400_naming_it(url):
     ],
 )
 def test_requests_over_the_limits_are_4xx_naming_the_flag(payload, status, words):
-    engine = ReferenceEngine(max_batch_size=4, max_prompt_tokens=20, max_new_tokens=32)
+    engine = TorchEngine(max_batch_size=4, max_prompt_tokens=20, max_new_tokens=32)
     with engine.start_in_thread() as base:
         got, body = raw_post(base, "/generate", json.dumps(payload).encode())
         assert got == status, body
@@ -245,7 +245,7 @@ def test_oversized_checkpoint_is_refused_before_reading(engine, good_dir, tmp_pa
 def test_slow_load_keeps_health_and_generate_answering(good_dir, monkeypatch):
     """A slow disk stalls only the updating thread: /health and /generate keep answering, old weights
     serve until the swap."""
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     loading = threading.Event()
     real_read = files._read_chunk
 
@@ -280,13 +280,13 @@ def test_slow_load_keeps_health_and_generate_answering(good_dir, monkeypatch):
 
 @pytest.fixture(scope="module")
 def child_url():
-    """The engine served by ``slime-ascend serve-reference`` in a child process (killed afterwards)."""
+    """The engine served by ``slime-ascend serve-torch`` in a child process (killed afterwards)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "slime_ascend.rollout.reference.cli", "--port", "0"],
+        [sys.executable, "-m", "slime_ascend.rollout.torch_engine.cli", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
-        line = proc.stdout.readline()  # "reference engine serving ... at http://127.0.0.1:PORT"
+        line = proc.stdout.readline()  # "torch engine serving ... at http://127.0.0.1:PORT"
         assert " at http://127.0.0.1:" in line, line
         yield line.rsplit(" at ", 1)[1].strip()
     finally:
@@ -373,7 +373,7 @@ def test_200_concurrent_clients_are_all_answered(engine):
 
 
 def test_client_disconnect_stops_generation(monkeypatch):
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     steps = []
     real_forward = engine._forward
 
@@ -402,7 +402,7 @@ def test_client_disconnect_stops_generation(monkeypatch):
 def test_a_small_request_cannot_ask_for_a_huge_answer():
     """top_logprobs_num amplifies: k entries per scored and new position. Counted by hand: 2 prompts x
     (6 scored positions from logprob_start_len 0 + 4 new tokens) x k=50 = 1000 entries; the limit is 999."""
-    engine = ReferenceEngine(max_top_logprobs=999)
+    engine = TorchEngine(max_top_logprobs=999)
     payload = {"input_ids": [[1, 2, 3, 4, 5, 6]] * 2, "return_logprob": True, "logprob_start_len": 0,
                "top_logprobs_num": 50, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
     with engine.start_in_thread() as base:

@@ -1,4 +1,4 @@
-"""The reference engine serving the tiny Qwen3-MoE: generation, weight updates from a per-expert checkpoint
+"""The torch engine serving the tiny Qwen3-MoE: generation, weight updates from a per-expert checkpoint
 (slime's push layout), and the routed experts in SGLang's ``routed_experts`` format, checked against the
 router logits transformers itself returns for the whole sequence (``output_router_logits``)."""
 
@@ -9,8 +9,8 @@ import base64
 import pytest
 import torch
 
-from slime_ascend.rollout.reference.engine import ReferenceEngine, RequestError
-from slime_ascend.rollout.reference.model import TINY_QWEN3_MOE_KWARGS, load_model, save_model
+from slime_ascend.rollout.torch_engine.engine import TorchEngine, RequestError
+from slime_ascend.rollout.torch_engine.model import TINY_QWEN3_MOE_KWARGS, load_model, save_model
 
 K = TINY_QWEN3_MOE_KWARGS
 PROMPT = [5, 17, 300, 2 + 40, 99, 1000, 44]
@@ -23,7 +23,7 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(moe_dir):
-    return ReferenceEngine(str(moe_dir))
+    return TorchEngine(str(moe_dir))
 
 
 def _routes(meta: dict) -> torch.Tensor:
@@ -69,7 +69,7 @@ def test_slime_decodes_the_routes_as_sglangs(engine):
 
 
 def test_routed_experts_refused_on_a_dense_model_and_for_non_bool():
-    dense = ReferenceEngine(None)
+    dense = TorchEngine(None)
     with pytest.raises(RequestError, match="return_routed_experts needs an MoE model") as info:
         dense.generate({"input_ids": PROMPT, "return_routed_experts": True})
     assert "\n" not in str(info.value)
@@ -85,7 +85,7 @@ def test_update_weights_from_a_per_expert_checkpoint(engine, moe_dir, tmp_path):
     try:
         engine.update_weights_from_disk(str(other))
         got = engine.generate({"input_ids": PROMPT, "return_logprob": True, "sampling_params": params})
-        fresh = ReferenceEngine(str(other)).generate({"input_ids": PROMPT, "return_logprob": True,
+        fresh = TorchEngine(str(other)).generate({"input_ids": PROMPT, "return_logprob": True,
                                                       "sampling_params": params})
         assert got["output_ids"] == fresh["output_ids"]
         assert got["meta_info"]["output_token_logprobs"] == fresh["meta_info"]["output_token_logprobs"]

@@ -1,10 +1,10 @@
-"""The CPU reference engine: a tiny Qwen3-shaped model (model) served on SGLang's HTTP surface (engine).
+"""The torch engine: a tiny Qwen3-shaped model (model) served on SGLang's HTTP surface (engine).
 
-Importing this package imports neither torch nor transformers (``slime-ascend serve-reference --help``
+Importing this package imports neither torch nor transformers (``slime-ascend serve-torch --help``
 reads the limits below without them).
 """
 
-# Per-request limits (ReferenceEngine's constructor args; ``slime-ascend serve-reference --max-batch-size`` etc.).
+# Per-request limits (TorchEngine's constructor args; ``slime-ascend serve-torch --max-batch-size`` etc.).
 DEFAULT_MAX_BATCH_SIZE = 64
 DEFAULT_MAX_PROMPT_TOKENS = 131072
 DEFAULT_MAX_NEW_TOKENS_LIMIT = 16384

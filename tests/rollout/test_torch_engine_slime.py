@@ -1,4 +1,4 @@
-"""Drive the reference engine with slime's real client code (needs slime importable: SLIME_SRC on PYTHONPATH).
+"""Drive the torch engine with slime's real client code (needs slime importable: SLIME_SRC on PYTHONPATH).
 
 Checks that slime's ``sglang_rollout.generate`` fills Samples with the engine's exact tokens and
 log-probs, that external-engine discovery and its server-args sanity check accept the engine,
@@ -26,9 +26,9 @@ from slime.utils import http_utils  # noqa: E402
 from slime.utils.async_utils import run  # noqa: E402
 from slime.utils.types import Sample  # noqa: E402
 
-from slime_ascend.rollout.reference import model as reference_model
-from slime_ascend.rollout.reference.engine import ReferenceEngine
-from slime_ascend.rollout.reference.model import load_model, save_model, score_tokens
+from slime_ascend.rollout.torch_engine import model as reference_model
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
+from slime_ascend.rollout.torch_engine.model import load_model, save_model, score_tokens
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    engine = ReferenceEngine(model_path=str(model_dir), return_original_logprob=False)
+    engine = TorchEngine(model_path=str(model_dir), return_original_logprob=False)
     with engine.start_in_thread() as url:
         yield engine, url
 

@@ -1,4 +1,4 @@
-"""The reference engine behind slime's sglang router, its per-request limits and CLI flags, abort of
+"""The torch engine behind slime's sglang router, its per-request limits and CLI flags, abort of
 queued batch prompts, and the weight-update drain."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import pytest
 from conftest import need
 import torch
 
-from slime_ascend.rollout.reference import model as reference_model
-from slime_ascend.rollout.reference.cli import build_parser
-from slime_ascend.rollout.reference.engine import ReferenceEngine
-from slime_ascend.rollout.reference.model import load_model, save_model, score_tokens
+from slime_ascend.rollout.torch_engine import model as reference_model
+from slime_ascend.rollout.torch_engine.cli import build_parser
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
+from slime_ascend.rollout.torch_engine.model import load_model, save_model, score_tokens
 
-import reference_engine_fixtures
-from reference_engine_fixtures import PROMPT, post_in_thread
+import torch_engine_fixtures
+from torch_engine_fixtures import PROMPT, post_in_thread
 
 HTTP = httpx.Client(timeout=120, trust_env=False)
-engine, url = reference_engine_fixtures.engine, reference_engine_fixtures.url  # pytest fixtures
+engine, url = torch_engine_fixtures.engine, torch_engine_fixtures.url  # pytest fixtures
 # what slime's sglang router adds to every /generate body it forwards (sglang-router 0.3)
 ROUTER_KEYS = {"background": False, "model": None, "no_logs": False, "return_bytes": False,
                "return_entropy": False, "log_metrics": True}
@@ -58,7 +58,7 @@ def test_generate_through_the_real_sglang_router(tmp_path):
     """slime's router (sglang-router) in front of the engine: /generate answers 200 with the same tokens."""
     need("sglang_router")
     model_dir = save_model(load_model(None, seed=3), tmp_path / "m", reference_model.build_byte_tokenizer())
-    engine = ReferenceEngine(model_path=str(model_dir), return_original_logprob=False)
+    engine = TorchEngine(model_path=str(model_dir), return_original_logprob=False)
     port = _free_port()
     blackhole = "http://127.0.0.1:9"  # the router must not reach the internet (it would fetch a tokenizer)
     env = {**os.environ, "HTTP_PROXY": blackhole, "HTTPS_PROXY": blackhole, "http_proxy": blackhole,
@@ -106,8 +106,8 @@ def test_limits_are_constructor_args_and_cli_flags():
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        ReferenceEngine(max_new_tokens=0)
-    engine = ReferenceEngine(max_batch_size=2, max_prompt_tokens=10, max_new_tokens=5)
+        TorchEngine(max_new_tokens=0)
+    engine = TorchEngine(max_batch_size=2, max_prompt_tokens=10, max_new_tokens=5)
     info = engine.server_info()
     assert (info["max_batch_size"], info["max_prompt_tokens"], info["max_new_tokens"]) == (2, 10, 5)
 
@@ -125,7 +125,7 @@ def _wait_running(url: str, n: int) -> None:
 
 
 def test_abort_all_aborts_the_queued_prompts_of_a_batch():
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     with engine.start_in_thread() as base:
         batch = {"input_ids": [[1, 2], [3, 4], [5, 6]],
                  "sampling_params": {"temperature": 1.0, "max_new_tokens": 4000, "ignore_eos": True}}
@@ -142,7 +142,7 @@ def test_abort_all_aborts_the_queued_prompts_of_a_batch():
 
 
 def test_abort_by_rid_reaches_a_queued_batch_prompt():
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     with engine.start_in_thread() as base:
         sp = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}
         thread, box = post_in_thread(base, {"input_ids": [[1, 2], [3, 4]], "sampling_params": sp, "rid": ["a", "b"]})
@@ -157,7 +157,7 @@ def test_abort_by_rid_reaches_a_queued_batch_prompt():
 def test_weight_update_waits_for_in_flight_generation(tmp_path):
     """The update returns only after the running request finished, every token of which came from the
     old weights (its log-probs equal the old model's training forward)."""
-    engine = ReferenceEngine(return_original_logprob=False)
+    engine = TorchEngine(return_original_logprob=False)
     old = load_model(None)
     new_dir = save_model(load_model(None, seed=7), tmp_path / "new")
     with engine.start_in_thread() as base:

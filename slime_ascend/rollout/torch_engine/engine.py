@@ -28,7 +28,7 @@ Semantics mirrored from SGLang (checked against the installed ``sglang`` sources
   refused one leaves the old weights and version serving.
 * ``return_routed_experts: true`` (an MoE model only) adds ``meta_info["routed_experts"]``: SGLang's
   base64 of int32 ``[len(input_ids) + completion_tokens - 1, num_layers, top_k]``, each fed token's experts
-  in each layer (zeros in dense layers; :class:`~slime_ascend.rollout.reference.model.RouteRecorder`).
+  in each layer (zeros in dense layers; :class:`~slime_ascend.rollout.torch_engine.model.RouteRecorder`).
 * slime's sglang router re-serialises each body with ``background``, ``model``, ``no_logs``,
   ``return_bytes``, ``return_entropy`` and ``log_metrics``; those are accepted at their neutral
   values only.
@@ -62,12 +62,12 @@ from typing import Any
 
 import torch
 
-from slime_ascend.rollout.reference import model as reference_model
+from slime_ascend.rollout.torch_engine import model as reference_model
 from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
                                                   check_positive_ints, check_weight_version, next_weight_version)
 
-__all__ = ["ReferenceEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
+__all__ = ["TorchEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
 
 logger = logging.getLogger("slime_ascend.rollout.engine")
 
@@ -182,7 +182,7 @@ def parse_sampling_params(params: Any, vocab_size: int) -> SamplingConfig:
         value = params.get(key)
         if value is not None and value != neutral:
             raise RequestError(
-                f"sampling_params.{key}={value!r} is not supported by the reference engine (only {neutral!r})"
+                f"sampling_params.{key}={value!r} is not supported by the torch engine (only {neutral!r})"
             )
     cfg = SamplingConfig()
 
@@ -284,7 +284,7 @@ def _choose_token(
     return token, logprob, kept
 
 
-class ReferenceEngine:
+class TorchEngine:
     """A CPU rollout engine with SGLang's request/response semantics (see the module docstring).
 
     Args:
@@ -301,7 +301,7 @@ class ReferenceEngine:
         max_new_tokens: highest ``sampling_params.max_new_tokens`` accepted (400 beyond).
     """
 
-    engine_name = "the reference engine"  # in the HTTP surface's messages
+    engine_name = "the torch engine"  # in the HTTP surface's messages
 
     def __init__(
         self,
@@ -370,7 +370,7 @@ class ReferenceEngine:
         with self._state:
             running, waiting = len(self._running), len(self._live) - len(self._running)
         return {
-            "engine": "slime_ascend.reference",
+            "engine": "slime_ascend.torch_engine",
             "model_path": self.model_path or "tiny-random-qwen3",
             "tokenizer_path": self.model_path,
             "served_model_name": self.model_path or "tiny-random-qwen3",
@@ -444,7 +444,7 @@ class ReferenceEngine:
         if size > self.max_prompt_tokens:
             raise RequestError(f"/tokenize request of {size} characters is above this server's limit "
                                f"max_prompt_tokens={self.max_prompt_tokens} (split it, or raise it with "
-                               "serve-reference --max-prompt-tokens)", status=413)
+                               "serve-torch --max-prompt-tokens)", status=413)
         max_model_len = getattr(self.tokenizer, "model_max_length", -1)
         if messages is None:
             tokens = [self.tokenizer.encode(t, add_special_tokens=add_special) for t in texts]
@@ -504,7 +504,7 @@ class ReferenceEngine:
         return {"success": True, "num_aborted": len(hits)}
 
     def flush_cache(self) -> dict[str, Any]:
-        return {"success": True, "message": "the reference engine keeps no cross-request cache"}
+        return {"success": True, "message": "the torch engine keeps no cross-request cache"}
 
     def health(self) -> bool:
         return True
@@ -598,7 +598,7 @@ class ReferenceEngine:
             raise RequestError("return_routed_experts needs an MoE model; this engine serves a dense one (leave "
                                "it out, or drop --use-rollout-routing-replay)")
         check_generate_keys({k: v for k, v in payload.items() if k != "return_routed_experts"}
-                            if isinstance(payload, dict) else payload, _SUPPORTED_REQUEST_KEYS, "the reference engine")
+                            if isinstance(payload, dict) else payload, _SUPPORTED_REQUEST_KEYS, "the torch engine")
         has_ids, has_text = payload.get("input_ids") is not None, payload.get("text") is not None
         if has_ids == has_text:
             raise RequestError("give exactly one of 'input_ids' or 'text'")
@@ -643,7 +643,7 @@ class ReferenceEngine:
             if sampling.max_new_tokens > self.max_new_tokens:
                 raise RequestError(
                     f"sampling_params.max_new_tokens={sampling.max_new_tokens} is above this server's limit "
-                    f"max_new_tokens={self.max_new_tokens} (raise it with serve-reference --max-new-tokens)"
+                    f"max_new_tokens={self.max_new_tokens} (raise it with serve-torch --max-new-tokens)"
                 )
         return_logprobs = per_item("return_logprob", False)
         start_lens = per_item("logprob_start_len", -1)
@@ -692,7 +692,7 @@ class ReferenceEngine:
             raise RequestError(
                 f"the answer would hold {entries} top-k log-prob entries (top_logprobs_num x scored and new "
                 f"positions), above this server's limit max_top_logprobs={self.max_top_logprobs} (lower "
-                "top_logprobs_num or split the batch, or raise it with serve-reference --max-top-logprobs)",
+                "top_logprobs_num or split the batch, or raise it with serve-torch --max-top-logprobs)",
                 status=413,
             )
         return requests_, batched
@@ -701,14 +701,14 @@ class ReferenceEngine:
         if num_prompts > self.max_batch_size:
             raise RequestError(
                 f"batch of {num_prompts} prompts is above this server's limit max_batch_size={self.max_batch_size} "
-                "(split the batch, or raise it with serve-reference --max-batch-size)",
+                "(split the batch, or raise it with serve-torch --max-batch-size)",
                 status=413,
             )
         if num_tokens > self.max_prompt_tokens:
             raise RequestError(
                 f"request has {num_tokens} prompt tokens, above this server's limit "
                 f"max_prompt_tokens={self.max_prompt_tokens} (split the batch, or raise it with "
-                "serve-reference --max-prompt-tokens)",
+                "serve-torch --max-prompt-tokens)",
                 status=413,
             )
 
@@ -875,7 +875,7 @@ class ReferenceEngine:
         ``server_kwargs`` go to :func:`slime_ascend.rollout.http_server.make_server` (timeout, backlog, ...).
         """
         server = make_server(self, host=host, port=port, **server_kwargs)
-        thread = threading.Thread(target=server.serve_forever, name="reference-engine-http", daemon=True)
+        thread = threading.Thread(target=server.serve_forever, name="torch-engine-http", daemon=True)
         thread.start()
         try:
             bound_host, bound_port = server.server_address[:2]
