@@ -101,6 +101,20 @@ class KeyValueLookupEnv:
             "remember them, a question about one of them comes at the end."
         )
 
+    def verifier_cases(self) -> dict[str, list[dict[str, Any]]]:
+        """The verifier gate's cases (:mod:`slime_ascend.verifiers`), for this environment's parameters: the oracle
+        reads every fact and answers the queried value; the no-action run replies nothing until the episode ends;
+        the unfinished runs stop after half the facts, and after all of them without answering."""
+        probe = KeyValueLookupEnv(self.num_facts, self.noise_lines, self.answer_turns, self.query_early)
+        probe.reset(seed=0)
+        reads = ["look"] * self.num_facts
+        return {
+            "oracle": [{"seed": 0, "actions": [*reads, f"ANSWER: {probe.answer}"]}],
+            "no_action": [{"seed": 0, "actions": [""] * (self.num_facts + self.answer_turns)}],
+            "unfinished": [{"seed": 0, "actions": reads[: max(1, self.num_facts // 2)]},
+                           {"seed": 0, "actions": reads}],
+        }
+
     @property
     def query_key(self) -> str:
         return self._facts[self._query][0]

@@ -19,12 +19,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="out_json", default="slime-ascend-check.json", help="JSON report path ('' for none)")
     p.add_argument("--plot", default=None, help="PNG histogram of the log-ratio")
+    p.add_argument("--verifiers", metavar="CONFIG", default=None,
+                   help="instead: run the verifier gate (oracle rewarded, no-action and unfinished runs given nothing) "
+                        "over the verifiers of the job this YAML (the --custom-config-path YAML) describes")
     return p
+
+
+def _verifier_gate(config: str) -> int:
+    from ..verifiers.gate import refusal
+    from ..verifiers.job import check_config
+
+    checked = check_config(config)
+    if not checked:
+        print("no verifier to check: the YAML names no compaction environment, reward function or rm_type")
+        return 1
+    broken = 0
+    for verifier, results in checked:
+        bad = [r for r in results if not r.passed]
+        broken += bool(bad)
+        print(f"{'FAIL' if bad else 'ok  '}  {verifier.kind} {verifier.name}: {len(results)} cases")
+        for r in bad:
+            print(f"      {refusal(r)}")
+    print("every verifier passes the gate" if not broken else f"{broken} verifier(s) fail the gate")
+    return 1 if broken else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run by ``slime-ascend check`` inside the CLI's one error handler (a ValueError: one line, exit 2)."""
     ns = build_parser().parse_args(argv)
+    if ns.verifiers is not None:
+        return _verifier_gate(ns.verifiers)
     if ns.device.startswith("npu"):
         from ..accelerator.npu import load_torch_npu
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_ascend.compaction.env import StepResult
+from slime_ascend.verifiers import declare_cases
 
 __all__ = [
     "DOMAINS",
@@ -120,6 +121,16 @@ class DigitsEnv:
             return question_text(task["domain"], int(task["digit"]))
         return LONG_TASK_TEXT
 
+    def verifier_cases(self) -> dict[str, list[dict[str, Any]]]:
+        """The verifier gate's cases (:mod:`slime_ascend.verifiers`): the right digit, at once and after fillers;
+        nothing replied; a long episode left before its question."""
+        short, long = {"domain": "copy", "digit": 3, "fillers": 0}, {"domain": "next", "digit": 9, "fillers": 2}
+        return {
+            "oracle": [{"task": short, "actions": ["3"]}, {"task": long, "actions": ["look", "look", "0"]}],
+            "no_action": [{"task": short, "actions": [""]}, {"task": long, "actions": ["", "", ""]}],
+            "unfinished": [{"task": long, "actions": ["look"]}, {"task": long, "actions": ["look", "look"]}],
+        }
+
     def step(self, action: str) -> StepResult:
         if self._done:
             raise ValueError("DigitsEnv.step called after the episode ended; call reset() first")
@@ -136,6 +147,20 @@ class DigitsEnv:
         return StepResult("", True, reward, {"answer": answer, "given": action.strip()[:1], "correct": reward == 1.0})
 
 
+def _task_reward_cases() -> dict[str, list[dict[str, Any]]]:
+    """The verifier gate's cases of :func:`task_reward`: a right answer (plain and from a finished compaction
+    episode), an empty answer, and truncated runs (a compaction episode stopped before its question)."""
+    short, long = {"domain": "next", "digit": 3, "fillers": 0}, {"domain": "copy", "digit": 7, "fillers": 2}
+    return {
+        "oracle": [{"response": "4", "metadata": {"task": short}},
+                   {"response": "7", "metadata": {"task": long, "env_info": {"correct": True}}}],
+        "no_action": [{"response": "", "metadata": {"task": short}}],
+        "unfinished": [{"response": "", "status": "truncated", "metadata": {"task": short}},
+                       {"response": "look look", "status": "truncated", "metadata": {"task": long, "env_info": {}}}],
+    }
+
+
+@declare_cases(_task_reward_cases)
 def task_reward(args: Any, sample: Any, **_: Any) -> float:
     """Reward function (``ascend_opd_task_rm_path``, or slime's ``--custom-rm-path`` without opd): the task
     reward of a finished sample, from the environment's final info (compaction) or the text."""

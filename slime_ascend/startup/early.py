@@ -31,6 +31,7 @@ import sys
 import threading
 from typing import Any
 
+from ..command import UserError
 from ..plugins import roles, runtime
 from ..plugins.base import PatchUse
 from ..plugins.registry import PluginError
@@ -66,7 +67,7 @@ def entered(args: Any, role: str) -> None:
         return
     try:
         validate_now(args, role)
-    except (PluginError, SettingsError) as exc:
+    except (UserError, SettingsError) as exc:  # PluginError is a UserError; so is a verifier the gate refuses
         print(f"slime-ascend: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 

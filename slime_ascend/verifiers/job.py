@@ -1,0 +1,182 @@
+"""The verifiers a slime job trains with, found from its ``args``, and the gate run over them.
+
+What counts as a verifier, by plugin (the first that owns the reward wins, as in slime):
+
+* ``compaction`` with ``ascend_compaction_env_reward`` on: the environment (``ascend_compaction_env``);
+* ``opd``: its task reward ``ascend_opd_task_rm_path`` (when set);
+* ``reward-mix``: each component with a ``path`` or an ``rm_type`` (penalties are not verifiers);
+* otherwise slime's own ``--custom-rm-path``, else its ``--rm-type`` rule.
+
+Cases come from the verifier itself (an environment's ``verifier_cases()``, a function marked with
+:func:`~.gate.declare_cases`) or from ``ascend_verifier_gate_cases`` (verifier name -> ``module.fn`` returning
+:class:`~.gate.GateCases`; names: the environment spec, the function's dotted path, ``rm_type:NAME``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..plugins.base import resolve
+from .gate import EnvRun, GateCases, SampleRun, VerifierGateError, coerce_cases, failures, refusal, run_gate
+from .scoring import env_scorer, reward_fn_scorer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Verifier:
+    name: str  # as the refusal names it and as ascend_verifier_gate_cases keys it
+    kind: str  # environment | reward function | rm_type rule
+    score: Callable[[Any], float | None]
+    cases: Callable[[], GateCases] | None  # None: it declares none
+
+
+def _settings(plugin_name: str, args: Any) -> dict[str, Any]:
+    from ..plugins import registry, runtime
+
+    return runtime.settings_values(registry.available()[plugin_name], args)
+
+
+def _load(what: str, path: str) -> Any:
+    try:
+        return resolve(path)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's path
+        raise VerifierGateError(f"{what} {path!r} does not resolve ({type(exc).__name__}: "
+                                f"{' '.join(str(exc).split())[:200]}). Fix: correct the dotted path module.fn") from None
+
+
+def _rule_scorer(rm_type: str, args: Any) -> Callable:
+    async def rule(args_: Any, sample: Any) -> Any:
+        from slime.rollout.rm_hub import async_rm
+
+        rule_args = copy.copy(args_)
+        rule_args.rm_type = rm_type
+        rule_args.custom_rm_path = None  # the rule itself, not the hook a plugin put there
+        return await async_rm(rule_args, sample)
+
+    return reward_fn_scorer(rule, args)
+
+
+def verifiers_of(args: Any, names: list[str]) -> list[Verifier]:
+    """The verifiers the job ``args`` trains with (see the module docstring), with their cases if declared."""
+    found: list[Verifier] = []
+    overrides: Mapping[str, str] = {}
+    if "verifier-gate" in names:
+        overrides = _settings("verifier-gate", args)["ascend_verifier_gate_cases"] or {}
+
+    def producer(name: str, declared: Callable[[], GateCases] | None) -> Callable[[], GateCases] | None:
+        if name in overrides:
+            return _load(f"ascend_verifier_gate_cases[{name!r}]", str(overrides[name]))
+        return declared
+
+    if "compaction" in names:
+        comp = _settings("compaction", args)
+        if comp["ascend_compaction_env_reward"]:
+            from ..compaction.env import make_env
+
+            spec, kwargs = comp["ascend_compaction_env"], comp["ascend_compaction_env_kwargs"]
+
+            def factory(spec=spec, kwargs=kwargs):
+                return make_env(spec, kwargs)
+
+            found.append(Verifier(spec, "environment", env_scorer(factory),
+                                  producer(spec, getattr(factory(), "verifier_cases", None))))
+    paths: list[str] = []
+    rules: list[str] = []
+    if "opd" in names:
+        task_rm = _settings("opd", args)["ascend_opd_task_rm_path"]
+        if task_rm:
+            paths.append(task_rm)
+    elif "reward-mix" in names:
+        from ..reward_mix.mix import parse_terms
+
+        for term in parse_terms(_settings("reward-mix", args)["ascend_reward_components"], "ascend_reward_components"):
+            (paths.append(term.path) if term.path is not None else rules.append(term.rm_type))
+    elif not found:
+        if getattr(args, "custom_rm_path", None):
+            paths.append(args.custom_rm_path)
+        elif getattr(args, "rm_type", None):
+            rules.append(args.rm_type)
+    for path in dict.fromkeys(paths):
+        fn = _load("reward function", path)
+        found.append(Verifier(path, "reward function", reward_fn_scorer(fn, args),
+                              producer(path, getattr(fn, "verifier_cases", None))))
+    for rule in dict.fromkeys(rules):
+        name = f"rm_type:{rule}"
+        found.append(Verifier(name, "rm_type rule", _rule_scorer(rule, args), producer(name, None)))
+    return found
+
+
+def gate(args: Any, names: list[str], *, require_cases: bool = True,
+         refuse: bool = True) -> list[tuple[Verifier, list]]:
+    """Run the three checks on every verifier of the job; raise :class:`VerifierGateError` (one line) at the first
+    failure (``refuse``; else every result is returned), or for a verifier without cases when ``require_cases``.
+    Returns each verifier with its results."""
+    done = []
+    for verifier in verifiers_of(args, names):
+        if verifier.cases is None:
+            if require_cases:
+                raise VerifierGateError(
+                    f"{verifier.kind} {verifier.name!r} declares no verifier-gate cases. Fix: declare them "
+                    "(an environment's verifier_cases(), @declare_cases on a reward function, or "
+                    f"ascend_verifier_gate_cases: {{{verifier.name}: module.fn}}), or set "
+                    "ascend_verifier_gate_require_cases: false")
+            logger.warning("verifier gate: %s %r declares no cases; not checked", verifier.kind, verifier.name)
+            continue
+        cases = coerce_cases(verifier.cases(), EnvRun if verifier.kind == "environment" else SampleRun,
+                             f"the verifier-gate cases of {verifier.name!r}")
+        results = run_gate(verifier.name, verifier.score, cases)
+        bad = failures(results)
+        if bad and refuse:
+            raise VerifierGateError(refusal(bad[0]))
+        done.append((verifier, results))
+        if bad:
+            continue
+        logger.info("verifier gate: %s %r passes oracle, no_action and unfinished (%d cases)", verifier.kind,
+                    verifier.name, len(results))
+    return done
+
+
+_passed: set[tuple] = set()
+
+
+def validate(args: Any, settings: Any) -> None:
+    """The ``verifier-gate`` plugin's start-up check (once per process and job)."""
+    from ..plugins import runtime
+
+    names = runtime.enabled_names(args)
+    key = (tuple(names), repr(sorted((k, repr(v)) for k, v in vars(args).items()
+                                     if k.startswith("ascend_") or k in ("custom_rm_path", "rm_type"))))
+    if key in _passed:
+        return
+    done = gate(args, names, require_cases=bool(settings.require_cases))
+    if not done:
+        raise VerifierGateError("verifier-gate is enabled but the job uses no verifier it can check (no compaction "
+                                "environment, reward function or --rm-type). Fix: disable verifier-gate or set one")
+    _passed.add(key)
+
+
+def check_config(path: str) -> list[tuple[Verifier, list]]:
+    """``slime-ascend check --verifiers CONFIG``: the gate over the job a YAML describes (the YAML given to slime's
+    ``--custom-config-path``, which may also hold slime's ``custom_rm_path`` / ``rm_type``)."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from ..files import MAX_JSON_BYTES, read_regular_file
+    from ..plugins import registry, runtime
+
+    data = yaml.safe_load(read_regular_file(path, max_bytes=MAX_JSON_BYTES))
+    if not isinstance(data, dict):
+        raise VerifierGateError(f"--verifiers {path}: the YAML is not a mapping of settings. Fix: give the YAML "
+                                "`slime-ascend config` writes")
+    args = SimpleNamespace(**data)
+    names = registry.parse_names(getattr(args, runtime.ARGS_KEY, None) or [])
+    if "verifier-gate" not in names:
+        names = [*names, "verifier-gate"]
+    require = _settings("verifier-gate", args)["ascend_verifier_gate_require_cases"]
+    return gate(args, names, require_cases=bool(require), refuse=False)

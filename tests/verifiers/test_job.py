@@ -1,0 +1,221 @@
+"""Which verifiers a job uses, the gate over them at start (the ``verifier-gate`` plugin), the built-in
+environments' and the demo task's declared cases, and ``slime-ascend check --verifiers``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from slime_ascend.plugins import runtime
+from slime_ascend.verifiers.gate import VerifierGateError, declare_cases
+from slime_ascend.verifiers.job import check_config, gate, verifiers_of
+
+HERE = __name__
+
+
+def _lenient_cases():
+    return {"oracle": [{"response": "7", "label": "7"}], "no_action": [{"response": "", "label": "7"}],
+            "unfinished": [{"response": "", "label": "7", "status": "truncated"}]}
+
+
+@declare_cases(_lenient_cases)
+def contains_reward(args, sample):
+    """The classic bug: the given answer is searched in the label, and '' is in every string."""
+    return 1.0 if sample.response.strip()[:1] in sample.label else 0.0
+
+
+@declare_cases(_lenient_cases)
+async def exact_reward(args, sample):
+    return 1.0 if sample.response.strip() == sample.label else 0.0
+
+
+def undeclared_reward(args, sample):
+    return 0.0
+
+
+def _args(**kw):
+    return SimpleNamespace(**kw)
+
+
+def test_the_builtin_environments_and_the_demo_reward_pass_the_gate():
+    for env in ("kv_lookup", "slime_ascend.demo.task.DigitsEnv"):
+        (verifier, results), = gate(_args(ascend_compaction_env=env), ["compaction"])
+        assert verifier.kind == "environment" and len(results) >= 3
+    (verifier, results), = gate(_args(custom_rm_path="slime_ascend.demo.task.task_reward"), [])
+    assert verifier.kind == "reward function" and len(results) == 5
+
+
+def test_kv_lookup_cases_follow_its_parameters():
+    from slime_ascend.compaction.env import KeyValueLookupEnv
+
+    cases = KeyValueLookupEnv(num_facts=3, answer_turns=1).verifier_cases()
+    assert len(cases["oracle"][0]["actions"]) == 4 and cases["oracle"][0]["actions"][-1].startswith("ANSWER: ")
+    assert gate(_args(ascend_compaction_env="kv_lookup", ascend_compaction_env_kwargs={"num_facts": 3}),
+                ["compaction"])
+
+
+def test_a_reward_function_that_rewards_an_empty_answer_is_refused_in_one_line():
+    with pytest.raises(VerifierGateError) as info:
+        gate(_args(custom_rm_path=f"{HERE}.contains_reward"), ["verifier-gate"])
+    line = str(info.value)
+    assert line.startswith(f"verifier '{HERE}.contains_reward' fails the no_action check")
+    assert "got reward 1.0" in line and "\n" not in line
+
+
+def test_an_async_reward_function_is_awaited_and_passes():
+    (verifier, results), = gate(_args(custom_rm_path=f"{HERE}.exact_reward"), [])
+    assert [r.reward for r in results] == [1.0, 0.0, 0.0]
+
+
+def test_a_verifier_without_cases_is_refused_unless_allowed():
+    args = _args(custom_rm_path=f"{HERE}.undeclared_reward")
+    with pytest.raises(VerifierGateError, match="declares no verifier-gate cases.*ascend_verifier_gate_cases"):
+        gate(args, [])
+    assert gate(args, [], require_cases=False) == []
+
+
+def test_cases_given_in_the_settings_replace_the_declared_ones():
+    args = _args(custom_rm_path=f"{HERE}.undeclared_reward",
+                 ascend_verifier_gate_cases={f"{HERE}.undeclared_reward": f"{HERE}._lenient_cases"})
+    with pytest.raises(VerifierGateError, match="fails the oracle check"):  # it rewards nothing, not even the oracle
+        gate(args, ["verifier-gate"])
+
+
+def test_which_verifiers_each_plugin_brings():
+    both = _args(ascend_compaction_env="kv_lookup", ascend_opd_task_rm_path="slime_ascend.demo.task.task_reward",
+                 custom_rm_path="slime_ascend.opd.hooks.reward")
+    assert [v.name for v in verifiers_of(both, ["compaction", "opd"])] == [
+        "kv_lookup", "slime_ascend.demo.task.task_reward"]  # opd owns --custom-rm-path: its task reward is the verifier
+    mix = _args(ascend_reward_components=[{"name": "c", "path": "slime_ascend.demo.task.task_reward"},
+                                          {"name": "m", "rm_type": "math"}],
+                custom_rm_path="slime_ascend.reward_mix.hooks.reward")
+    assert [(v.kind, v.name) for v in verifiers_of(mix, ["reward-mix"])] == [
+        ("reward function", "slime_ascend.demo.task.task_reward"), ("rm_type rule", "rm_type:math")]
+    assert [v.name for v in verifiers_of(_args(rm_type="deepscaler"), [])] == ["rm_type:deepscaler"]
+    off = _args(ascend_compaction_env="kv_lookup", ascend_compaction_env_reward=False, rm_type="math")
+    assert [v.name for v in verifiers_of(off, ["compaction"])] == ["rm_type:math"]
+
+
+def test_an_unresolvable_reward_path_is_one_line():
+    with pytest.raises(VerifierGateError, match="reward function 'no.such.fn' does not resolve.*Fix:"):
+        gate(_args(custom_rm_path="no.such.fn"), [])
+
+
+def test_the_plugin_refuses_at_validation_and_names_the_environment(tmp_path):
+    args = _args(ascend_plugins="compaction,verifier-gate", custom_rm_path=None,
+                 ascend_compaction_env=f"{HERE}.GenerousEnv")
+    with pytest.raises(VerifierGateError, match=f"verifier '{HERE}.GenerousEnv' fails the no_action check"):
+        runtime.check(args)
+    runtime.check(_args(ascend_plugins="compaction,verifier-gate", ascend_compaction_env="kv_lookup"))
+
+
+class GenerousEnv:
+    """Ends every episode at its first action with reward 1, whatever the action."""
+
+    system_prompt = ""
+
+    def reset(self, seed=None, task=None):
+        return "answer"
+
+    def step(self, action):
+        from slime_ascend.compaction.env import StepResult
+
+        return StepResult("", True, 1.0)
+
+    def verifier_cases(self):
+        return {"oracle": [{"actions": ["42"]}], "no_action": [{"actions": [""]}], "unfinished": [{"actions": []}]}
+
+
+def _math_cases():
+    return {"oracle": [{"response": "The answer is \\boxed{12}", "label": "12"}],
+            "no_action": [{"response": "", "label": "12"}],
+            "unfinished": [{"response": "Let me compute 3 times", "label": "12", "status": "truncated"}]}
+
+
+@pytest.mark.slime
+def test_slimes_rm_type_rules_are_gated_through_slimes_own_async_rm():
+    from conftest import need
+
+    need("slime.rollout.rm_hub")
+    args = _args(rm_type="math", custom_rm_path=None,
+                 ascend_verifier_gate_cases={"rm_type:math": f"{HERE}._math_cases"})
+    (verifier, results), = gate(args, ["verifier-gate"])
+    assert verifier.kind == "rm_type rule" and [r.reward for r in results] == [1.0, 0.0, 0.0]
+    # inside reward-mix, the rule is scored as the rule (not through the hook on --custom-rm-path)
+    mix = _args(ascend_reward_components=[{"name": "m", "rm_type": "math"}],
+                custom_rm_path="slime_ascend.reward_mix.hooks.reward",
+                ascend_verifier_gate_cases={"rm_type:math": f"{HERE}._math_cases"})
+    assert gate(mix, ["reward-mix", "verifier-gate"])
+
+
+def test_check_verifiers_cli_reports_each_verifier(tmp_path):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(yaml.safe_dump({"ascend_plugins": "compaction", "ascend_compaction_env": "kv_lookup"}))
+    bad.write_text(yaml.safe_dump({"custom_rm_path": f"{HERE}.contains_reward"}))
+    assert len(check_config(str(good))) == 1
+    import os
+    from pathlib import Path
+
+    def run(path):  # this test module is importable from its folder: the bad YAML names one of its functions
+        return subprocess.run([sys.executable, "-m", "slime_ascend.cli", "check", "--verifiers", str(path)],
+                              capture_output=True, text=True, cwd=Path(__file__).parent,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([".", os.environ.get("PYTHONPATH", "")])},
+                              timeout=120)
+
+    ok = run(good)
+    assert ok.returncode == 0 and "ok    environment kv_lookup" in ok.stdout, ok.stdout + ok.stderr
+    failed = run(bad)
+    assert failed.returncode == 1 and "fails the no_action check" in failed.stdout, failed.stdout + failed.stderr
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    refused = run(tmp_path / "list.yaml")
+    assert refused.returncode == 2 and "not a mapping" in refused.stderr and "Traceback" not in refused.stderr
+
+
+@pytest.mark.slime
+@pytest.mark.slow
+def test_slimes_parse_args_refuses_a_verifier_that_rewards_an_empty_answer(tmp_path):
+    """In slime's own driver: the bootstrap's driver.validate_at_parse_args runs the gate on slime's parsed args,
+    so the job stops before Ray starts, in one line naming the verifier and the check."""
+    import os
+    import textwrap
+    from pathlib import Path
+
+    from conftest import need
+    from transformers import Qwen3Config
+
+    from slime_ascend import config
+
+    need("slime.utils.arguments")
+    Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                tie_word_embeddings=False).save_pretrained(tmp_path / "hf")
+    (tmp_path / "ascend.yaml").write_text(config.build(["verifier-gate"]).yaml_text)
+    flags = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
+             "--num-query-groups 2 --kv-channels 16 --seq-length 256 --max-position-embeddings 256 "
+             "--normalization RMSNorm --norm-epsilon 1e-6 --qk-layernorm --swiglu --disable-bias-linear "
+             "--untie-embeddings-and-output-weights --position-embedding-type rope "
+             "--vocab-size 1024 --micro-batch-size 1 --rollout-batch-size 4 --n-samples-per-prompt 1 "
+             "--global-batch-size 4 --actor-num-nodes 1 --actor-num-gpus-per-node 1 --colocate --num-rollout 2").split()
+    script = textwrap.dedent(f"""
+        import sys, typing, typing_extensions
+        typing.override = getattr(typing, "override", typing_extensions.override)
+        sys.argv = ["train.py", "--hf-checkpoint", {str(tmp_path / 'hf')!r}, *{flags!r},
+                    "--custom-rm-path", "test_job.contains_reward",
+                    "--custom-config-path", {str(tmp_path / 'ascend.yaml')!r}]
+        from slime.utils.arguments import parse_args
+        parse_args()
+        print("PARSED")
+    """)
+    env = {**os.environ, "SLIME_ASCEND_PLUGINS": "verifier-gate", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 2 and "PARSED" not in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("slime-ascend: error:")]
+    assert len(lines) == 1 and "verifier 'test_job.contains_reward' fails the no_action check" in lines[0], \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
