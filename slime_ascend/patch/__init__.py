@@ -19,6 +19,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.quant_post_process | updaters' engine restore/post-process gate also for Ascend W8A8_DYNAMIC | 0005-quantizer-hook |
 | train.weight_sync_metrics | updaters' update_weights timed, pop_metrics gets perf/weight_sync_* | 0005-quantizer-hook |
 | rollout.forward_metadata | RolloutManager._split_train_data_by_dp forwards each sample's train_metadata | 0004-forward-metadata-extra-batch-keys |
+| rollout.cosched_generate | sglang_rollout.generate: each request sent to an engine with a free slot (cosched) | 0030-rollout-dispatch-hook |
 | train.rollout_log_metadata | train_metric_utils.log_rollout_data skips the forwarded metadata | 0004-forward-metadata-extra-batch-keys |
 | train.loss_batch_metadata | model.get_batch: the loss batch also fetches the forwarded metadata (OPD top-k payload) | 0004-forward-metadata-extra-batch-keys (`--extra-train-batch-keys metadata`) |
 | driver.ray_cpu_resources | `ray` in slime.ray.{placement_group,actor_group,rollout,train_actor}; InfoActor (no device resource) | 0002-accelerator-ray-resource-name |
@@ -59,6 +60,7 @@ LEDGER: dict[str, str] = {
     "train.fc1_gather_layout": "slime_ascend.patch.train.fc1_gather_layout",
     "train.mindspeed_repatch": "slime_ascend.patch.train.mindspeed_repatch",
     "rollout.forward_metadata": "slime_ascend.patch.rollout.forward_metadata",
+    "rollout.cosched_generate": "slime_ascend.patch.rollout.cosched_generate",
     "train.rollout_log_metadata": "slime_ascend.patch.train.rollout_log_metadata",
     "train.loss_batch_metadata": "slime_ascend.patch.train.loss_batch_metadata",
     "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",

@@ -1,0 +1,178 @@
+"""Capacity dispatch of generation requests over engines (pure asyncio; no slime, no HTTP).
+
+Every engine has ``capacity`` slots. :meth:`CapacityDispatcher.acquire` returns an engine with a free slot at once,
+or waits in one FIFO queue until a slot frees anywhere; :meth:`release` frees the slot and hands it to the first
+waiter. Placement:
+
+* a session (slime's ``Sample.session_id``, the turns of one multi-turn rollout) goes back to its owner engine while
+  the owner has a free slot (its cached prefix is there);
+* otherwise (no session, or the owner is full) to the engine with the most free slots (ties: the engine listed
+  first), and a session whose owner was full is **moved**: the new engine becomes its owner and the move is counted;
+* a waiter gets the first slot that frees; if it has a session owned elsewhere, that is a move too.
+
+Counts since the last :meth:`take_stats`: per engine the requests dispatched, the fraction of the window it had at
+least one request running (busy) and the mean fraction of its slots in use; queue waits; moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+MAX_SESSIONS = 100_000  # owners remembered (oldest forgotten first): bounded whatever the rollout sends
+
+
+@dataclass
+class _Engine:
+    url: str
+    running: int = 0
+    dispatched: int = 0
+    busy_s: float = 0.0  # time with >= 1 running, in the window
+    slot_s: float = 0.0  # integral of running over the window
+    since: float = 0.0  # last time running changed (or the window began)
+    listed: bool = True
+
+
+@dataclass
+class _Waiter:
+    session: str | None
+    since: float
+    future: asyncio.Future = field(repr=False)
+
+
+class CapacityDispatcher:
+    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if int(capacity) < 1:
+            raise ValueError(f"capacity must be >= 1 request per engine, got {capacity!r}")
+        self.capacity = int(capacity)
+        self._clock = clock
+        self._engines: dict[str, _Engine] = {}
+        self._owners: OrderedDict[str, str] = OrderedDict()
+        self._waiters: deque[_Waiter] = deque()
+        self._window_start = clock()
+        self._waits: list[float] = []
+        self._moves = 0
+
+    # -- engines -----------------------------------------------------------------------------------------------
+    @property
+    def engines(self) -> list[str]:
+        return [url for url, e in self._engines.items() if e.listed]
+
+    def set_engines(self, urls: Iterable[str]) -> None:
+        """The engines to dispatch to (slime's router's worker list). An engine no longer listed gets no new
+        request; its running requests still release into it."""
+        urls = list(dict.fromkeys(urls))
+        now = self._clock()
+        for url in urls:
+            if url not in self._engines:
+                self._engines[url] = _Engine(url, since=now)
+            self._engines[url].listed = True
+        for url, engine in list(self._engines.items()):
+            if url not in urls:
+                engine.listed = False
+                if engine.running == 0:
+                    del self._engines[url]
+        self._hand_out()
+
+    # -- slots -------------------------------------------------------------------------------------------------
+    def _free(self, engine: _Engine) -> int:
+        return self.capacity - engine.running if engine.listed else 0
+
+    def _pick(self, session: str | None) -> _Engine | None:
+        owner = self._engines.get(self._owners.get(session)) if session is not None else None
+        if owner is not None and self._free(owner) > 0:
+            return owner
+        best = None
+        for engine in self._engines.values():
+            if self._free(engine) > 0 and (best is None or self._free(engine) > self._free(best)):
+                best = engine
+        return best
+
+    def _account(self, engine: _Engine, now: float) -> None:
+        dt = max(0.0, now - engine.since)
+        engine.busy_s += dt if engine.running > 0 else 0.0
+        engine.slot_s += dt * engine.running
+        engine.since = now
+
+    def _take(self, engine: _Engine, session: str | None) -> str:
+        now = self._clock()
+        self._account(engine, now)
+        engine.running += 1
+        engine.dispatched += 1
+        if session is not None:
+            previous = self._owners.get(session)
+            if previous is not None and previous != engine.url:
+                self._moves += 1
+            self._owners[session] = engine.url
+            self._owners.move_to_end(session)
+            while len(self._owners) > MAX_SESSIONS:
+                self._owners.popitem(last=False)
+        return engine.url
+
+    async def acquire(self, session: str | None = None) -> str:
+        """An engine URL with a slot taken for this request (release it with :meth:`release`)."""
+        if not any(e.listed for e in self._engines.values()):
+            raise RuntimeError("no engine to dispatch to (the router lists no worker)")
+        engine = self._pick(session) if not self._waiters else None  # FIFO: no overtaking the queue
+        if engine is not None:
+            self._waits.append(0.0)
+            return self._take(engine, session)
+        waiter = _Waiter(session, self._clock(), asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                self.release(waiter.future.result())  # a slot was handed to a request that is gone
+            raise
+
+    def release(self, url: str) -> None:
+        engine = self._engines.get(url)
+        if engine is None or engine.running == 0:
+            raise ValueError(f"release of {url!r}, which holds no slot")
+        self._account(engine, self._clock())
+        engine.running -= 1
+        if not engine.listed and engine.running == 0:
+            del self._engines[url]
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.future.done():  # cancelled while queued
+                self._waiters.popleft()
+                continue
+            engine = self._pick(waiter.session)
+            if engine is None:
+                return
+            self._waiters.popleft()
+            self._waits.append(self._clock() - waiter.since)
+            waiter.future.set_result(self._take(engine, waiter.session))
+
+    # -- counts ------------------------------------------------------------------------------------------------
+    def take_stats(self) -> dict[str, float]:
+        """Counts since the previous call (``rollout/cosched_*`` keys), and a new window."""
+        now = self._clock()
+        window = max(now - self._window_start, 1e-9)
+        out: dict[str, float] = {}
+        busy = []
+        for i, engine in enumerate(self._engines.values()):
+            self._account(engine, now)
+            out[f"rollout/cosched_engine{i}_dispatched"] = float(engine.dispatched)
+            out[f"rollout/cosched_engine{i}_busy_fraction"] = engine.busy_s / window
+            out[f"rollout/cosched_engine{i}_slot_use"] = engine.slot_s / (window * self.capacity)
+            busy.append(engine.busy_s / window)
+            engine.dispatched, engine.busy_s, engine.slot_s = 0, 0.0, 0.0
+        waits = self._waits
+        out["rollout/cosched_requests"] = float(len(waits))
+        out["rollout/cosched_queue_wait_mean_s"] = sum(waits) / len(waits) if waits else 0.0
+        out["rollout/cosched_queue_wait_max_s"] = max(waits) if waits else 0.0
+        out["rollout/cosched_moves"] = float(self._moves)
+        out["rollout/cosched_busy_fraction_min"] = min(busy) if busy else 0.0
+        self._waits, self._moves, self._window_start = [], 0, now
+        return out

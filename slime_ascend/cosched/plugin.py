@@ -1,0 +1,24 @@
+"""Declaration of the ``cosched`` plugin (cheap to import; the code is :mod:`.hooks` and :mod:`.dispatch`)."""
+
+from __future__ import annotations
+
+from ..plugins.base import Contribution, PatchUse, Plugin
+from ..plugins.settings import Setting
+
+PLUGIN = Plugin(
+    name="cosched",
+    description="Rollout co-scheduling: each request waits in one queue and goes to the engine that has a free slot "
+                "the moment it has one; multi-turn sessions stay on their engine while it has room (moves counted); "
+                "per-engine busy fraction, queue wait and moves in slime's rollout metrics",
+    settings=(
+        Setting("ascend_cosched_capacity", int, 0, minimum=0,
+                help="requests running at once per engine (0: slime's --sglang-server-concurrency)"),
+        Setting("ascend_cosched_refresh_s", float, 30.0, minimum=0.0,
+                help="how often the engine list is read again from the router's /workers (seconds)"),
+    ),
+    contributions=(
+        Contribution("reward_post_process", "slime_ascend.cosched.hooks.report", order=10,
+                     note="this rollout's dispatch counts as rollout/cosched_* metrics; rewards unchanged"),
+    ),
+    patches=(PatchUse("rollout.cosched_generate", "rollout"),),
+)
