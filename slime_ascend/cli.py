@@ -48,7 +48,13 @@ def _cmd_plugins(ns: argparse.Namespace) -> int:
 def _cmd_config(ns: argparse.Namespace) -> int:
     from . import config
 
-    generated = config.build(ns.plugins, config.parse_overrides(ns.set))
+    from .parallel_layout import LayoutError, from_namespace
+
+    layout = from_namespace(ns)
+    if not layout.is_default and not ns.flags:
+        raise LayoutError("a layout (--tp/--pp/--cp/--ep/--dp/--sp/--allgather-cp) is printed as slime flags only. "
+                          "Fix: add --flags (the YAML does not depend on the layout)")
+    generated = config.build(ns.plugins, config.parse_overrides(ns.set), None if layout.is_default else layout)
     for note in generated.notes:
         print(f"note: {note}", file=sys.stderr)
     if ns.flags:
@@ -105,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="write this value for a plugin setting instead of its default (repeatable; value is YAML)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    from .parallel_layout import add_arguments as add_layout_arguments
+
+    add_layout_arguments(p)
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("doctor", help="versions, activation, and whether our patches fit this slime")

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from .parallel_layout import Layout, LayoutError
 from .plugins import registry, runtime
 from .plugins.base import Plugin, option_groups, resolve
 from .plugins.runtime import ARGS_KEY, ENV
@@ -212,9 +213,13 @@ def _flags(selection: registry.Selection) -> tuple[list[str], list[tuple[str, st
     return words, manual
 
 
-def _args_for(selection: registry.Selection, overrides: dict[str, Any]) -> argparse.Namespace:
-    """What slime's args would hold for the keys we control: the YAML, plus the pasteable flags."""
+def _args_for(selection: registry.Selection, overrides: dict[str, Any], layout: Layout | None = None
+              ) -> argparse.Namespace:
+    """What slime's args would hold for the keys we control: the YAML, plus the pasteable flags (and the
+    layout's sizes)."""
     data = yaml.safe_load(_render(selection, overrides)) or {}
+    if layout is not None:
+        data.update(layout.slime_args())
     words, _ = _flags(selection)
     for option, *values in option_groups(words):
         key = option.lstrip("-").replace("-", "_")
@@ -231,9 +236,10 @@ def _scalar(word: str) -> Any:
         return word
 
 
-def _problem(selection: registry.Selection, plugin: Plugin, overrides: dict[str, Any]) -> str | None:
-    """The start-up check of ``plugin`` against the args that ``selection`` would produce."""
-    args = _args_for(selection, overrides)
+def _problem(selection: registry.Selection, plugin: Plugin, overrides: dict[str, Any],
+             layout: Layout | None = None) -> str | None:
+    """The start-up check of ``plugin`` against the args that ``selection`` (and ``layout``) would produce."""
+    args = _args_for(selection, overrides, layout)
     saved = dict(runtime._validated)
     try:
         with runtime.ignoring_environment():
@@ -291,9 +297,28 @@ def _culprits(selection: registry.Selection, plugin: Plugin, overrides: dict[str
     return " and ".join(repr(n) for n in found or others)
 
 
-def build(names: list[str], overrides: dict[str, Any] | None = None) -> GeneratedConfig:
+def check_layout(selection: registry.Selection, overrides: dict[str, Any], layout: Layout) -> None:
+    """Refuse ``layout`` (one line naming the flag) when Megatron's rules or a plugin's start-up check refuse it
+    (a check that fails without the layout too is left to :func:`check_combination`)."""
+    layout.check()
+    for plugin in selection.plugins:
+        if not plugin.validate:
+            continue
+        try:
+            problem = _problem(selection, plugin, overrides, layout)
+            if problem is not None and problem != _problem(selection, plugin, overrides):
+                raise LayoutError(problem)
+        except LayoutError:
+            raise
+        except Exception:  # noqa: BLE001 - e.g. torch missing here: the plugin's check runs at start
+            continue
+
+
+def build(names: list[str], overrides: dict[str, Any] | None = None, layout: Layout | None = None
+          ) -> GeneratedConfig:
     """The YAML for ``names`` (settings at their defaults, or the values in ``overrides``), refused when
-    the plugins' start-up checks would reject the combination (:func:`check_combination`)."""
+    the plugins' start-up checks would reject the combination (:func:`check_combination`); with ``layout``
+    its slime flags follow the plugins' in :attr:`GeneratedConfig.flags` (refused by :func:`check_layout`)."""
     overrides = dict(overrides or {})
     if not registry.parse_names(names):  # `config ""` would write a YAML that enables nothing
         raise registry.PluginError(f"no plugin named in {' '.join(map(repr, names)) or 'the command'}. Fix: name "
@@ -305,6 +330,11 @@ def build(names: list[str], overrides: dict[str, Any] | None = None) -> Generate
     yaml.safe_load(text)  # what we write must load back
     words, manual = _flags(selection)
     notes = check_combination(selection, overrides)
+    if layout is not None:
+        check_layout(selection, overrides, layout)
+        words += layout.flags()
+        if "cpu" in selection.names and layout.world > 1:
+            notes.append(layout.ray_hint())
     command_line = [(f.flag, p.name, f.why) for p in selection.plugins for f in p.command_line]
     files = [(name, p.name, writer) for p in selection.plugins for name, writer in p.config_files]
     return GeneratedConfig(text, list(selection.names), command_line, ",".join(selection.names), words, manual, notes,

@@ -21,6 +21,7 @@ import os
 
 from .. import _import_hooks, host
 from ..plugins.base import PatchUse, Plugin
+from ..glm5.patch_uses import GLM5_PATCH_USES
 from . import npu
 
 logger = logging.getLogger("slime_ascend.accelerator")
@@ -61,5 +62,6 @@ PLUGIN = Plugin(
     process_start=(_A + "on_process_start",),
     patches=(PatchUse("driver.ray_npu_resources"),)
     + tuple(PatchUse(p, when=_A + "kernel_patches_enabled") for p in KERNEL_PATCHES)
-    + (PatchUse("train.mindspeed_repatch", "train", when=_A + "mindspeed_wanted"),),
+    + (PatchUse("train.mindspeed_repatch", "train", when=_A + "mindspeed_wanted"),)
+    + GLM5_PATCH_USES,  # slime's glm5 spec: torch_npu's sparse attention where it fits, else torch ops
 )

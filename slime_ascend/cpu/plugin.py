@@ -28,11 +28,14 @@ from __future__ import annotations
 
 from .. import _import_hooks
 from ..plugins.base import CommandLineFlag, PatchUse, Plugin
+from ..glm5.patch_uses import GLM5_PATCH_USES
 
 TORCH_PATCHES = ("train.cpu_current_device", "train.cpu_streams", "train.cpu_device_map", "train.cpu_tensor_type",
                  "train.cpu_device_properties")
 _P = "slime_ascend.cpu.plugin."
 SPEC = "slime_ascend.cpu.spec get_layer_spec"
+# slime's own GLM-5 spec runs too: the glm5 patches (GLM5_PATCH_USES) give it host linears, torch ops and RoPE
+GLM5_SPEC = "slime_plugins.models.glm5.glm5 get_glm5_spec"
 
 
 def _register_accelerator(module) -> None:
@@ -90,7 +93,13 @@ def validate(args, settings) -> None:
             raise SettingsError(f"cpu: {shown} is not supported on the host ({why}). Fix: {fix}; tensor, "
                                 "pipeline, data and expert parallelism run")
     _check_context_parallel(args, SettingsError)
-    _check_routing_replay(args, SettingsError)
+    if getattr(args, "use_rollout_routing_replay", False):
+        # the train side replays (train.routing_replay); the routes never reach it: slime's sglang router
+        # (sglang-router 0.3.2) re-serialises each /generate body without return_routed_experts
+        raise SettingsError("cpu: --use-rollout-routing-replay is not supported on the host (slime's sglang router, "
+                            "sglang-router 0.3.2, drops return_routed_experts from each request, so no engine returns "
+                            "routes). Fix: drop --use-rollout-routing-replay; --use-routing-replay (the train side "
+                            "replays its own routes) runs")
     from . import ray_capacity
 
     ray_capacity.check(args)  # Ray can place every actor slime will ask for (the driver), or one line
@@ -120,24 +129,6 @@ def _check_context_parallel(args, error) -> None:
                     f"--actor-num-gpus-per-node {cp} --actor-num-nodes 1, or --context-parallel-size 1")
 
 
-def _check_routing_replay(args, error) -> None:
-    """slime's routing replay lives in its Megatron patch (``docker/patch/*/megatron.patch``: Megatron's
-    ``topk_routing_with_score_function`` wraps its top-k with ``slime.utils.routing_replay``, ``TopKRouter``
-    registers a replay); without it the train actor fails in ``fill_routing_replay``, after Ray has started."""
-    for flag in ("use_rollout_routing_replay", "use_routing_replay"):
-        if not getattr(args, flag, False):
-            continue
-        import inspect
-
-        from megatron.core.transformer.moe import moe_utils
-
-        if "routing_replay" not in inspect.getsource(moe_utils.topk_routing_with_score_function):
-            cli = "--" + flag.replace("_", "-")
-            raise error(f"cpu: {cli} is not supported on the host (slime's routing replay needs its Megatron patch, "
-                        "docker/patch/latest/megatron.patch, which this Megatron-core lacks). Fix: drop "
-                        f"{cli}, or install Megatron-core with slime's patch")
-
-
 def _flag(flag: str, why: str, attr: str, value) -> CommandLineFlag:
     return CommandLineFlag(flag, why, check=lambda a: getattr(a, attr, None) == value)
 
@@ -153,8 +144,12 @@ PLUGIN = Plugin(
              PatchUse("train.reloadable_group_collectives"),  # sequence parallelism's reduce-scatter on torch 2.14
              # expert parallelism's all-to-all split sizes: both bindings at once, once the dispatcher has its own
              PatchUse("train.cpu_moe_splits", "import:megatron.core.transformer.moe.token_dispatcher",
-                      when=_P + "host_without_cuda"))
-    + tuple(PatchUse(p, "import:megatron.core", when=_P + "host_without_cuda") for p in TORCH_PATCHES),
+                      when=_P + "host_without_cuda"),
+             # slime's routing replay in a Megatron-core without slime's Megatron patch (device-neutral; the
+             # predicate lives with the patch: whether slime or Megatron already wire replay)
+             PatchUse("train.routing_replay", "train", when="slime_ascend.patch.train.routing_replay.wanted"))
+    + tuple(PatchUse(p, "import:megatron.core", when=_P + "host_without_cuda") for p in TORCH_PATCHES)
+    + GLM5_PATCH_USES,  # slime's glm5 spec: torch ops, host linears, THD RoPE (slime_ascend.glm5)
     # slime forces offload_train for PPO (--advantage-estimator ppo: actor and critic share devices) and then
     # LD_PRELOADs torch_memory_saver's CUDA hook into every train actor, which cannot even start without
     # libcuda; on the host there is no device memory to offload (the YAML is applied after that rule)
@@ -163,7 +158,7 @@ PLUGIN = Plugin(
     command_line=(
         _flag("--transformer-impl local", "TransformerEngine needs CUDA", "transformer_impl", "local"),
         CommandLineFlag(f"--spec {SPEC}", "THD-packed attention and TE parameter names on the local transformer",
-                        check=lambda a: list(getattr(a, "spec", None) or []) == SPEC.split()),
+                        check=lambda a: list(getattr(a, "spec", None) or []) in (SPEC.split(), GLM5_SPEC.split())),
         _flag("--use-cpu-initialization", "Megatron initialises weights on the current CUDA device otherwise",
               "use_cpu_initialization", True),
         _flag("--inference-rng-tracker", "the CUDA RNG tracker reads torch.cuda.get_rng_state()",

@@ -161,12 +161,17 @@ def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
 
 
 def slime_flags(model_dir: Path, prompts: Path, engines: list[Engine], work: Path, *, num_rollout: int = 2,
-                batch: int = 4, n_samples: int = 2, max_response: int = 8) -> list[str]:
-    """A GRPO job on the tiny model: one train actor on the host, external torch engine(s)."""
+                batch: int = 4, n_samples: int = 2, max_response: int = 8, save: bool = True) -> list[str]:
+    """A GRPO job on the tiny model: one train actor on the host, external torch engine(s).
+
+    ``save``: slime writes its Megatron checkpoint to ``work/ckpt`` after the last rollout (``--save``); a
+    test that reads no checkpoint passes ``save=False`` (no ``--save``: the torch_dist save costs 4-9 s per
+    run on a 2-core host)."""
     disk = work / "weights"
     disk.mkdir(exist_ok=True)
+    save_flags = f"--save {work / 'ckpt'} --save-interval 1000" if save else ""
     flags = f"""
-      --hf-checkpoint {model_dir} --load {model_dir} --save {work / 'ckpt'} --save-interval 1000
+      --hf-checkpoint {model_dir} --load {model_dir} {save_flags}
       {TINY_QWEN3_ARGS}
       --prompt-data {prompts} --input-key prompt --label-key label --metadata-key metadata
       --rm-type random --num-rollout {num_rollout} --rollout-batch-size {batch}
@@ -288,10 +293,12 @@ def job_env(plugins: tuple[str, ...], extra_env: dict[str, str] | None = None, s
 
 
 def plugin_flags(plugins: tuple[str, ...]) -> list[str]:
-    """The flags ``slime-ascend config PLUGIN... --flags`` prints, as a launch script uses them."""
-    out = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *plugins, "--flags"],
-                         capture_output=True, text=True, check=True).stdout
-    return shlex.split(out)
+    """The flags ``slime-ascend config PLUGIN... --flags`` prints, as a launch script uses them: the same
+    :func:`slime_ascend.config.build` the command calls, in this process (a ``slime-ascend`` subprocess per
+    run cost a Python start and a torch import, 3-15 s on a 2-core host)."""
+    from slime_ascend import config
+
+    return shlex.split(config.build(list(plugins)).flags_line())
 
 
 def run_slime(script: str, flags: list[str], work: Path, plugins: tuple[str, ...], *,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from ..plugins.base import Contribution, PatchUse, Plugin
 from ..plugins.settings import Setting
+from ..weight_sync.acknowledged import WEIGHT_UPDATE_DEADLINE
 
 _TIS = "slime_ascend.offpolicy.tis."
 _STALENESS = "slime_ascend.offpolicy.staleness."
@@ -81,6 +82,8 @@ STALENESS = Plugin(
                 "samples is dropped, otherwise its invalid slots are padded (no loss, no baseline weight)"),
         Setting("ascend_staleness_unversioned", str, "keep",
                 "a sample without weight_versions: keep it (counted) or fail", choices=("keep", "error")),
+        # the acknowledged switch's per-answer deadline (the sync plugins use its default)
+        WEIGHT_UPDATE_DEADLINE,
     ),
     contributions=(
         Contribution("reward_post_process", _STALENESS + "staleness_post_process", order=100,
@@ -88,6 +91,9 @@ STALENESS = Plugin(
     ),
     # the trainer's version is the one every engine acknowledged (disk weight updates switch all engines or
     # none, and read their versions back)
-    patches=(PatchUse("driver.acknowledged_weight_update", "import:slime.ray.actor_group"),),
+    patches=(PatchUse("driver.acknowledged_weight_update", "import:slime.ray.actor_group"),
+             PatchUse("driver.resumed_weight_version", "import:slime.ray.actor_group"),
+             # the same after a push over a collective (distributed / tensor transports)
+             PatchUse("driver.acknowledged_collective_update", "import:slime.ray.actor_group")),
     validate=_STALENESS + "validate_staleness",
 )

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..json_client import JSONRequestError
 from ..plugins import roles
 from ..plugins.settings import SettingsError
 from .context import (  # noqa: F401  (coefs_differ, needs_metadata, topk_mode, opd_stats, reset_state: declared and public paths)
@@ -36,6 +37,9 @@ from .context import (  # noqa: F401  (coefs_differ, needs_metadata, topk_mode, 
     opd_stats, reset_state, rule_args, topk_mode,
 )
 from .scoring import _score, _task_reward, meta_info, response_teacher_log_probs
+
+# sample.metadata key: why the sample's teacher could not score it (the sample is then FAILED, removed)
+META_FAILURE = "opd_failure"
 
 
 def validate(args: Any, settings: Mapping[str, Any]) -> None:
@@ -137,8 +141,15 @@ async def _reward_one(args: Any, ctx: OPDContext, sample: Any, **kwargs: Any) ->
     if getattr(sample, "metadata", None) is None:
         sample.metadata = {}
     spec = ctx.router.route(sample.metadata, sample_id=getattr(sample, "index", None))
-    scored, reward = await asyncio.gather(_score(args, ctx, spec, sample), _task_reward(args, ctx, sample, **kwargs))
+    scored, reward = await asyncio.gather(_score(args, ctx, spec, sample), _task_reward(args, ctx, sample, **kwargs),
+                                          return_exceptions=True)
+    if isinstance(reward, BaseException):
+        raise reward
     sample.metadata[META_TEACHER] = spec.name
+    if isinstance(scored, JSONRequestError):  # the teacher did not answer (after its retries)
+        return _teacher_failed(sample, spec.name, scored, reward)
+    if isinstance(scored, BaseException):
+        raise scored
     sample.metadata[META_LOG_PROBS] = response_teacher_log_probs(scored, sample.response_length, spec.name)
     if ctx.settings["ascend_opd_mode"] == "topk":
         from ..algorithms.opd import topk_payload_from_sglang
@@ -147,6 +158,21 @@ async def _reward_one(args: Any, ctx: OPDContext, sample: Any, **kwargs: Any) ->
                         "SGLang /generate that honours top_logprobs_num with return_logprob")
         sample.metadata[META_TOPK] = topk_payload_from_sglang(top, sample.response_length, ctx.settings["ascend_opd_topk"])
     return reward
+
+def _teacher_failed(sample: Any, teacher: str, error: Exception, reward: Any) -> Any:
+    """A teacher that could not score ``sample`` (unreachable, timed out, HTTP error after the retries) makes it an
+    environment failure, not a zero reward: status FAILED and ``remove_sample`` (slime trains nothing on it; the
+    dispatcher's group normalisation leaves it out), the reason in ``metadata["opd_failure"]``. Its task reward is
+    kept as the (logged) placeholder."""
+    status = getattr(type(sample), "Status", None)
+    if status is not None and hasattr(status, "FAILED"):
+        sample.status = status.FAILED
+    sample.remove_sample = True
+    reason = f"teacher {teacher!r} did not score it: {' '.join(str(error).split())[:300]}"
+    sample.metadata[META_FAILURE] = reason
+    logger.warning("opd: sample index=%s failed as an environment failure (%s)", getattr(sample, "index", None), reason)
+    return reward
+
 
 async def teacher_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
     """``reward_model`` contribution: route and score at the teacher; returns the task reward.
@@ -214,7 +240,11 @@ def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any]
                 {n: round(v, 5) for n, v in per_teacher_kl.items()})
     from ..plugins.rollout_metrics import report
 
-    report(args, logger, "opd", rollout_step_metrics(ctx, counts, per_teacher_kl))
+    metrics = rollout_step_metrics(ctx, counts, per_teacher_kl)
+    # samples whose teacher did not answer: environment failures (FAILED, removed), not zero rewards
+    metrics["rollout/opd_failed_samples"] = sum(
+        1 for s in samples if isinstance(getattr(s, "metadata", None), dict) and s.metadata.get(META_FAILURE))
+    report(args, logger, "opd", metrics)
     if first and ctx.settings["ascend_opd_same_origin_check"]:
         _same_origin_once(ctx, per_teacher_kl, kl_tokens)
     return raw_rewards, rewards

@@ -29,15 +29,24 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.cpu_tensor_type | Tensor.type() of a CPU tensor reads torch.cuda.*Tensor | megatron/megatron-device-neutral-placement.md |
 | train.cpu_device_properties | torch.cuda.get_device_properties: the host's (Megatron's get_device_arch_version) | megatron/megatron-device-arch-version.md |
 | train.cpu_moe_splits | megatron moe_utils.maybe_move_tensor_to_cpu (and token_dispatcher's by-name import): numpy split sizes from CPU tensors | megatron/megatron-moe-host-splits.md |
+| train.routing_replay | megatron moe_utils/router topk_routing_with_score_function, TopKRouter.__init__: slime's routing replay without its Megatron patch (device-neutral) | 0020-routing-replay-through-megatron-router-replay |
 | train.reloadable_group_collectives | slime's ReloadableProcessGroup: forwards torch 2.14's reduce_scatter_single / all_gather_single / all_to_all_single / gather_single | 0017-reloadable-group-forwards-single-collectives |
 | driver.acknowledged_weight_update | RayTrainGroup._reload_rollout_weights_from_disk: every engine switched and read back, or all returned to the last acknowledged version | 0012-acknowledged-weight-update |
+| driver.acknowledged_collective_update | RayTrainGroup.update_weights (distributed / tensor transports): every engine's version read back and published | 0023-acknowledged-collective-update |
+| train.gloo_float8_broadcast | update_weight_from_distributed.update_weights_from_distributed (and its by-name import): float8 broadcast as bytes over gloo | 0022-gloo-float8-broadcast |
 | train.dsa_deterministic_topk | glm5 ops.indexer.pytorch_topk_with_invalid_padding: deterministic DSA indexer top-k | 0013-dsa-indexer-deterministic-topk |
+| train.glm5_kernels | sys.modules stand-ins for slime_plugins.models.glm5.ops.tilelang_{indexer,sparse_mla}_{fwd,bwd} (no CUDA) | 0021-glm5-spec-device-backends |
+| train.glm5_host_spec | glm5.py's TELinear, TESpecProvider, get_gpt_decoder_block_spec: host parts under TE's names (no CUDA) | 0021-glm5-spec-device-backends |
+| train.glm5_thd_rope | DSAMLASelfAttention.get_absorb_query_key_value_tensors: apex's THD RoPE from torch while apex is absent | 0021-glm5-spec-device-backends |
+| train.glm5_index_topk | get_glm5_spec / DSAMultiLatentAttention.__init__: the checkpoint's index_topk, not 2048 (no CUDA) | 0021-glm5-spec-device-backends |
 | train.reset_optimizer_on_push | MegatronTrainRayActor.update_weights: the optimizer reset after each weight push (GLM-5 cadence) | 0014-reset-optimizer-on-weight-push |
 | driver.validate_at_parse_args | slime.utils.arguments.parse_args: the plugins validated on its result | 0016-role-entry-hook |
 | rollout.validate_at_http_client | slime.utils.http_utils.init_http_client: validation and rollout patches first | 0016-role-entry-hook |
 | train.validate_at_actor_init | TrainRayActor.init: train role recorded, validation and train patches first | 0016-role-entry-hook |
 | driver.allgather_cp_local_spec | slime.backends.megatron_utils.arguments._validate_allgather_cp_supported: --allgather-cp of a dense model with the cpu spec | 0015-allgather-cp-layer-spec-opt-in |
 | engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
+| engine.torch_engine_launch | SGLangEngine._init_normal: the torch engine started in place of SGLang's server (slime's ports, router, health check, shutdown) | 0019-engine-launcher-hook |
+| driver.resumed_weight_version | RayTrainGroup.create: after --load, disk weight versions go on from the resumed rollout | 0018-resumed-weight-version |
 
 Plugins declare the patches they need and when (:class:`slime_ascend.plugins.base.PatchUse`); the
 runtime installs them (:mod:`slime_ascend.startup.patch_plan`): as their targets are imported, or
@@ -64,7 +73,10 @@ LEDGER: dict[str, str] = {
     "train.rollout_log_metadata": "slime_ascend.patch.train.rollout_log_metadata",
     "train.loss_batch_metadata": "slime_ascend.patch.train.loss_batch_metadata",
     "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",
+    "engine.torch_engine_launch": "slime_ascend.patch.engine.torch_engine_launch",
     "driver.acknowledged_weight_update": "slime_ascend.patch.driver.acknowledged_weight_update",
+    "driver.acknowledged_collective_update": "slime_ascend.patch.driver.acknowledged_collective_update",
+    "train.gloo_float8_broadcast": "slime_ascend.patch.train.gloo_float8_broadcast",
     "train.reset_optimizer_on_push": "slime_ascend.patch.train.reset_optimizer_on_push",
     "driver.ray_cpu_resources": "slime_ascend.patch.driver.ray_cpu_resources",
     "train.cpu_current_device": "slime_ascend.patch.train.cpu_current_device",
@@ -73,6 +85,7 @@ LEDGER: dict[str, str] = {
     "train.cpu_tensor_type": "slime_ascend.patch.train.cpu_tensor_type",
     "train.cpu_device_properties": "slime_ascend.patch.train.cpu_device_properties",
     "train.cpu_moe_splits": "slime_ascend.patch.train.cpu_moe_splits",
+    "train.routing_replay": "slime_ascend.patch.train.routing_replay",
     "train.reloadable_group_collectives": "slime_ascend.patch.train.reloadable_group_collectives",
     "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",
     "train.critic_advantage_function": "slime_ascend.patch.train.critic_advantage_function",
@@ -81,10 +94,15 @@ LEDGER: dict[str, str] = {
     "train.quant_post_process": "slime_ascend.patch.train.quant_post_process",
     "train.weight_sync_metrics": "slime_ascend.patch.train.weight_sync_metrics",
     "train.dsa_deterministic_topk": "slime_ascend.patch.train.dsa_deterministic_topk",
+    "train.glm5_kernels": "slime_ascend.patch.train.glm5_kernels",
+    "train.glm5_host_spec": "slime_ascend.patch.train.glm5_host_spec",
+    "train.glm5_thd_rope": "slime_ascend.patch.train.glm5_thd_rope",
+    "train.glm5_index_topk": "slime_ascend.patch.train.glm5_index_topk",
     "driver.validate_at_parse_args": "slime_ascend.patch.driver.validate_at_parse_args",
     "rollout.validate_at_http_client": "slime_ascend.patch.rollout.validate_at_http_client",
     "train.validate_at_actor_init": "slime_ascend.patch.train.validate_at_actor_init",
     "driver.allgather_cp_local_spec": "slime_ascend.patch.driver.allgather_cp_local_spec",
+    "driver.resumed_weight_version": "slime_ascend.patch.driver.resumed_weight_version",
 }
 
 

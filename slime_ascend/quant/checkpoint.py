@@ -22,12 +22,12 @@ from ._common import all_finite, raise_if_not_finite
 from ._outdir import check_out_dir, staged_dir
 from ._source import INDEX_SUFFIX, SourceFile, check_source, copy_no_wider, open_checked, publish_mode
 from .hf_config import (
-    ASCEND_DESCRIPTION_FILE, ASCEND_FLOAT, ASCEND_W8A8_DYNAMIC, ascend_quant_description,
+    ASCEND_DESCRIPTION_FILE, ASCEND_FLOAT, ASCEND_QUANT_TYPES, ascend_quant_description,
     quantization_config_for, read_checkpoint_quant_config, spec_from_checkpoint, spec_from_quantization_config,
 )
 from .name_policy import module_of
 from .params import SpecLike, as_spec, dequantize_named_params, quantize_named_params
-from .schemes import INT8_W8A8, QuantSpec
+from .schemes import QuantSpec
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
@@ -191,7 +191,8 @@ def convert_checkpoint(
 def _write_converted(src: str, files: dict[str, SourceFile], dst: str, spec: QuantSpec, config: dict[str, Any],
                      report: ConvertReport, max_shard_bytes: int, device: str,
                      progress: Callable[[int, int, int], None] | None = None) -> None:
-    prefix = "quant_model_weights" if spec.fmt == INT8_W8A8 else "model"
+    ascend_type = ASCEND_QUANT_TYPES.get(spec.fmt)  # msModelSlim layout: a description, no quantization_config
+    prefix = "quant_model_weights" if ascend_type else "model"
     writer = _ShardWriter(dst, prefix, max_shard_bytes)
     types: dict[str, str] = {}
     not_converted: list[str] = []
@@ -215,7 +216,7 @@ def _write_converted(src: str, files: dict[str, SourceFile], dst: str, spec: Qua
             else:
                 report.quantized.append(name)
                 for out_name, _ in outs:
-                    types[out_name] = ASCEND_W8A8_DYNAMIC
+                    types[out_name] = ascend_type or "quantized"  # (only an Ascend description reads it)
             for out_name, out_t in outs:
                 writer.add(out_name, out_t)
             del t, outs
@@ -227,12 +228,12 @@ def _write_converted(src: str, files: dict[str, SourceFile], dst: str, spec: Qua
     for name, source in files.items():
         if name.endswith(".safetensors"):
             shards_mode &= source.mode
-    if spec.fmt == INT8_W8A8:
+    if ascend_type:
         config.pop("quantization_config", None)
         if isinstance(config.get("text_config"), dict):
             config["text_config"].pop("quantization_config", None)
         with open(os.path.join(dst, ASCEND_DESCRIPTION_FILE), "w") as f:
-            json.dump(ascend_quant_description(types), f, indent=2)
+            json.dump(ascend_quant_description(types, ascend_type), f, indent=2)
     else:
         config["quantization_config"] = quantization_config_for(spec, not_converted)
     for fname in os.listdir(dst):

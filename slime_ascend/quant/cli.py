@@ -1,6 +1,6 @@
 """``slime-ascend quantize`` (offline converter) and ``slime-ascend verify-quant`` (bit-exact check).
 
-    slime-ascend quantize HF_DIR OUT_DIR --format {fp8-block,int8-w8a8,int8-ct,int4-group} [--force]
+    slime-ascend quantize HF_DIR OUT_DIR --format {fp8-block,int8-w8a8,int8-ct,int4-group,mxfp8} [--force]
     slime-ascend verify-quant OFFLINE_DIR ONLINE_DIR_OR_FILE [--names NAME ...] [--partial]
 
 ``verify-quant`` compares tensors an online sync produced (a disk-sync directory such as

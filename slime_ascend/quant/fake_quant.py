@@ -1,7 +1,7 @@
 """QAT fake quantisation with a straight-through estimator.
 
 Forward: dequantize(quantize(w)) with the SAME functions the exporter uses
-(`quantize_fp8_block` / `quantize_int`, `dequantize_*`), so for any weight
+(`quantize_fp8_block` / `quantize_int` / `quantize_mxfp8`, `dequantize_*`), so for any weight
 `fake_quantize(w, spec) == dequantize_param(quantize_param(w, spec))` bit for bit.
 Backward: the plain STE, d fake_quant / d w = identity everywhere (no masking of values
 clipped by the range: with amax-derived scales nothing in a group is clipped except by the
@@ -16,8 +16,9 @@ import torch
 
 from .fp8_block import dequantize_fp8_block, quantize_fp8_block
 from .int_quant import dequantize_int, quantize_int
+from .mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from .params import SpecLike, as_spec
-from .schemes import FP8_BLOCK, QuantSpec
+from .schemes import FP8_BLOCK, MXFP8, QuantSpec
 
 
 def fake_quantize_values(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -27,6 +28,8 @@ def fake_quantize_values(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
         if spec.fmt == FP8_BLOCK:
             q, s = quantize_fp8_block(w, spec.fp8)
             return dequantize_fp8_block(q, s, spec.fp8.block_size, w.dtype)
+        if spec.fmt == MXFP8:
+            return dequantize_mxfp8(*quantize_mxfp8(w), w.dtype)
         r = quantize_int(w, spec.int_scheme)
         return dequantize_int(r.q, r.scale, r.zero_point, w.dtype)
 

@@ -10,6 +10,8 @@
   `quant_model_description.json` maps every tensor name to "W8A8_DYNAMIC" or "FLOAT" plus
   `version`, `model_quant_type`, `metadata`, `group_size`, `optional` (msModelSlim
   `ascendv1_saver`).
+- mxfp8 (Ascend): the same description with "W8A8_MXFP8" for each quantised tensor (msModelSlim's
+  MXFP8 export, which SGLang's and vllm-ascend's ModelSlim loaders read).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .name_policy import module_of
-from .schemes import FP8_BLOCK, INT4_GROUP, INT8_CT, INT8_W8A8, QuantSpec, make_spec
+from .schemes import FP8_BLOCK, INT4_GROUP, INT8_CT, INT8_W8A8, MXFP8, QuantSpec, make_spec
 
 CT_VERSION = "0.20.1"  # compressed-tensors release whose serialisation these dicts reproduce
 ASCEND_DESCRIPTION_FILE = "quant_model_description.json"
 ASCEND_W8A8_DYNAMIC = "W8A8_DYNAMIC"
 ASCEND_FLOAT = "FLOAT"
+ASCEND_W8A8_MXFP8 = "W8A8_MXFP8"
+ASCEND_QUANT_TYPES = {INT8_W8A8: ASCEND_W8A8_DYNAMIC, MXFP8: ASCEND_W8A8_MXFP8}  # formats written as a description
 
 
 def fp8_block_quantization_config(
@@ -97,12 +101,14 @@ def quantization_config_for(spec: QuantSpec, ignore: Iterable[str]) -> dict[str,
     return None
 
 
-def ascend_quant_description(tensor_types: Mapping[str, str]) -> dict[str, Any]:
-    """msModelSlim `quant_model_description.json` for a W8A8_DYNAMIC checkpoint."""
+def ascend_quant_description(
+    tensor_types: Mapping[str, str], quant_type: str = ASCEND_W8A8_DYNAMIC
+) -> dict[str, Any]:
+    """msModelSlim `quant_model_description.json` for a W8A8_DYNAMIC (or `quant_type`) checkpoint."""
     desc: dict[str, Any] = dict(tensor_types)
-    quantized = any(v == ASCEND_W8A8_DYNAMIC for v in tensor_types.values())
+    quantized = any(v == quant_type for v in tensor_types.values())
     desc["version"] = "1.0.0"
-    desc["model_quant_type"] = ASCEND_W8A8_DYNAMIC if quantized else ASCEND_FLOAT
+    desc["model_quant_type"] = quant_type if quantized else ASCEND_FLOAT
     desc["metadata"] = {}
     desc["group_size"] = 0
     desc["optional"] = {}
@@ -121,7 +127,7 @@ def format_from_quantization_config(cfg: Mapping[str, Any] | None) -> str | None
     if not cfg:
         return None
     if _is_ascend_description(cfg):
-        return INT8_W8A8 if cfg.get("model_quant_type") == ASCEND_W8A8_DYNAMIC else None
+        return {v: k for k, v in ASCEND_QUANT_TYPES.items()}.get(cfg.get("model_quant_type"))
     method = cfg.get("quant_method")
     if method == "fp8":
         if cfg.get("fmt", "e4m3") == "e4m3" and cfg.get("weight_block_size"):
@@ -149,9 +155,9 @@ def spec_from_quantization_config(
     fmt = format_from_quantization_config(cfg)
     if fmt is None:
         return None
-    if fmt == INT8_W8A8:
+    if fmt in ASCEND_QUANT_TYPES:
         ignore = [module_of(k) for k, v in cfg.items()
-                  if isinstance(v, str) and k.endswith(".weight") and v != ASCEND_W8A8_DYNAMIC]
+                  if isinstance(v, str) and k.endswith(".weight") and v != ASCEND_QUANT_TYPES[fmt]]
         return make_spec(fmt, ignore=ignore)
     if fmt == FP8_BLOCK:
         bs = cfg["weight_block_size"]

@@ -8,6 +8,7 @@ Output names per format, for a quantised `X.weight` of shape [.., N, K]:
 - int4-group: `X.weight_packed` int32 [.., N, ceil(K/8)], `X.weight_scale` model dtype
               [.., N, K/g], `X.weight_shape` int64 [ndim], and for asymmetric
               `X.weight_zero_point` int32 [.., ceil(N/8), K/g]         (compressed-tensors)
+- mxfp8:      `X.weight` float8_e4m3fn, `X.weight_scale` uint8 E8M0 [.., N, K/32]  (msModelSlim W8A8_MXFP8)
 Names that are not quantised pass through unchanged (same tensor object).
 """
 
@@ -20,11 +21,12 @@ import torch
 
 from .fp8_block import dequantize_fp8_block, quantize_fp8_block
 from .hf_config import spec_from_quantization_config
+from .mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from .int_quant import (
     dequantize_int, pack_int4, pack_int4_zero_point, quantize_int, unpack_int4, unpack_int4_zero_point,
 )
 from .name_policy import should_quantize
-from .schemes import FP8_BLOCK, INT4_GROUP, INT8_CT, INT8_W8A8, QuantSpec, make_spec
+from .schemes import FP8_BLOCK, INT4_GROUP, INT8_CT, INT8_W8A8, MXFP8, QuantSpec, make_spec
 
 SpecLike = QuantSpec | str | Mapping[str, Any]
 
@@ -56,6 +58,9 @@ def quantize_param(name: str, weight: torch.Tensor, spec: SpecLike) -> list[tupl
     if spec.fmt == FP8_BLOCK:
         q, s = quantize_fp8_block(weight, spec.fp8, name=name)
         return [(name, q), (base + "weight_scale_inv", s)]
+    if spec.fmt == MXFP8:
+        q, s = quantize_mxfp8(weight, name=name)
+        return [(name, q), (base + "weight_scale", s)]
     r = quantize_int(weight, spec.int_scheme, name=name)
     if spec.fmt == INT8_W8A8:
         return [(name, r.q), (base + "weight_scale", r.scale), (base + "weight_offset", torch.zeros_like(r.scale))]
@@ -93,6 +98,8 @@ def dequantize_param(
     if spec.fmt == FP8_BLOCK:
         return dequantize_fp8_block(tensors[base + "weight"], tensors[base + "weight_scale_inv"],
                                     spec.fp8.block_size, dtype)
+    if spec.fmt == MXFP8:
+        return dequantize_mxfp8(tensors[base + "weight"], tensors[base + "weight_scale"], dtype)
     if spec.fmt in (INT8_W8A8, INT8_CT):
         off = tensors.get(base + "weight_offset")
         if off is not None and bool((off == 0).all()):

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from .names import FORMATS, FP8_BLOCK, INT4_GROUP, INT4_NUMERICS, INT8_CT, INT8_W8A8  # noqa: E402,F401
+from .names import FORMATS, FP8_BLOCK, INT4_GROUP, INT4_NUMERICS, INT8_CT, INT8_W8A8, MXFP8  # noqa: E402,F401
 
 ZeroRule = Literal["eps", "zero", "clamp"]
 Arithmetic = Literal["fp32", "compressed-tensors"]
@@ -170,7 +170,7 @@ class QuantSpec:
             raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
         if self.fmt == FP8_BLOCK and self.fp8 is None:
             raise ValueError("fmt 'fp8-block' needs an FP8BlockScheme in `fp8`")
-        if self.fmt != FP8_BLOCK and self.int_scheme is None:
+        if self.fmt not in (FP8_BLOCK, MXFP8) and self.int_scheme is None:  # mxfp8: a fixed rule (quant.mxfp8)
             raise ValueError(f"fmt {self.fmt!r} needs an IntScheme in `int_scheme`")
 
 
@@ -196,6 +196,8 @@ def make_spec(
     ign = None if ignore is None else tuple(ignore)
     if fmt == FP8_BLOCK:
         return QuantSpec(fmt, fp8=FP8BlockScheme(tuple(block_size)), ignore=ign, extra_ignore=extra)
+    if fmt == MXFP8:
+        return QuantSpec(fmt, ignore=ign, extra_ignore=extra)
     if fmt == INT8_W8A8:
         scheme = INT8_ASCEND_SCHEME
     elif fmt == INT8_CT:

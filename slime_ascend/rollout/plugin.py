@@ -90,3 +90,29 @@ VLLM_ASCEND = Plugin(
                         check=_disk_sync),
     ),
 )
+
+
+TORCH_ENGINE = Plugin(
+    name="torch-engine",
+    description="the torch engine as slime's rollout engine: slime's own SGLangEngine actors start it in place of "
+    "SGLang's server (any torch device; the host CPU with cpu); it serves offload/onload and the tensor push",
+    conflicts=("sglang-npu", "vllm-ascend"),
+    settings=(
+        Setting("ascend_rollout_torch_dtype", str, "float32",
+                "dtype the torch engine serves in (slime's --fp16 / --sglang-dtype win when they name one)",
+                choices=("float32", "bfloat16", "float16")),
+    ),
+    # the engine actor's launch; CPU tensors of the colocated push as named shared memory the engine can open
+    process_start=("slime_ascend.rollout.plugin.torch_engine_process_start",),
+    patches=("engine.torch_engine_launch",),  # in whatever process imports slime's engine actor
+)
+
+
+def torch_engine_process_start() -> None:
+    """slime's train actors pickle the colocated push (``update_weights_from_tensor``) with torch's sharing
+    strategy; set ``file_system`` there so the torch engine, not a child of theirs, can open the tensors."""
+    from .. import _import_hooks
+    from .tensor_sharing import use_file_system_sharing
+
+    _import_hooks.when_imported("slime.backends.megatron_utils.update_weight.update_weight_from_tensor",
+                                use_file_system_sharing)

@@ -12,7 +12,9 @@ serves it. Endpoints (the ones slime's rollout, external-engine discovery and we
 * ``GET|POST /flush_cache``; ``POST /release_memory_occupation``, ``/resume_memory_occupation`` (a no-op
   for an engine without them), ``/post_process_weights`` (a no-op)
 * ``POST /update_weights_from_distributed``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
-  ``/destroy_weights_update_group``: 501 (disk sync only).
+  ``/destroy_weights_update_group``: 501 (disk sync only), except ``/update_weights_from_tensor`` on an
+  engine with that method (the torch engine: slime's ``--colocate`` push), and the other three on an engine
+  with methods of their names taking the request body (the torch engine: slime's broadcast over gloo).
 * ``POST /tokenize``, ``/v1/tokenize`` for an engine with a ``tokenize`` method (the torch engine;
   the OPD teacher check asks a remote teacher's engine through it): SGLang's request and answer.
 
@@ -233,6 +235,19 @@ def routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[in
         table[(method, "/flush_cache")] = lambda body: ok(engine.flush_cache())
     for path in _UNSUPPORTED_SYNC:
         table[("POST", path)] = unsupported
+    from_tensor = getattr(engine, "update_weights_from_tensor", None)
+    if from_tensor is not None:  # the torch engine (torch_engine/tensor_update.py): slime's --colocate push
+        def update_from_tensor(body: dict) -> tuple[int, Any]:
+            if "serialized_named_tensors" not in body:
+                raise RequestError("update_weights_from_tensor needs 'serialized_named_tensors'")
+            extra = {k: body[k] for k in ("load_format", "flush_cache", "weight_version") if k in body}
+            return ok(from_tensor(body["serialized_named_tensors"], **extra))
+
+        table[("POST", "/update_weights_from_tensor")] = update_from_tensor
+    for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
+        group_call = getattr(engine, path[1:], None)  # the torch engine (torch_engine/weight_group.py): the body
+        if group_call is not None:
+            table[("POST", path)] = lambda body, call=group_call: ok(call(body))
     tokenize = getattr(engine, "tokenize", None)
     if tokenize is not None:
         # SGLang 0.5.15 serves one handler under both names (sglang/srt/entrypoints/http_server.py:1648-1663)

@@ -33,6 +33,12 @@ PATCHES = (
     PatchUse("train.weight_sync_metrics", "train", when=_W + "funnel.metrics_enabled"),
     # the end of the sync chain: every engine switches to the new version, acknowledged, or none does
     PatchUse("driver.acknowledged_weight_update", "import:slime.ray.actor_group"),
+    # ... also over slime's collectives (distributed, tensor): every engine's version read back and published
+    PatchUse("driver.acknowledged_collective_update", "import:slime.ray.actor_group"),
+    # quantised weights over gloo (cpu): float8 broadcast as its bytes
+    PatchUse("train.gloo_float8_broadcast", "train"),
+    # after --load the versions go on from the resumed rollout (not from 1 again)
+    PatchUse("driver.resumed_weight_version", "import:slime.ray.actor_group"),
 )
 NAMES = ("fp8-sync", "int8-sync", "int4-sync")
 

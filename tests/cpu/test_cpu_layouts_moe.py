@@ -1,11 +1,13 @@
 """The cpu plugin's layout check for MoE models: MoE and expert parallelism pass; the TransformerEngine kernels
-slime's MoE scripts pass, and routing replay without slime's Megatron patch, are refused with one line."""
+slime's MoE scripts pass are refused with one line;
+routing replay passes (train.routing_replay wires it into a Megatron-core without slime's Megatron patch)."""
 
 import types
 
 import pytest
 
 from slime_ascend.cpu import plugin
+from slime_ascend.patch.train import routing_replay
 from slime_ascend.plugins.settings import SettingsError
 
 
@@ -40,20 +42,31 @@ def test_transformer_engine_moe_kernels_are_refused(overrides, expected):
         in message, message
 
 
-@pytest.mark.parametrize("flag", ["use_rollout_routing_replay", "use_routing_replay"])
-def test_routing_replay_needs_slimes_megatron_patch(flag, monkeypatch):
+def test_rollout_routing_replay_is_refused_in_one_line():
+    with pytest.raises(SettingsError) as info:
+        plugin.validate(_args(use_rollout_routing_replay=True, use_routing_replay=True), None)
+    message = str(info.value)
+    assert message.startswith("cpu: --use-rollout-routing-replay is not supported on the host (slime's sglang router") \
+        and "Fix: drop --use-rollout-routing-replay" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("flag", ["use_routing_replay"])
+def test_routing_replay_passes_and_declares_its_patch_for_an_unpatched_megatron(flag, monkeypatch):
+    """Replay runs on the host (train.routing_replay wires slime's replay into a stock Megatron-core); with slime's
+    own Megatron patch installed the runtime patch is not wanted (it would record each route twice)."""
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.moe import moe_utils
 
-    cli = "--" + flag.replace("_", "-")
-    with pytest.raises(SettingsError) as info:  # this host's Megatron-core is unpatched
-        plugin.validate(_args(**{flag: True}), None)
-    message = str(info.value)
-    assert message.startswith(f"cpu: {cli} is not supported on the host (slime's routing replay needs its Megatron "
-                              "patch") and "\n" not in message and f"Fix: drop {cli}" in message, message
+    args = _args(**{flag: True, "use_routing_replay": True})  # slime's parse_args sets it for rollout replay
+    plugin.validate(args, None)
+    uses = {u.patch: u for u in plugin.PLUGIN.patches}
+    assert (uses["train.routing_replay"].moment, uses["train.routing_replay"].when) == (
+        "train", "slime_ascend.patch.train.routing_replay.wanted")
+    assert routing_replay.wanted(args) is True  # this host's Megatron-core is unpatched
+    assert routing_replay.wanted(_args()) is False
 
     def patched(*args, **kwargs):  # what slime's patch adds to the function
         from slime.utils.routing_replay import get_routing_replay_compute_topk  # noqa: F401
 
     monkeypatch.setattr(moe_utils, "topk_routing_with_score_function", patched)
-    plugin.validate(_args(**{flag: True}), None)
+    assert routing_replay.wanted(args) is False

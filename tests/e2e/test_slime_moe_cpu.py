@@ -15,21 +15,109 @@ one-rank run's byte for byte.
 
 from __future__ import annotations
 
+import math
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from e2e_fixtures import moe_model_dir  # noqa: F401  (pytest fixture)
-from slime_ascend.demo.slime_job import TINY_QWEN3_MOE_ARGS
-from test_slime_parallel_cpu import METRIC_RTOL, _assert_like_reference, _ranks, _run, _steps
+from slime_ascend.demo.slime_job import TINY_QWEN3_MOE_ARGS, make_prompts, run_slime, slime_flags, start_engine, stop
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+# the job of test_slime_parallel_cpu at HEAD 0b89654, its helpers kept here (that file's helpers now take other
+# arguments)
+PLUGINS = ("cpu", "dis", "staleness")
+HERE = Path(__file__).parent
+LOGPROB_ATOL = 2e-5
+METRIC_RTOL = 1e-4
+LOSS_ATOL = 1e-7
+BATCH, N_SAMPLES, NUM_ROLLOUT = 4, 2, 2
 
 # later flags win: replaces the dense architecture of slime_flags; keep every push (slime deletes each once loaded)
 MOE = shlex.split(TINY_QWEN3_MOE_ARGS) + ["--update-weight-disk-keep-files"]
 EP2 = ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"]
 EXPERTS = 4
+
+
+def _config(work: Path) -> Path:
+    out = work / "ascend.yaml"
+    subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *PLUGINS, "-o", str(out)], check=True,
+                   capture_output=True, text=True)
+    with out.open("a") as f:  # applied after slime forces bf16 and before Megatron's validate_args picks the dtype
+        f.write("\nbf16: false  # fp32 training: the layouts are compared to 2e-5\n")
+    return out
+
+
+def _run(model: Path, work: Path, layout: list[str]):
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = make_prompts(work / "prompts.jsonl")
+    engine = start_engine(model, work / "engine.log")
+    flags = [f for f in slime_flags(model, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
+                                    n_samples=N_SAMPLES) if f != "--bf16"]  # fp32: see _config
+    at = flags.index("--rm-type")
+    del flags[at:at + 2]
+    # later flags win in slime's argparse: the layout replaces the one-rank defaults of slime_flags
+    flags += ["--custom-rm-path", "parity_reward.reward", "--sglang-enable-deterministic-inference",
+              "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt"), *layout]
+    try:
+        run = run_slime("train.py", flags, work, PLUGINS, custom_config=_config(work),
+                        extra_env={"PYTHONPATH": str(HERE)})
+    finally:
+        stop(engine.proc)
+    print(f"\n{work.name}: {' '.join(layout)}: rc {run.returncode}, {run.seconds / 60:.2f} min")
+    assert run.returncode == 0, run.log[-6000:]
+    assert "bf16 " + "." * 44 + " False" in run.log  # Megatron's argument dump: this run trained in fp32
+    return run
+
+
+def _samples(work: Path, rollout_id: int) -> dict[int, dict]:
+    import torch
+
+    dump = torch.load(work / "dump" / f"train_{rollout_id}.pt", weights_only=False)
+    return {s["sample_index"]: s for s in dump["samples"]}
+
+
+def _dp_shards(work: Path, rollout_id: int) -> int:
+    import torch
+
+    return len(torch.load(work / "dump" / f"train_{rollout_id}.pt", weights_only=False)["dp_shards"])
+
+
+def _steps(run) -> list[dict]:
+    return [m for m in run.metrics() if "train/step" in m]
+
+
+def _ranks(run) -> int:
+    """Train actors slime started: one device line per actor (train.validate_at_actor_init)."""
+    return run.log.count("slime accelerator in the actor train actor")
+
+
+def _assert_like_reference(reference, work: Path, run, dp: int) -> None:
+    """Tokens and train-side log-probs of every sample of every rollout, and loss, grad norm and DIS mask count
+    of every step, as the reference run's."""
+    import torch
+
+    ref_work, ref_run = reference
+    for rollout_id in range(NUM_ROLLOUT):
+        ref, got = _samples(ref_work, rollout_id), _samples(work, rollout_id)
+        assert sorted(got) == sorted(ref) and len(ref) == BATCH * N_SAMPLES, (rollout_id, sorted(got), sorted(ref))
+        assert _dp_shards(work, rollout_id) == dp
+        for index, sample in ref.items():
+            assert torch.equal(torch.as_tensor(got[index]["tokens"]), torch.as_tensor(sample["tokens"])), \
+                (rollout_id, index)
+            torch.testing.assert_close(torch.as_tensor(got[index]["log_probs"]),
+                                       torch.as_tensor(sample["log_probs"]), rtol=0, atol=LOGPROB_ATOL)
+    ref_steps, steps = _steps(ref_run), _steps(run)
+    assert [m["train/step"] for m in steps] == [m["train/step"] for m in ref_steps] == list(range(NUM_ROLLOUT))
+    for ref_m, m in zip(ref_steps, steps):
+        assert math.isclose(m["train/grad_norm"], ref_m["train/grad_norm"], rel_tol=METRIC_RTOL), (m, ref_m)
+        assert math.isclose(m["train/loss"], ref_m["train/loss"], rel_tol=METRIC_RTOL, abs_tol=LOSS_ATOL), (m, ref_m)
+        assert m["train/dis_masked"] == ref_m["train/dis_masked"]
+    assert any(m["train/grad_norm"] > 0 for m in ref_steps)  # the reward varied: the comparison has gradients
 
 
 def _pushes(work: Path) -> list[Path]:

@@ -1,23 +1,47 @@
 """slime's own ``train.py`` on this CPU above one rank: tensor (with and without sequence), pipeline, data and context
-(zig-zag and ``--allgather-cp``) parallelism of the tiny dense Qwen3, each against the one-rank run of the same job
-(DIS and staleness then judge CP-split sequences as one rank judges them whole).
+(zig-zag and ``--allgather-cp``) parallelism of the tiny dense Qwen3, each against the one-rank run of the same job,
+with the plugin families that compose in one job: ``dis`` + ``staleness`` + ``tito`` + ``reward-mix`` +
+``int8-sync``. (The other families, which cannot share these runs, are checked at the one layout each of their
+contracts lives in by ``test_slime_parallel_families_cpu.py``.)
 
-Every run is stock slime with the ``cpu``, ``dis`` and ``staleness`` plugins, the torch engine and disk
-weight updates, 2 rollouts. The runs are made comparable: fp32 training (``bf16: false`` in the
-``--custom-config-path`` YAML: slime's ``_set_default_megatron_args`` sets ``args.bf16 = not args.fp16``
-whatever the command line says, and in bf16 TP 2's split matmuls round differently: up to 2.6e-3 in the
-log-probs), the engine's
-sampling seeded per sample (``--sglang-enable-deterministic-inference``: slime sends
-``sampling_seed = --rollout-seed + i``), and a reward that is a function of the response
-(``parity_reward.reward``). The one-rank run is made once per module; each layout must then reproduce,
-from slime's own output, the tokens of every sample and its train-side log-probs (``--save-debug-train-data``:
-slime gathers them from every DP rank on the last pipeline stage), and the loss and grad norm slime logs for
-each train step. The second rollout is generated with the weights the first step trained, so its tokens and
-log-probs also check the optimizer step of each layout.
+Why one job carries five families: CI time (each slime-loop run costs 1.5-3 min on 2 cores) does not allow a
+cross product of families and layouts, and the evidence of each family stays separable here: DIS's masked
+fraction (``train/dis_masked``), staleness's and tito's per-rollout reports, reward-mix's per-sample record
+and its failed samples (the judge ``reward_terms.judge`` fails every fourth sample: loss mask 0, the
+staleness group rule pads it), and int8-sync's pushed bytes. ``icepop`` cannot join (``dis`` in ratio mode and
+IcePop apply the same ratio twice), nor ``opd`` (it owns slime's reward model as reward-mix does, and its
+custom loss bypasses the TIS hook DIS acts in).
+
+Every run is stock slime with the ``cpu`` plugin, the torch engine serving ``slime-ascend quantize --format
+int8-w8a8`` of the tiny model (int8-sync pushes every version in that format) and disk weight updates, 2 rollouts.
+The runs are made comparable: fp32 training (``bf16: false`` in the ``--custom-config-path`` YAML: slime's
+``_set_default_megatron_args`` sets ``args.bf16 = not args.fp16`` whatever the command line says, and in bf16
+TP 2's split matmuls round differently: up to 2.6e-3 in the log-probs), the engine's sampling seeded per sample
+(``--sglang-enable-deterministic-inference``: slime sends ``sampling_seed = --rollout-seed + i``), and a reward
+that is a function of the response (``parity_reward.reward``, reward-mix's ``parity`` component). The one-rank
+run is made once per module; each layout must then reproduce, from slime's own output:
+
+* per sample (``--save-debug-train-data``: slime gathers every DP rank on the last pipeline stage and restores
+  CP-split fields): the tokens, the train-side log-probs, the loss mask, the advantages and the reward, and
+  reward-mix's record (components, penalties, failure);
+* per train step (slime's step metrics): loss, grad norm, DIS's masked fraction; per rollout: staleness's
+  kept/padded/dropped counts and tito's checked samples;
+* the first weights slime pushed (``weight_v000001``, gathered from the layout's shards and quantised in the
+  train actor): byte-identical to the one-rank run's, and to ``slime-ascend quantize --format int8-w8a8`` of the
+  checkpoint slime loaded, upcast to the fp32 it trains and pushes in (``parallel_evidence.fp32_copy``).
+
+The second rollout is generated with the weights the first step trained, so its tokens and log-probs also check
+the optimizer step of each layout.
 
 Tolerances are for fp32 summed in another order (TP splits the matmuls, DP all-reduces the gradients, PP
-sends activations): log-probs to 2e-5 absolute, grad norm and loss to 1e-4 relative (loss also 1e-7 absolute;
-GRPO's loss here is ~1e-5).
+sends activations, CP attends over gathered keys): log-probs to 2e-5 absolute; advantages to 1e-6 absolute
+(GRPO's are computed from the same rewards: only the sum order of the group mean and std can differ); grad norm
+and loss to 1e-4 relative (loss also 1e-7 absolute; GRPO's loss here is ~1e-5); masks, tokens, rewards, counts
+and bytes exactly.
+
+The refusal of an unsupported layout at slime's ``parse_args`` is unit-tested flag by flag in
+``tests/cpu/test_cpu_layouts*.py``; its slime-loop run (about a minute) was dropped from this module to pay for
+the family runs.
 """
 
 from __future__ import annotations
@@ -30,44 +54,69 @@ from pathlib import Path
 import pytest
 
 from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags, start_engine, stop
-from e2e_fixtures import engine, model_dir  # noqa: F401  (pytest fixtures)
+from e2e_fixtures import model_dir  # noqa: F401  (pytest fixtures)
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-PLUGINS = ("cpu", "dis", "staleness")
+PLUGINS = ("cpu", "dis", "staleness", "tito", "reward-mix", "int8-sync")
+QUANT_FORMAT = "int8-w8a8"
 HERE = Path(__file__).parent
 LOGPROB_ATOL = 2e-5
+ADVANTAGE_ATOL = 1e-6
 METRIC_RTOL = 1e-4
 LOSS_ATOL = 1e-7
 BATCH, N_SAMPLES, NUM_ROLLOUT = 4, 2, 2
+FAILED = BATCH * N_SAMPLES // 4  # reward_terms.judge fails every fourth sample
+TRAINED = BATCH * N_SAMPLES - FAILED
+
+
+# reward-mix: the parity reward, a judge that fails every fourth sample (an environment failure: loss mask 0)
+# and a length penalty, so each sample's record has components, a penalty and sometimes a failure
+REWARD_COMPONENTS = [{"name": "parity", "path": "parity_reward.reward", "weight": 1.0},
+                     {"name": "judge", "path": "reward_terms.judge", "weight": 0.5}]
+REWARD_PENALTIES = [{"name": "length", "path": "slime_ascend.reward_mix.terms.response_length", "lambda": 0.25,
+                     "kwargs": {"budget": 4}}]
 
 
 def _config(work: Path) -> Path:
+    import yaml
+
     out = work / "ascend.yaml"
     subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *PLUGINS, "-o", str(out)], check=True,
                    capture_output=True, text=True)
-    with out.open("a") as f:  # applied after slime forces bf16 and before Megatron's validate_args picks the dtype
-        f.write("\nbf16: false  # fp32 training: the layouts are compared to 2e-5\n")
+    cfg = yaml.safe_load(out.read_text())
+    cfg["ascend_reward_components"] = REWARD_COMPONENTS
+    cfg["ascend_reward_penalties"] = REWARD_PENALTIES
+    # fp32 training (the layouts are compared to 2e-5): applied after slime forces bf16 and before Megatron's
+    # validate_args picks the dtype
+    cfg["bf16"] = False
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
 
 
-def _flags(model: Path, prompts: Path, engines, work: Path, layout: list[str]) -> list[str]:
+def _flags(model: Path, engine_checkpoint: Path, prompts: Path, engines, work: Path, layout: list[str]) -> list[str]:
     flags = [f for f in slime_flags(model, prompts, engines, work, num_rollout=NUM_ROLLOUT, batch=BATCH,
                                     n_samples=N_SAMPLES) if f != "--bf16"]  # fp32: see _config
     at = flags.index("--rm-type")
-    del flags[at:at + 2]
+    del flags[at:at + 2]  # reward-mix owns slime's reward model (custom_rm_path in the YAML)
+    # the engine's (quantised) checkpoint is --hf-checkpoint: its format is what int8-sync pushes; Megatron
+    # loads the BF16 weights from --load
+    flags[flags.index("--hf-checkpoint") + 1] = str(engine_checkpoint)
+    # the judge fails 2 of the 8 samples of every rollout (sample index % 4 == 3); staleness pads them (no loss, no
+    # rollout count), so a train step is the 6 rollouts left
+    flags[flags.index("--global-batch-size") + 1] = str(TRAINED)
     # later flags win in slime's argparse: the layout replaces the one-rank defaults of slime_flags
-    return flags + ["--custom-rm-path", "parity_reward.reward", "--sglang-enable-deterministic-inference",
+    return flags + ["--sglang-enable-deterministic-inference", "--update-weight-disk-keep-files",
                     "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt"), *layout]
 
 
-def _run(model: Path, work: Path, layout: list[str]):
+def _run(model: Path, engine_checkpoint: Path, work: Path, layout: list[str]):
     work.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(work / "prompts.jsonl")
-    engine = start_engine(model, work / "engine.log")
+    engine = start_engine(engine_checkpoint, work / "engine.log")
     try:
-        run = run_slime("train.py", _flags(model, prompts, [engine], work, layout), work, PLUGINS,
-                        custom_config=_config(work), extra_env={"PYTHONPATH": str(HERE)})
+        run = run_slime("train.py", _flags(model, engine_checkpoint, prompts, [engine], work, layout), work,
+                        PLUGINS, custom_config=_config(work), extra_env={"PYTHONPATH": str(HERE)})
     finally:
         stop(engine.proc)
     print(f"\n{work.name}: {' '.join(layout) or 'one rank'}: rc {run.returncode}, {run.seconds / 60:.2f} min")
@@ -90,25 +139,61 @@ def _steps(run) -> list[dict]:
     return [m for m in run.metrics() if "train/step" in m]
 
 
+def _quantize(src: Path, out: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(src), str(out), "--format",
+                    QUANT_FORMAT], check=True, capture_output=True, text=True)
+    return out
+
+
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory):
+def quantized(model_dir, tmp_path_factory) -> Path:
+    """``slime-ascend quantize`` of the tiny model: the engine's checkpoint."""
+    return _quantize(model_dir, tmp_path_factory.mktemp("quantized") / f"tiny-qwen3-{QUANT_FORMAT}")
+
+
+@pytest.fixture(scope="module")
+def first_push(model_dir, tmp_path_factory) -> Path:
+    """What the first push must equal: ``slime-ascend quantize`` of the loaded weights in the dtype the job
+    trains and pushes them in (fp32: ``parallel_evidence.fp32_copy``)."""
+    from parallel_evidence import fp32_copy
+
+    root = tmp_path_factory.mktemp("first-push")
+    return _quantize(fp32_copy(model_dir, root / "tiny-qwen3-fp32"), root / f"tiny-qwen3-fp32-{QUANT_FORMAT}")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, quantized, tmp_path_factory):
     work = tmp_path_factory.mktemp("one-rank")
-    return work, _run(model_dir, work, [])
+    return work, _run(model_dir, quantized, work, [])
 
 
-def _assert_like_reference(reference, work: Path, run, dp: int) -> None:
+def _assert_like_reference(reference, quantized: Path, first_push: Path, work: Path, run, dp: int) -> None:
     import torch
+
+    from parallel_evidence import assert_same_tensors
 
     ref_work, ref_run = reference
     for rollout_id in range(NUM_ROLLOUT):
         ref, got = _samples(ref_work, rollout_id), _samples(work, rollout_id)
-        assert sorted(got) == sorted(ref) and len(ref) == BATCH * N_SAMPLES, (rollout_id, sorted(got), sorted(ref))
+        assert sorted(got) == sorted(ref) and len(ref) >= TRAINED, (rollout_id, sorted(got), sorted(ref))
         assert len(_train_dump(work, rollout_id)["dp_shards"]) == dp
         for index, sample in ref.items():
             assert torch.equal(torch.as_tensor(got[index]["tokens"]), torch.as_tensor(sample["tokens"])), \
                 (rollout_id, index)  # the same rollout: the engine served the same weights
             torch.testing.assert_close(torch.as_tensor(got[index]["log_probs"]),
                                        torch.as_tensor(sample["log_probs"]), rtol=0, atol=LOGPROB_ATOL)
+            assert torch.equal(torch.as_tensor(got[index]["loss_masks"]), torch.as_tensor(sample["loss_masks"])), \
+                (rollout_id, index)
+            torch.testing.assert_close(torch.as_tensor(got[index]["advantages"]),
+                                       torch.as_tensor(sample["advantages"]), rtol=0, atol=ADVANTAGE_ATOL)
+            assert float(got[index]["rewards"]) == float(sample["rewards"]), (rollout_id, index)
+            # reward-mix's record travelled with the sample, the same in every layout (the judge's failures too)
+            assert got[index]["metadata"]["reward_mix"] == sample["metadata"]["reward_mix"], (rollout_id, index)
+        # the judge's failures train nothing (if slime keeps them in its train data at all), the others train
+        for index, sample in ref.items():
+            failed = sample["metadata"]["reward_mix"]["failure"] is not None
+            assert failed == (index % 4 == 3) and (float(sample["loss_masks"].sum()) == 0) == failed, index
+        assert any(float(abs(s["advantages"]).max()) > 0 for s in ref.values())
     ref_steps, steps = _steps(ref_run), _steps(run)
     assert [m["train/step"] for m in steps] == [m["train/step"] for m in ref_steps] == list(range(NUM_ROLLOUT))
     for ref_m, m in zip(ref_steps, steps):
@@ -116,10 +201,26 @@ def _assert_like_reference(reference, work: Path, run, dp: int) -> None:
         assert math.isclose(m["train/loss"], ref_m["train/loss"], rel_tol=METRIC_RTOL, abs_tol=LOSS_ATOL), (m, ref_m)
         assert m["train/dis_masked"] == ref_m["train/dis_masked"]
     assert any(m["train/grad_norm"] > 0 for m in ref_steps)  # the reward varied: the comparison has gradients
-    # the plugins ran in every train rank and judged every rollout
-    assert run.log.count("slime-ascend plugins active: cpu, dis, staleness") >= 2
-    kept = [m["rollout/staleness_kept"] for m in run.metrics() if "rollout/staleness_kept" in m]
-    assert kept == [BATCH * N_SAMPLES] * NUM_ROLLOUT, kept
+    # the plugins ran in every train rank and judged every rollout, as the one-rank run did
+    assert run.log.count("slime-ascend plugins active: " + ", ".join(PLUGINS)) >= 2
+    for key in ("rollout/staleness_kept", "rollout/staleness_padded", "rollout/staleness_dropped",
+                "rollout/tito_checked_samples", "rollout/reward_mix_failed"):
+        counts, ref_counts = _reports(run, key), _reports(ref_run, key)
+        assert counts == ref_counts and len(counts) == NUM_ROLLOUT, (key, counts, ref_counts)
+    assert all(TRAINED <= n <= BATCH * N_SAMPLES for n in _reports(run, "rollout/tito_checked_samples"))
+    assert _reports(run, "rollout/staleness_padded") == [FAILED] * NUM_ROLLOUT  # the failed samples were padded
+    assert _reports(run, "rollout/staleness_kept") == [TRAINED] * NUM_ROLLOUT
+    # int8-sync: the first version pushed (the loaded weights, gathered from this layout's shards, quantised in the
+    # train actor) is byte-identical to `slime-ascend quantize` of those weights, and to the one-rank run's
+    assert f"int8-sync: rollout checkpoint {quantized} is {QUANT_FORMAT}" in run.log
+    assert_same_tensors(work / "weights" / "weight_v000001", first_push)
+    assert_same_tensors(work / "weights" / "weight_v000001", ref_work / "weights" / "weight_v000001")
+    versions = sorted(p.name for p in (work / "weights").iterdir())
+    assert versions == [f"weight_v{v:06d}" for v in range(1, NUM_ROLLOUT + 2)], versions
+
+
+def _reports(run, key: str) -> list:
+    return [m[key] for m in run.metrics() if key in m]
 
 
 def _ranks(run) -> int:
@@ -141,34 +242,10 @@ DATA_PARALLEL = {"tp2": 1, "tp2-sp": 1, "pp2": 1, "dp2": 2, "cp2": 1, "cp2-allga
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_the_one_rank_run(model_dir, reference, tmp_path, layout):
-    run = _run(model_dir, tmp_path / layout, LAYOUTS[layout])
+def test_layout_matches_the_one_rank_run(model_dir, quantized, first_push, reference, tmp_path, layout):
+    run = _run(model_dir, quantized, tmp_path / layout, LAYOUTS[layout])
     assert _ranks(run) == int(LAYOUTS[layout][1]), _ranks(run)
     assert "applied runtime patch train.cpu_device_properties" in run.log
     if layout == "cp2-allgather":
         assert "applied runtime patch driver.allgather_cp_local_spec" in run.log, run.log[-4000:]
-    _assert_like_reference(reference, tmp_path / layout, run, DATA_PARALLEL[layout])
-
-
-# one refusal in slime's own driver (the mechanism: the cpu plugin's line at parse_args, before Ray); every
-# refused flag's line is unit-tested in tests/cpu/test_cpu_layouts*.py (each run here costs about a minute)
-REFUSED = {
-    "--moe-grouped-gemm": ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-grouped-gemm"],
-}
-
-
-@pytest.mark.parametrize("flag", list(REFUSED))
-def test_unsupported_layout_is_refused_in_the_drivers_parse_args(model_dir, engine, tmp_path, flag):
-    """No Ray, no train actor: slime's driver stops in parse_args with the cpu plugin's one line (slime's
-    parse_args asks the external engine for its server info, so one is running)."""
-    from slime_ascend.demo.slime_job import job_env, plugin_flags, slime_src
-
-    prompts = make_prompts(tmp_path / "prompts.jsonl")
-    flags = _flags(model_dir, prompts, [engine], tmp_path, ["--actor-num-gpus-per-node", "2", *REFUSED[flag]])
-    cmd = [sys.executable, str(slime_src() / "train.py"), *flags, "--custom-config-path", str(_config(tmp_path)),
-           *plugin_flags(PLUGINS)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=job_env(PLUGINS), cwd=str(tmp_path), timeout=600)
-    assert proc.returncode == 2, proc.stderr[-4000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("slime-ascend: error:")]
-    assert len(errors) == 1 and f"cpu: {flag}" in errors[0] and "Fix:" in errors[0], proc.stderr[-4000:]
-    assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stdout + proc.stderr
+    _assert_like_reference(reference, quantized, first_push, tmp_path / layout, run, DATA_PARALLEL[layout])

@@ -49,7 +49,7 @@ def test_train_py_grpo_with_npu_on_the_host_dis_staleness_and_tito(model_dir, en
     prompts = make_prompts(tmp_path / "prompts.jsonl")
     batch, n_samples = 4, 4
     run = run_slime("train.py", slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=2, n_samples=n_samples,
-                                            batch=batch) + ["--update-weight-disk-keep-files"],
+                                            batch=batch, save=False) + ["--update-weight-disk-keep-files"],
                     tmp_path, plugins, custom_config=_config(tmp_path, *plugins))
     _assert_finished(run)
     # every role ran the plugins, from the bootstrap and the YAML slime loaded
@@ -127,7 +127,7 @@ def test_train_async_py_fully_async_grpo_with_icepop_staleness_and_tito(model_di
     prompts = make_prompts(tmp_path / "prompts.jsonl")
     batch, n_samples, num_rollout = 4, 2, 3
     flags = slime_flags(model_dir, prompts, [engine], tmp_path, num_rollout=num_rollout, batch=batch,
-                        n_samples=n_samples) + [
+                        n_samples=n_samples, save=False) + [
         "--rollout-function-path", "slow_trainer_rollout.generate_rollout", "--sglang-server-concurrency", "2"]
     config = _config(tmp_path, *plugins, settings={"ascend_staleness_tau": 0, "ascend_icepop_beta": 1.0001})
     run = run_slime("train_async.py", flags, tmp_path, plugins, custom_config=config,

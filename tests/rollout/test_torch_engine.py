@@ -447,7 +447,9 @@ def test_other_endpoints_reject_bad_input_and_server_survives(url):
     assert HTTP.post(f"{url}/pause_generation", json={"mode": "sideways"}).status_code == 400
     assert HTTP.post(f"{url}/abort_request", json={"rid": 3}).status_code == 400
     assert HTTP.post(f"{url}/update_weights_from_disk", content=b"[]").status_code == 400
-    assert HTTP.post(f"{url}/update_weights_from_distributed", json={}).status_code == 501
+    # served (torch_engine/weight_group.py): a body without SGLang's fields is refused, naming them
+    r = HTTP.post(f"{url}/update_weights_from_distributed", json={})
+    assert r.status_code == 400 and "missing fields" in r.json()["error"], r.text
     host, port = url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)  # httpx refuses to send a bad header
     try:

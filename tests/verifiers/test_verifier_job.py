@@ -204,7 +204,7 @@ def test_slimes_parse_args_refuses_a_verifier_that_rewards_an_empty_answer(tmp_p
         import sys, typing, typing_extensions
         typing.override = getattr(typing, "override", typing_extensions.override)
         sys.argv = ["train.py", "--hf-checkpoint", {str(tmp_path / 'hf')!r}, *{flags!r},
-                    "--custom-rm-path", "test_job.contains_reward",
+                    "--custom-rm-path", "test_verifier_job.contains_reward",
                     "--custom-config-path", {str(tmp_path / 'ascend.yaml')!r}]
         from slime.utils.arguments import parse_args
         parse_args()
@@ -216,6 +216,6 @@ def test_slimes_parse_args_refuses_a_verifier_that_rewards_an_empty_answer(tmp_p
                           timeout=300)
     assert proc.returncode == 2 and "PARSED" not in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
     lines = [line for line in proc.stderr.splitlines() if line.startswith("slime-ascend: error:")]
-    assert len(lines) == 1 and "verifier 'test_job.contains_reward' fails the no_action check" in lines[0], \
+    assert len(lines) == 1 and "verifier 'test_verifier_job.contains_reward' fails the no_action check" in lines[0], \
         proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr

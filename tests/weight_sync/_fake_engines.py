@@ -12,7 +12,7 @@ class Call:
         return lambda: self.fn(*args, **kwargs)  # a "ref": get() calls it
 
 
-def get(ref):
+def get(ref, timeout=None):
     return [r() for r in ref] if isinstance(ref, list) else ref()
 
 

@@ -15,11 +15,12 @@ from _ws_helpers import hf_tensors, plugin_for, quant_config, sync_args, write_h
 from slime_ascend.plugins import runtime  # noqa: E402
 from slime_ascend.plugins.settings import SettingsError  # noqa: E402
 from slime_ascend.quant.checkpoint import CheckpointReader, convert_checkpoint, tensors_bit_equal  # noqa: E402
-from slime_ascend.quant.schemes import FORMATS  # noqa: E402
 from slime_ascend.weight_sync import funnel, metrics  # noqa: E402
 from slime_ascend.weight_sync.engine_gate import PostProcessGate, slime_gate_opens, source_config  # noqa: E402
 
 SRC = hf_tensors()
+# the formats of fp8-sync / int8-sync / int4-sync (mxfp8-sync has its own funnel: test_mxfp8_sync.py)
+FORMATS = tuple(f for fmts in funnel.PLUGIN_FORMATS.values() for f in fmts)
 
 
 def fresh(args):

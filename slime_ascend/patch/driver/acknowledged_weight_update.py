@@ -31,14 +31,16 @@ def _reload(original):
     def _reload_rollout_weights_from_disk(self, disk_weight_dir, weight_version):
         import ray
 
+        from ...plugins.settings import read
         from ...weight_sync import acknowledged, served_version
         from ...weight_sync.version_dirs import VersionDirs
 
         args = self.args
+        deadline_s = read(acknowledged.WEIGHT_UPDATE_DEADLINE, args)
         if args.update_weight_local_checkpoint_dir:  # one local directory, overwritten: no roll-back point
             original(self, disk_weight_dir, weight_version)
             engines, *_ = ray.get(self._rollout_manager.get_updatable_engines_and_lock.remote())
-            acknowledged.require_serving(engines, ray.get, weight_version)
+            acknowledged.require_serving(engines, ray.get, weight_version, deadline_s)
             served_version.publish(weight_version)
             return None
         assert self._rollout_manager is not None, "disk weight update requires a rollout manager."
@@ -55,8 +57,9 @@ def _reload(original):
             return None
         previous = getattr(self, "_ascend_served", None)
         if previous is None:
-            previous = acknowledged.initial_served(engines, ray.get, args.hf_checkpoint)
-        served = acknowledged.switch_all_or_none(engines, ray.get, str(disk_weight_dir), str(weight_version), previous)
+            previous = acknowledged.initial_served(engines, ray.get, args.hf_checkpoint, deadline_s)
+        served = acknowledged.switch_all_or_none(engines, ray.get, str(disk_weight_dir), str(weight_version), previous,
+                                                 deadline_s)
         self._ascend_served = served
         # the new version is the roll-back point now; the one before goes, as slime would have deleted it (only
         # a directory this job wrote: the starting checkpoint was never claimed)
@@ -95,7 +98,9 @@ PATCH = AcknowledgedWeightUpdate(
     "already gone.",
     how="Pause, load on every engine, read every engine's served version back; on any failure return every "
     "engine to the last acknowledged version (its directory is kept until the next one is acknowledged) and "
-    "fail in one line; resume; publish the acknowledged version for the staleness plugin. Delete only version "
+    "fail in one line; resume; publish the acknowledged version for the staleness plugin. Each engine answer is "
+    "waited for at most ascend_weight_update_deadline_s: a silent engine is left out, not waited for. Delete "
+    "only version "
     "directories this job wrote (marker + resolved path), never the starting checkpoint or --load.",
     upstream="patches/0012-acknowledged-weight-update.patch",
     checked_on=("0.3.1",),

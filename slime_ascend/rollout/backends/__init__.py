@@ -36,9 +36,9 @@ class RolloutBackend:
     plugin: str | None = None  # the slime-ascend plugin whose settings feed this backend
 
     def settings(self) -> tuple:
-        from ..plugin import SGLANG_NPU, VLLM_ASCEND
+        from ..plugin import SGLANG_NPU, TORCH_ENGINE, VLLM_ASCEND
 
-        return {p.name: p.settings for p in (SGLANG_NPU, VLLM_ASCEND)}.get(self.plugin, ())
+        return {p.name: p.settings for p in (SGLANG_NPU, VLLM_ASCEND, TORCH_ENGINE)}.get(self.plugin, ())
 
     def defaults(self) -> dict[str, Any]:
         return {_short(s.key): s.default for s in self.settings()}

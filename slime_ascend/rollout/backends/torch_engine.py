@@ -1,29 +1,75 @@
-"""``torch``: the torch engine attached to slime as an external engine.
+"""``torch``: the torch engine as slime's rollout engine, started by slime or attached from outside.
 
-:class:`~slime_ascend.rollout.torch_engine.engine.TorchEngine` speaks SGLang's HTTP surface
-(``/generate``, ``/server_info``, disk weight sync, pause/abort), so slime reaches it with
-``--rollout-external-engine-addrs`` and ``--update-weight-transport disk``. Start one with
-``slime-ascend serve-torch --model DIR --port PORT`` or, in-process, with :func:`serve`.
+:class:`~slime_ascend.rollout.torch_engine.engine.TorchEngine` speaks SGLang's HTTP surface (``/generate``,
+``/server_info``, weight sync from disk and from tensors, pause/continue, release/resume of memory).
+
+* **slime-managed** (the ``torch-engine`` plugin): slime's own ``SGLangEngine`` Ray actors start it in place
+  of SGLang's server (:mod:`slime_ascend.patch.engine.torch_engine_launch` calls :func:`launch_process` with
+  the server arguments slime computed), on slime's host and port, registered with slime's router, waited for
+  with slime's health check, stopped by slime's ``shutdown``. ``--rollout-num-gpus`` /
+  ``--rollout-num-gpus-per-engine`` decide how many; each is one unsharded process.
+* **external**: ``slime-ascend serve-torch --model DIR --port PORT`` (or, in-process, :func:`serve`) and slime's
+  ``--rollout-external-engine-addrs`` (:meth:`TorchEngineBackend.slime_flags`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from . import RolloutBackend
+from . import BackendError, RolloutBackend
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class TorchEngineBackend(RolloutBackend):
     name = "torch"
-    description = "torch engine (torch + transformers) with SGLang's HTTP surface; attached as an external engine"
+    description = "torch engine (torch + transformers) with SGLang's HTTP surface; started by slime or external"
+    plugin = "torch-engine"
 
     def slime_flags(self, options: Mapping[str, Any], addrs: list[str] | None = None) -> list[str]:
+        """The flags of an external engine (a slime-managed one needs none: slime starts it)."""
         return ["--rollout-external-engine-addrs", *(addrs or ["127.0.0.1:30000"]), "--update-weight-transport",
                 "disk", "--update-weight-disk-dir", "DIR"]
 
+    def command(self, server_args: Mapping[str, Any], options: Mapping[str, Any]) -> list[str]:
+        """``slime-ascend serve-torch`` for one engine from the ``ServerArgs`` fields slime computed
+        (``_compute_server_args``): its model, host, port and seed; the dtype is slime's (``--fp16``:
+        ``float16``, ``--sglang-dtype``) when it names one, else the plugin's ``ascend_rollout_torch_dtype``."""
+        nnodes = int(server_args.get("nnodes", 1) or 1)
+        if nnodes != 1:
+            raise BackendError(f"torch-engine: an engine spanning {nnodes} nodes (--rollout-num-gpus-per-engine above "
+                               "--num-gpus-per-node) is not supported; the torch engine is one process. Fix: "
+                               "--rollout-num-gpus-per-engine at most --num-gpus-per-node")
+        dtype = server_args.get("dtype")
+        if dtype not in DTYPES:
+            dtype = options.get("torch_dtype") or "float32"
+        host = str(server_args["host"]).strip("[]")
+        return [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(server_args["model_path"]),
+                "--host", host, "--port", str(int(server_args["port"])),
+                "--seed", str(int(server_args.get("random_seed", 0) or 0)), "--dtype", dtype]
+
+
 BACKEND = TorchEngineBackend()
+
+
+def launch_process(server_args: Mapping[str, Any], options: Mapping[str, Any]) -> subprocess.Popen:
+    """Start one torch engine for an ``SGLangEngine`` actor; returns at once (the caller waits with slime's own
+    health check). Its output goes to the actor's (Ray forwards it to the driver's log). The engine process runs
+    no plugins (``SLIME_ASCEND_PLUGINS`` is dropped): it imports neither slime nor Megatron."""
+    cmd = BACKEND.command(server_args, options)
+    env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
+    logger.info("torch-engine: starting %s", " ".join(cmd))
+    print(f"torch-engine: slime-managed engine starting on {cmd[cmd.index('--host') + 1]}:"
+          f"{cmd[cmd.index('--port') + 1]}", flush=True)
+    return subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stderr)
 
 
 @contextlib.contextmanager

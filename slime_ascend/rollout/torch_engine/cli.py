@@ -33,6 +33,13 @@ def build_parser() -> ArgumentParser:
                         help="most top-k log-prob entries in one answer: top_logprobs_num x scored and new "
                         "positions, over a batch (default %(default)s)")
     add_server_flags(limits)
+    sync = parser.add_argument_group("weight sync over a process group (/update_weights_from_distributed)")
+    sync.add_argument("--weight-group-timeout", type=float, default=None, metavar="S",
+                      help="seconds to join a weight-update group, and for one bucket's tensors to arrive "
+                      "(default 120); a broadcast that breaks off leaves the old version serving")
+    sync.add_argument("--keep-received-weights", default=None, metavar="DIR",
+                      help="also write each version that served, as received (the bytes on the wire), to "
+                      "DIR/weight_vNNNNNN/model.safetensors")
     return parser
 
 
@@ -47,6 +54,8 @@ def serve_torch(argv: list[str] | None = None) -> int:
     engine = TorchEngine(model_path=args.model, dtype=args.dtype, seed=args.seed,
                              max_batch_size=args.max_batch_size, max_prompt_tokens=args.max_prompt_tokens,
                              max_new_tokens=args.max_new_tokens, max_top_logprobs=args.max_top_logprobs)
+    if args.weight_group_timeout is not None or args.keep_received_weights is not None:
+        engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
     server = make_server(engine, host=args.host, port=args.port, **server_options(args))
     bound_host, bound_port = server.server_address[:2]
     print(f"torch engine serving {engine.server_info()['model_path']} at http://{bound_host}:{bound_port}",

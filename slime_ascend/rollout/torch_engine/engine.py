@@ -63,6 +63,9 @@ from typing import Any
 import torch
 
 from slime_ascend.rollout.torch_engine import model as reference_model
+from slime_ascend.rollout.torch_engine.memory import MemoryOccupation
+from slime_ascend.rollout.torch_engine.tensor_update import TensorUpdate
+from slime_ascend.rollout.torch_engine.weight_group import WeightGroup
 from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
                                                   check_positive_ints, check_weight_version, next_weight_version)
@@ -284,7 +287,7 @@ def _choose_token(
     return token, logprob, kept
 
 
-class TorchEngine:
+class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup):
     """A CPU rollout engine with SGLang's request/response semantics (see the module docstring).
 
     Args:
@@ -391,6 +394,7 @@ class TorchEngine:
             "max_prompt_tokens": self.max_prompt_tokens,
             "max_new_tokens": self.max_new_tokens,
             "max_top_logprobs": self.max_top_logprobs,
+            "enable_return_routed_experts": self._routes is not None,  # slime checks it under routing replay
         }
 
     def model_info(self) -> dict[str, Any]:
@@ -510,7 +514,9 @@ class TorchEngine:
         return True
 
     def health_generate(self) -> bool:
-        """One forward step on a single token (not blocked by pause)."""
+        """One forward step on a single token (not blocked by pause); unhealthy while the weights are released."""
+        if "weights" in self._released:
+            return False
         with self._compute_lock, torch.no_grad():
             logits = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False).logits
         return bool(torch.isfinite(logits.float()).all())
@@ -525,6 +531,7 @@ class TorchEngine:
         if not isinstance(model_path, str) or not model_path:
             raise RequestError("model_path must be a non-empty string naming an HF checkpoint directory")
         check_weight_version(weight_version)  # refused before anything loads
+        self._check_weights_present("update_weights_from_disk")
         if load_format not in (None, "auto", "safetensors"):
             raise RequestError(f"load_format={load_format!r} is not supported (use 'auto' or 'safetensors')")
         if not Path(model_path).is_dir():
@@ -719,6 +726,7 @@ class TorchEngine:
     @contextlib.contextmanager
     def _admitted(self, req: _Request) -> Iterator[None]:
         with self._state:
+            self._check_weights_present("generate")
             while not self._client_gone(req) and (self._paused is not None or self._updating):
                 self._wait(req)
             self._running[id(req)] = req

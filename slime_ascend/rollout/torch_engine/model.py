@@ -331,18 +331,26 @@ def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
 
 
 def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = torch.float32, seed: int = 0,
-               moe: bool = False):
+               moe: bool = False, glm5: bool = False):
     """Load a causal LM for CPU inference, in eval mode.
 
     ``model_dir=None`` builds the tiny random Qwen3 of :func:`tiny_qwen3_config` (``moe``: the Qwen3-MoE of
-    :func:`tiny_qwen3_moe_config`) with weights drawn from ``torch.manual_seed(seed)`` (no download). Otherwise ``model_dir`` must be an HF directory
+    :func:`tiny_qwen3_moe_config`; ``glm5``: the tiny GLM-5 of :func:`slime_ascend.glm5.tiny.tiny_glm5_config`,
+    transformers' ``GlmMoeDsa`` with DSA and IndexShare) with weights drawn from ``torch.manual_seed(seed)`` (no download). Otherwise ``model_dir`` must be an HF directory
     with config.json and safetensors weights.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = _resolve_dtype(dtype)
     if model_dir is None:
-        config = tiny_qwen3_moe_config() if moe else tiny_qwen3_config()
+        if moe and glm5:
+            raise ValueError("load_model: pass moe=True (tiny Qwen3-MoE) or glm5=True (tiny GLM-5), not both")
+        if glm5:
+            from ...glm5.tiny import tiny_glm5_config
+
+            config = tiny_glm5_config()
+        else:
+            config = tiny_qwen3_moe_config() if moe else tiny_qwen3_config()
         rng_state = torch.random.get_rng_state()
         try:
             torch.manual_seed(seed)
@@ -350,7 +358,7 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
         finally:
             torch.random.set_rng_state(rng_state)
         model = model.to(dtype)
-        model.name_or_path = "tiny-random-qwen3-moe" if moe else "tiny-random-qwen3"
+        model.name_or_path = "tiny-random-glm5" if glm5 else "tiny-random-qwen3-moe" if moe else "tiny-random-qwen3"
         return model.eval()
 
     model_dir = Path(model_dir)
@@ -424,7 +432,10 @@ class RouteRecorder:
     """The experts each token is routed to, in SGLang's ``routed_experts`` layout.
 
     Hooks the router of every MoE layer of a transformers Qwen3-MoE-style model (``model.layers[i].mlp`` with
-    ``gate`` and ``experts``; the gate returns ``(logits, weights, indices)``). After a forward pass of ``n``
+    ``gate`` and ``experts``; the gate returns ``(logits, weights, indices)``), or, for DeepSeek-style MoE layers
+    that route in ``mlp.route_tokens_to_experts`` (GLM-5's ``GlmMoeDsa``, whose gate returns only logits and whose
+    top-k is unsorted), the experts module's inputs ``(hidden, topk_indices, topk_weights)``, put in the router's
+    weight order (highest first, ties to the lower expert). After a forward pass of ``n``
     tokens, :meth:`take` gives an int32 tensor ``[n, num_layers, top_k]``: each token's ``top_k`` experts in
     the router's order (highest weight first) in each MoE layer, zeros in dense layers. ``None`` for a dense
     model (:meth:`for_model`)."""
@@ -433,19 +444,30 @@ class RouteRecorder:
         self.num_layers = int(model.config.num_hidden_layers)
         self.top_k = int(model.config.num_experts_per_tok)
         self._seen: dict[int, torch.Tensor] = {}
-        for index, gate in moe_layers.items():
-            gate.register_forward_hook(self._hook(index))
+        for index, mlp in moe_layers.items():
+            if hasattr(mlp, "route_tokens_to_experts"):
+                mlp.experts.register_forward_hook(self._experts_hook(index))
+            else:
+                mlp.gate.register_forward_hook(self._hook(index))
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> "RouteRecorder | None":
         layers = getattr(getattr(model, "model", None), "layers", None) or []
-        moe = {i: layer.mlp.gate for i, layer in enumerate(layers)
+        moe = {i: layer.mlp for i, layer in enumerate(layers)
                if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp, "gate")}
         return cls(model, moe) if moe and getattr(model.config, "num_experts_per_tok", None) else None
 
     def _hook(self, index: int):
         def hook(_module, _inputs, output):
             self._seen[index] = output[2].detach().reshape(-1, self.top_k)
+        return hook
+
+    def _experts_hook(self, index: int):
+        def hook(_module, inputs, _output):
+            indices, weights = inputs[1].detach().reshape(-1, self.top_k), inputs[2].detach().reshape(-1, self.top_k)
+            by_index = torch.sort(indices, dim=-1, stable=True)
+            order = torch.sort(weights.gather(-1, by_index.indices), dim=-1, descending=True, stable=True).indices
+            self._seen[index] = by_index.values.gather(-1, order)
         return hook
 
     def take(self, num_tokens: int) -> torch.Tensor:

@@ -1,0 +1,392 @@
+"""The torch engine's receiver of slime's weight broadcast: SGLang's ``/init_weights_update_group``,
+``/update_weights_from_distributed`` and ``/destroy_weights_update_group`` over gloo.
+
+slime's sender (``slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py``) joins the
+training rank 0 and every engine in one process group (rank 0 sends; engine ``i`` is rank ``rank_offset``), then
+pushes the HF tensors of one weight version in buckets of ``--update-weight-buffer-size`` bytes: for each
+bucket, one ``/update_weights_from_distributed`` call with its ``names``, ``dtypes``, ``shapes`` and
+``weight_version``, and one ``broadcast`` per tensor, in that order. The backend is what slime's accelerator
+maps ``nccl`` to: gloo on the ``cpu`` plugin (HCCL on ``npu``, which this CPU engine cannot join: refused).
+
+Receiving, unlike SGLang (which loads each bucket into the serving model at once and sets the version at each
+call): the buckets of a version are **staged** and the version serves only when all of them have arrived and
+been checked, with the same checks and the same switch as ``update_weights_from_disk``
+(names, shapes, dtypes, no NaN/inf; the engine drained, the weights swapped, the version set, atomically):
+
+* a version is complete when every tensor name of the checkpoint the engine serves has arrived (tied weights
+  may be absent), the same names ``slime-ascend quantize`` writes for a quantised one; a quantised version
+  is dequantised with the served checkpoint's scheme, as the disk path dequantises what it loads;
+* a broadcast that breaks off (the sender killed, the connection closed, a bucket's tensors not arriving
+  within ``timeout_s``) drops its staged version and the group, and answers 503; a bucket missing from a
+  version leaves it incomplete, and the first bucket of another version drops it. Either way the old version
+  keeps serving, and the next ``init_weights_update_group`` and update work;
+* gloo carries no float8: a float8 tensor travels as its bytes (``uint8``, same count), as the train side
+  sends it (:mod:`slime_ascend.weight_sync.wire`; runtime patch ``train.gloo_float8_broadcast``);
+* ``keep_dir`` (``serve-torch --keep-received-weights DIR``): each version that served is also written, as
+  received (the bytes on the wire), to ``DIR/weight_v{version:06d}/model.safetensors``.
+
+API (a benchmark may drive it directly): ``WeightGroupReceiver(engine, timeout_s=..., keep_dir=...)`` then
+:meth:`~WeightGroupReceiver.init_group`, :meth:`~WeightGroupReceiver.receive`,
+:meth:`~WeightGroupReceiver.destroy_group`, each with SGLang's request fields and answer
+``{"success": True, "message": ...}``; refusals raise :class:`RequestError`. :class:`WeightGroup` is the
+engine's mixin (the three endpoints, taking the request body; ``engine.weight_group`` is its receiver). The
+engine supplies ``model``, ``model_path``, ``dtype``, ``quantization``, ``weight_version``,
+``_max_checkpoint_bytes``, ``_update_lock`` and ``_switch_to(state, version)`` (the drained swap of
+:mod:`.tensor_update`, shared by every transport).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_ascend.rollout.sglang_protocol import RequestError, check_weight_version
+from slime_ascend.weight_sync.wire import wire_view
+
+__all__ = ["DEFAULT_TIMEOUT_S", "WIRE_DTYPES", "WeightGroup", "WeightGroupReceiver", "join_group", "wire_view"]
+
+logger = logging.getLogger("slime_ascend.rollout.engine")
+
+DEFAULT_TIMEOUT_S = 120.0  # joining a group, and the tensors of one bucket arriving
+# dtype names slime sends (str(torch.dtype) without "torch.") -> dtype; others are refused
+WIRE_DTYPES = {name: getattr(torch, name) for name in (
+    "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+    "float8_e4m3fn", "float8_e5m2")}
+SUPPORTED_BACKENDS = ("gloo",)
+
+
+def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+               backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Join slime's weight-update group as ``rank``: the rendezvous of slime's ``init_process_group``
+    (``slime/utils/distributed_utils.py``; SGLang's ``init_custom_process_group``): a TCP store at the master,
+    prefixed by ``group_name``. No default process group is needed; returns the process group."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    rendezvous)
+
+    timeout = timedelta(seconds=timeout_s)
+    host = f"[{master_address}]" if ":" in master_address else master_address
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # as slime's: dist.broadcast(group=) finds it
+    return group
+
+
+def _leave(group: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(group)
+    except Exception as exc:  # noqa: BLE001 - a broken group is dropped anyway
+        logger.warning("leaving a weight-update group: %s", exc)
+
+
+def _checkpoint_names(model_path: str | None, model: torch.nn.Module) -> set[str]:
+    """The tensor names of the checkpoint the engine serves (its safetensors headers; the model's own state
+    for the tiny random model): what one full weight push sends."""
+    if model_path is None:
+        return set(model.state_dict())
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
+@dataclass
+class _Staged:
+    """The buckets of one version received so far."""
+
+    version: str
+    required: set[str]
+    allowed: set[str]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+    buckets: int = 0
+    last: float = field(default_factory=time.monotonic)
+
+    def missing(self) -> int:
+        return len(self.required - set(self.tensors))
+
+
+class WeightGroupReceiver:
+    """The receiving side of slime's ``update_weights_from_distributed`` for one engine (module docstring)."""
+
+    def __init__(self, engine: Any, timeout_s: float = DEFAULT_TIMEOUT_S, keep_dir: str | None = None) -> None:
+        if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.engine = engine
+        self.timeout_s = float(timeout_s)
+        self.keep_dir = keep_dir
+        self._lock = threading.Lock()  # one group call at a time
+        self._groups: dict[str, tuple[Any, str]] = {}  # name -> (process group, backend)
+        self._staged: _Staged | None = None
+
+    # ------------------------------------------------------------------ group
+    def init_group(self, master_address: Any, master_port: Any, rank_offset: Any, world_size: Any,
+                   group_name: Any, backend: Any = "nccl") -> dict[str, Any]:
+        """SGLang's ``/init_weights_update_group``: join ``group_name`` as rank ``rank_offset`` (one engine rank:
+        this engine is one unsharded server). Blocks until every rank joined, at most ``timeout_s``."""
+        if not isinstance(master_address, str) or not master_address:
+            raise RequestError("master_address must be a non-empty string")
+        for key, value, low in (("master_port", master_port, 1), ("rank_offset", rank_offset, 1),
+                                ("world_size", world_size, 2)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise RequestError(f"{key} must be an integer >= {low}, got {value!r}")
+        if master_port > 65535 or rank_offset >= world_size:
+            raise RequestError(f"master_port must be <= 65535 and rank_offset < world_size, got {master_port}, "
+                               f"{rank_offset}, {world_size}")
+        if not isinstance(group_name, str) or not group_name:
+            raise RequestError("group_name must be a non-empty string")
+        if backend not in SUPPORTED_BACKENDS:
+            raise RequestError(f"backend={backend!r}: {self.engine.engine_name} runs on the host CPU and joins gloo "
+                               "groups only (slime asks for gloo under the cpu plugin; an npu/cuda job needs its "
+                               "device engine)")
+        with self._lock:
+            old = self._groups.pop(group_name, None)
+            if old is not None:  # slime reconnecting (e.g. after restarting engines): the old group is gone
+                self._drop_staged("its group was re-initialised")
+                _leave(old[0])
+            try:
+                group = join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                   self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a rendezvous that fails is the sender's problem: say it
+                raise RequestError(f"could not join weight-update group {group_name!r} at {master_address}:"
+                                   f"{master_port} as rank {rank_offset} of {world_size} within {self.timeout_s:g}s: "
+                                   f"{type(exc).__name__}: {exc}", status=503) from None
+            self._groups[group_name] = (group, backend)
+        logger.info("joined weight-update group %s (%s, rank %d of %d)", group_name, backend, rank_offset, world_size)
+        return {"success": True, "message": f"joined weight-update group {group_name!r} as rank {rank_offset}"}
+
+    def destroy_group(self, group_name: Any) -> dict[str, Any]:
+        """SGLang's ``/destroy_weights_update_group``; a version still staged on it is dropped."""
+        with self._lock:
+            entry = self._groups.pop(group_name, None) if isinstance(group_name, str) else None
+            if entry is None:
+                raise RequestError(f"no weight-update group {group_name!r} to destroy")
+            self._drop_staged(f"group {group_name!r} was destroyed")
+            _leave(entry[0])
+        return {"success": True, "message": f"left weight-update group {group_name!r}"}
+
+    def close(self) -> None:
+        """Leave every group (a group's name is registered once per process) and drop what is staged."""
+        with self._lock:
+            self._drop_staged("the receiver was closed")
+            for group, _ in self._groups.values():
+                _leave(group)
+            self._groups.clear()
+
+    # ------------------------------------------------------------------ buckets
+    def receive(self, names: Any, dtypes: Any, shapes: Any, group_name: Any, weight_version: Any = None,
+                load_format: Any = None, flush_cache: Any = False) -> dict[str, Any]:
+        """SGLang's ``/update_weights_from_distributed``: receive one bucket of ``weight_version`` and, when it
+        completes the version, check it and switch to it (module docstring)."""
+        with self._lock:
+            entry = self._groups.get(group_name) if isinstance(group_name, str) else None
+            if entry is None:
+                raise RequestError(f"no weight-update group {group_name!r}; call /init_weights_update_group first")
+            group, backend = entry
+            if load_format is not None:
+                raise RequestError(f"load_format={load_format!r} is not supported (slime's bucketed broadcast "
+                                   "sends none)")
+            if not isinstance(flush_cache, bool):
+                raise RequestError("flush_cache must be true or false")
+            version = check_weight_version(weight_version)
+            if version is None:
+                raise RequestError("weight_version is required: the buckets of one version are staged under it and "
+                                   "it serves when all have arrived (slime sends str(version))")
+            buffers = self._buffers(names, dtypes, shapes)
+            try:
+                staged, refusal = self._stage_for(version), None
+            except RequestError as exc:  # still take the bytes, so the sender's broadcast completes and it hears why
+                staged, refusal = None, exc
+            received = 0
+            try:
+                from torch.distributed import BroadcastOptions
+
+                opts = BroadcastOptions()
+                opts.rootRank = 0
+                opts.timeout = timedelta(seconds=self.timeout_s)
+                works = [group.broadcast([wire_view(t, backend)], opts) for _, t in buffers]
+                for work in works:
+                    work.wait()
+                    received += 1
+            except Exception as exc:  # noqa: BLE001 - the sender died, the group broke, a timeout
+                self._drop_staged(f"its broadcast broke off after {received} of {len(buffers)} tensors of a bucket")
+                self._groups.pop(group_name, None)
+                _leave(group)
+                raise RequestError(
+                    f"the broadcast of weight version {version} broke off ({type(exc).__name__}: "
+                    f"{' '.join(str(exc).split())[:200]}); it is dropped and version {self.engine.weight_version} "
+                    f"keeps serving. Fix: re-initialise the group (/init_weights_update_group) and push again",
+                    status=503) from None
+            if refusal is not None:
+                raise refusal
+            try:
+                return self._add(staged, buffers)
+            except RequestError:
+                self._drop_staged("it was refused")
+                raise
+
+    def _buffers(self, names: Any, dtypes: Any, shapes: Any) -> list[tuple[str, torch.Tensor]]:
+        """Empty tensors for one bucket's metadata, refused (before any byte is received) when it is malformed
+        or larger than a checkpoint of this architecture."""
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise RequestError("names, dtypes and shapes must be lists")
+        if not names or not len(names) == len(dtypes) == len(shapes):
+            raise RequestError(f"names, dtypes and shapes must be non-empty lists of one length, got {len(names)}, "
+                               f"{len(dtypes)}, {len(shapes)}")
+        if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+            raise RequestError("names must be distinct non-empty strings")
+        out, total = [], 0
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            if dtype not in WIRE_DTYPES:
+                raise RequestError(f"{name}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+            if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                    for d in shape)):
+                raise RequestError(f"{name}: shape must be a list of non-negative integers, got {shape!r}")
+            numel = math.prod(shape)
+            total += numel * WIRE_DTYPES[dtype].itemsize
+            if total > self.engine._max_checkpoint_bytes:
+                raise RequestError(f"bucket of {len(names)} tensors holds more than {self.engine._max_checkpoint_bytes} "
+                                   "bytes, more than a checkpoint of the loaded architecture", status=413)
+            out.append((name, torch.empty(shape, dtype=WIRE_DTYPES[dtype])))
+        return out
+
+    def _stage_for(self, version: str) -> _Staged:
+        staged = self._staged
+        if staged is not None and staged.version == version and time.monotonic() - staged.last > self.timeout_s:
+            self._drop_staged(f"no bucket arrived for {self.timeout_s:g}s")
+            staged = None
+        if staged is not None and staged.version != version:
+            self._drop_staged(f"a bucket of version {version} arrived before it was complete")
+            staged = None
+        if staged is None:
+            if version == self.engine.weight_version:
+                raise RequestError(f"weight version {version} is already serving; a push needs a new version")
+            required = _checkpoint_names(self.engine.model_path, self.engine.model)
+            tied = set(getattr(self.engine.model, "_tied_weights_keys", None) or ()) if getattr(
+                self.engine.model.config, "tie_word_embeddings", False) else set()
+            staged = self._staged = _Staged(version, required - tied, required | tied)
+        return staged
+
+    def _add(self, staged: _Staged, buffers: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        unknown = [n for n, _ in buffers if n not in staged.allowed]
+        again = [n for n, _ in buffers if n in staged.tensors]
+        if unknown or again:
+            raise RequestError(f"weight version {staged.version}: names not in the served checkpoint {unknown[:5]} "
+                               f"(total {len(unknown)}), sent twice {again[:5]} (total {len(again)}); the version is "
+                               f"dropped and version {self.engine.weight_version} keeps serving")
+        staged.tensors.update(buffers)
+        staged.nbytes += sum(t.numel() * t.element_size() for _, t in buffers)
+        staged.buckets += 1
+        staged.last = time.monotonic()
+        if staged.nbytes > self.engine._max_checkpoint_bytes:
+            raise RequestError(f"weight version {staged.version} holds more than {self.engine._max_checkpoint_bytes} "
+                               "bytes, more than a checkpoint of the loaded architecture", status=413)
+        missing = staged.missing()
+        if missing:
+            return {"success": True, "message": f"staged bucket {staged.buckets} of weight version {staged.version} "
+                                                f"({len(staged.tensors)} tensors, {missing} to come)"}
+        self._staged = None
+        self._commit(staged)
+        return {"success": True, "message": f"weight version {staged.version} complete ({staged.buckets} buckets, "
+                                            f"{len(staged.tensors)} tensors) and serving"}
+
+    def _commit(self, staged: _Staged) -> None:
+        """Check the complete version like a checkpoint on disk and switch to it."""
+        engine = self.engine
+        source = f"weight version {staged.version} (update_weights_from_distributed)"
+        state = staged.tensors
+        try:
+            if engine.quantization is not None:
+                from slime_ascend.quant.hf_config import spec_from_checkpoint
+                from slime_ascend.quant.params import dequantize_named_params
+
+                state = dequantize_named_params(state, spec_from_checkpoint(engine.model_path), engine.dtype)
+            else:
+                state = {k: v.to(engine.dtype) if v.is_floating_point() else v for k, v in state.items()}
+            from . import model as reference_model
+
+            reference_model.validate_state_dict(engine.model, state, source=source)
+            with engine._update_lock:
+                check_released = getattr(engine, "_check_weights_present", None)
+                if check_released is not None:  # the weights were released (--colocate offload): no swap into them
+                    check_released("update_weights_from_distributed")
+                engine._switch_to(state, staged.version)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RequestError(f"{source} refused: {exc}; version {engine.weight_version} keeps serving") from None
+        logger.info("switched to weight version %s from %d buckets of update_weights_from_distributed (%s)",
+                    staged.version, staged.buckets, engine.quantization or "unquantised")
+        if self.keep_dir is not None:
+            self._keep(staged)
+
+    def _keep(self, staged: _Staged) -> None:
+        from safetensors.torch import save_file
+
+        name = f"weight_v{int(staged.version):06d}" if staged.version.isdigit() else f"weight_{staged.version}"
+        out = Path(self.keep_dir) / name
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in staged.tensors.items()}, str(out / "model.safetensors"))
+
+    def _drop_staged(self, why: str) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            logger.warning("weight version %s dropped after %d buckets (%d tensors, %d missing): %s; version %s "
+                           "keeps serving", staged.version, staged.buckets, len(staged.tensors), staged.missing(),
+                           why, self.engine.weight_version)
+
+
+_INIT_KEYS = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
+_UPDATE_KEYS = ("names", "dtypes", "shapes", "group_name", "weight_version", "load_format", "flush_cache")
+
+
+def _fields(body: Any, keys: tuple[str, ...], required: tuple[str, ...], what: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError(f"{what}: the request body must be a JSON object")
+    unknown = sorted(set(body) - set(keys))
+    missing = [k for k in required if k not in body]
+    if unknown or missing:
+        raise RequestError(f"{what}: unknown fields {unknown}, missing fields {missing} (SGLang's fields: "
+                           f"{', '.join(keys)})")
+    return {k: body[k] for k in keys if k in body}
+
+
+class WeightGroup:
+    """Mixin of :class:`~slime_ascend.rollout.torch_engine.engine.TorchEngine`: SGLang's three weight-group
+    endpoints, each taking the request body, served by :attr:`weight_group` (a :class:`WeightGroupReceiver`;
+    ``serve-torch --keep-received-weights`` sets its ``keep_dir``)."""
+
+    @property
+    def weight_group(self) -> WeightGroupReceiver:
+        receiver = self.__dict__.get("_weight_group")
+        if receiver is None:
+            receiver = self.__dict__["_weight_group"] = WeightGroupReceiver(self)
+        return receiver
+
+    def configure_weight_group(self, timeout_s: float | None = None, keep_dir: str | None = None) -> None:
+        """A new receiver with these settings (``timeout_s`` None: :data:`DEFAULT_TIMEOUT_S`); before any group."""
+        self.__dict__["_weight_group"] = WeightGroupReceiver(self, timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
+                                                             keep_dir=keep_dir)
+
+    def init_weights_update_group(self, body: Any) -> dict[str, Any]:
+        return self.weight_group.init_group(**_fields(body, _INIT_KEYS, _INIT_KEYS[:5], "init_weights_update_group"))
+
+    def update_weights_from_distributed(self, body: Any) -> dict[str, Any]:
+        return self.weight_group.receive(**_fields(body, _UPDATE_KEYS, _UPDATE_KEYS[:4],
+                                                   "update_weights_from_distributed"))
+
+    def destroy_weights_update_group(self, body: Any) -> dict[str, Any]:
+        return self.weight_group.destroy_group(**_fields(body, ("group_name",), ("group_name",),
+                                                         "destroy_weights_update_group"))

@@ -1,0 +1,121 @@
+"""``/update_weights_from_tensor`` on the torch engine, fed exactly as slime's colocated push feeds SGLang
+(``_send_to_colocated_engine``: sglang's FlattenedTensorBucket pickled by its MultiprocessingSerializer, one
+call per bucket, ``load_format="flattened_bucket"``, ``weight_version=str(n)``): a version serves only once all of
+its buckets arrived and were checked, and is then reported like a disk update's."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
+from slime_ascend.rollout.torch_engine.tensor_update import use_file_system_sharing
+
+from conftest import need
+
+HTTP = httpx.Client(timeout=300, trust_env=False)
+PROMPT = [1, 17, 250, 3, 999, 42]
+
+
+@pytest.fixture
+def file_system_sharing():
+    import torch.multiprocessing as mp
+
+    before = mp.get_sharing_strategy()
+    use_file_system_sharing()
+    yield
+    mp.set_sharing_strategy(before)
+
+
+def serialize_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, dict]:
+    """One bucket as slime serializes it; the dict must stay alive until the call returns (slime's long_lived)."""
+    utils = need("sglang.srt.utils", "slime's serializer comes from sglang")
+    bucket_mod = need("sglang.srt.weight_sync.tensor_bucket")
+    bucket = bucket_mod.FlattenedTensorBucket(named_tensors=named)
+    data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    return utils.MultiprocessingSerializer.serialize(data, output_str=True), data
+
+
+def push(url: str, named, version: str) -> httpx.Response:
+    text, _alive = serialize_bucket(named)
+    return HTTP.post(f"{url}/update_weights_from_tensor", json={
+        "serialized_named_tensors": [text], "load_format": "flattened_bucket", "flush_cache": False,
+        "weight_version": version})
+
+
+def greedy(url: str) -> dict:
+    r = HTTP.post(f"{url}/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4,
+                                                                                     "temperature": 0.0}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_buckets_switch_the_version_once_complete(file_system_sharing):
+    engine = TorchEngine()
+    gen = torch.Generator().manual_seed(7)
+    new = {k: (v + 0.05 * torch.randn(v.shape, generator=gen)).to(torch.bfloat16)  # slime pushes bf16
+           for k, v in engine.model.state_dict().items()}
+    names = list(new)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    with engine.start_in_thread() as url:
+        before = greedy(url)
+        r = push(url, [(n, new[n]) for n in first], "3")
+        assert r.status_code == 200 and "staged" in r.json()["message"], r.text
+        assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == "default"
+        assert greedy(url)["output_ids"] == before["output_ids"]  # half a version never serves
+
+        # a broken bucket is refused and leaves the staged half and the served version as they were
+        bad = new[second[0]].clone()
+        bad.view(-1)[0] = float("nan")
+        r = push(url, [(second[0], bad)], "3")
+        assert r.status_code == 400 and "non-finite" in r.json()["error"]
+        r = push(url, [("model.layers.9.mlp.up_proj.weight", new[second[0]])], "3")
+        assert r.status_code == 400 and "not a weight of the served model" in r.json()["error"]
+        r = push(url, [(second[0], new[second[0]][:1])], "3")
+        assert r.status_code == 400 and "has shape" in r.json()["error"]
+
+        r = push(url, [(n, new[n]) for n in second], "3")
+        assert r.status_code == 200 and "weight version 3 loaded" in r.json()["message"], r.text
+        assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == "3"
+        served = engine.model.state_dict()
+        assert all(torch.equal(served[n], new[n].float()) for n in names)
+        out = greedy(url)
+        assert out["meta_info"]["weight_version"] == "3"
+
+        # a bucket of a new version drops what another version had staged
+        assert push(url, [(n, new[n]) for n in first], "4").status_code == 200
+        assert push(url, [(n, new[n]) for n in first], "5").status_code == 200
+        assert push(url, [(n, new[n]) for n in second], "5").status_code == 200
+        assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == "5"
+
+
+def test_file_descriptor_handles_are_refused_naming_the_strategy():
+    import torch.multiprocessing as mp
+
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_descriptor")
+    try:
+        engine = TorchEngine()
+        name, tensor = next(iter(engine.model.state_dict().items()))
+        with engine.start_in_thread() as url:
+            r = push(url, [(name, tensor.clone())], "1")
+        assert r.status_code == 400 and "file_system" in r.json()["error"], r.text
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+def test_other_payloads_are_refused():
+    engine = TorchEngine()
+    with engine.start_in_thread() as url:
+        r = HTTP.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": ["%%%"]})
+        assert r.status_code == 400 and "base64" in r.json()["error"]
+        import base64
+        import pickle
+
+        evil = base64.b64encode(pickle.dumps(print)).decode()
+        r = HTTP.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+        assert r.status_code == 400 and "refusing to unpickle builtins.print" in r.json()["error"]
+        r = HTTP.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": ["x"],
+                                                                 "load_format": "safetensors"})
+        assert r.status_code == 400 and "load_format" in r.json()["error"]

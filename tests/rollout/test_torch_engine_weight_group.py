@@ -1,0 +1,210 @@
+"""The torch engine's ``/init_weights_update_group``, ``/update_weights_from_distributed`` and
+``/destroy_weights_update_group`` (torch_engine/weight_group.py), with a real second process as the sender over
+gloo (tests/rollout/weight_sender.py, slime's order of calls): bucketed pushes switch atomically, a broadcast
+that breaks off (sender killed mid-bucket, a bucket missing, tensors that never come) leaves the old version
+serving and the next push working, refused pushes change nothing, quantised pushes carry the offline
+converter's bytes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
+from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
+
+SENDER = Path(__file__).with_name("weight_sender.py")
+HTTP = httpx.Client(trust_env=False, timeout=60)
+PROMPT = [1, 17, 250, 3, 999, 42]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def send(tmp_path: Path, url: str, tensors: dict[str, torch.Tensor], version, buckets: int = 3,
+         timeout: float = 120, **plan) -> tuple[int, list[dict]]:
+    """Run the sender process; (its exit code, the engine's answers it printed)."""
+    names = sorted(tensors)
+    path = tmp_path / f"push-{version}-{time.monotonic_ns()}.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    size = -(-len(names) // buckets)
+    plan = {"url": url, "port": free_port(), "group_name": "slime-pp_0", "tensors": str(path), "version": version,
+            "buckets": [names[i:i + size] for i in range(0, len(names), size)], **plan}
+    plan_file = path.with_suffix(".json")
+    plan_file.write_text(json.dumps(plan))
+    proc = subprocess.run([sys.executable, str(SENDER), str(plan_file)], capture_output=True, text=True,
+                          timeout=timeout)
+    answers = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc.returncode, answers
+
+
+def served(url: str) -> str:
+    return HTTP.get(url + "/get_weight_version").json()["weight_version"]
+
+
+def greedy(url: str) -> list[int]:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    return HTTP.post(url + "/generate", json=body).json()["output_ids"]
+
+
+def nudged(engine: TorchEngine, scale: float, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The engine's weights, each moved by ``scale`` x a fixed pattern (the push of a trained version)."""
+    gen = torch.Generator().manual_seed(int(scale * 1000))
+    return {k: (v + scale * torch.randn(v.shape, generator=gen)).to(dtype)
+            for k, v in engine.model.state_dict().items()}
+
+
+def assert_serves(engine: TorchEngine, pushed: dict[str, torch.Tensor]) -> None:
+    own = engine.model.state_dict()
+    for name, tensor in pushed.items():
+        assert torch.equal(own[name], tensor.to(own[name].dtype)), name
+
+
+@pytest.fixture
+def served_engine():
+    engine = TorchEngine(return_original_logprob=False)
+    engine.configure_weight_group(timeout_s=5)
+    with engine.start_in_thread() as url:
+        yield engine, url
+    engine.weight_group.close()  # a group's name is registered once per process
+
+
+def test_bucketed_push_serves_only_when_complete(served_engine, tmp_path):
+    engine, url = served_engine
+    before = greedy(url)
+    first = nudged(engine, 0.5)
+    # two of the three buckets of version 1, then the sender leaves: version 1 must not serve
+    code, answers = send(tmp_path, url, first, 1, stop_after=2)
+    assert code == 0 and [a["status"] for a in answers] == [200, 200, 200], answers
+    assert "to come" in answers[-1]["body"]["message"]
+    assert served(url) == "default" and greedy(url) == before
+    # the next push (a new group under the same name, as slime reconnects) serves, whole
+    second = nudged(engine, 0.7)
+    code, answers = send(tmp_path, url, second, 2)
+    assert code == 0 and all(a["status"] == 200 for a in answers), answers
+    assert "complete" in answers[-1]["body"]["message"] and "and serving" in answers[-1]["body"]["message"]
+    assert served(url) == "2"
+    assert_serves(engine, second)
+    assert greedy(url) != before
+    info = HTTP.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}).json()
+    assert info["meta_info"]["weight_version"] == "2"
+    # the same version again is refused (a push needs a new version), and the group can be destroyed
+    code, answers = send(tmp_path, url, second, 2)
+    assert answers[-1]["status"] == 400 and "already serving" in answers[-1]["body"]["error"], answers
+    assert served(url) == "2"
+
+
+def test_killed_sender_mid_broadcast_leaves_old_version_serving(served_engine, tmp_path):
+    engine, url = served_engine
+    before, weights = greedy(url), {k: v.clone() for k, v in engine.model.state_dict().items()}
+    pushed = nudged(engine, 0.5)
+    start = time.monotonic()
+    code, answers = send(tmp_path, url, pushed, 1, kill_in_bucket=1, kill_after=2)
+    assert code == -9, (code, answers)  # SIGKILL inside the second bucket's broadcast
+    assert time.monotonic() - start < 60
+    # the engine's answer to the broken bucket went to a dead client; it is serving the old weights
+    deadline = time.monotonic() + 30
+    while engine.weight_group._staged is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engine.weight_group._staged is None  # the broken version was dropped
+    assert served(url) == "default" and greedy(url) == before
+    assert all(torch.equal(weights[k], v) for k, v in engine.model.state_dict().items())
+    # and the next push works
+    code, answers = send(tmp_path, url, pushed, 1)
+    assert code == 0 and all(a["status"] == 200 for a in answers), answers
+    assert served(url) == "1"
+    assert_serves(engine, pushed)
+
+
+def test_tensors_that_never_come_time_out(served_engine, tmp_path):
+    engine, url = served_engine
+    before = greedy(url)
+    start = time.monotonic()
+    code, answers = send(tmp_path, url, nudged(engine, 0.5), 1, stall_in_bucket=1)
+    waited = time.monotonic() - start
+    assert answers[-1]["status"] == 503, answers
+    assert "broke off" in answers[-1]["body"]["error"] and "default keeps serving" in answers[-1]["body"]["error"]
+    assert waited < 60  # bounded by the receiver's timeout (5 s here)
+    assert served(url) == "default" and greedy(url) == before
+    code, answers = send(tmp_path, url, nudged(engine, 0.6), 3)
+    assert all(a["status"] == 200 for a in answers), answers
+    assert served(url) == "3"
+
+
+def test_refused_pushes_change_nothing(served_engine, tmp_path):
+    engine, url = served_engine
+    before = greedy(url)
+    bad = nudged(engine, 0.5)
+    bad["model.norm.weight"] = torch.full_like(bad["model.norm.weight"], float("nan"))
+    code, answers = send(tmp_path, url, bad, 1)
+    assert answers[-1]["status"] == 400 and "non-finite" in answers[-1]["body"]["error"], answers
+    assert served(url) == "default" and greedy(url) == before
+    extra = nudged(engine, 0.5)
+    extra["model.not_a_weight"] = torch.zeros(3)
+    code, answers = send(tmp_path, url, extra, 1, buckets=1)
+    assert answers[-1]["status"] == 400 and "not in the served checkpoint" in answers[-1]["body"]["error"], answers
+    resp = HTTP.post(url + "/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+        "group_name": "slime-pp_0", "backend": "nccl"})
+    assert resp.status_code == 400 and "gloo groups only" in resp.json()["error"], resp.text
+    assert served(url) == "default" and greedy(url) == before
+    # malformed requests: one-line refusals, no group touched
+    resp = HTTP.post(url + "/update_weights_from_distributed", json={"names": ["x"], "dtypes": ["float32"],
+                                                                     "shapes": [[1]], "group_name": "nope"})
+    assert resp.status_code == 400 and "init_weights_update_group first" in resp.json()["error"]
+    resp = HTTP.post(url + "/init_weights_update_group", json={"master_address": "127.0.0.1"})
+    assert resp.status_code == 400 and "missing fields" in resp.json()["error"]
+    resp = HTTP.post(url + "/destroy_weights_update_group", json={"group_name": "nope"})
+    assert resp.status_code == 400
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "int8-w8a8"])
+def test_quantised_push_carries_the_converters_bytes(tmp_path, fmt):
+    from slime_ascend.quant.checkpoint import convert_checkpoint
+
+    def bf16_dir(out: Path, scale: float) -> Path:
+        model = load_model(None, dtype=torch.float32, seed=0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(scale * torch.ones_like(p))
+        model = model.to(torch.bfloat16)
+        model.config.torch_dtype = torch.bfloat16
+        return save_model(model, out, build_byte_tokenizer())
+
+    def quantised(src: Path, out: Path) -> dict[str, torch.Tensor]:
+        convert_checkpoint(src, out, fmt)
+        return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    quantised(bf16_dir(tmp_path / "bf16-0", 0.0), tmp_path / "q0")
+    pushed = quantised(bf16_dir(tmp_path / "bf16-1", 0.01), tmp_path / "q1")
+    engine = TorchEngine(model_path=str(tmp_path / "q0"), return_original_logprob=False)
+    engine.configure_weight_group(timeout_s=10, keep_dir=str(tmp_path / "kept"))
+    with engine.start_in_thread() as url:
+        # sent by the train side's own function (slime's, as train.gloo_float8_broadcast replaces it)
+        code, answers = send(tmp_path, url, pushed, 1, via_train_patch=True)
+        assert code == 0 and len(answers) == 4 and all(a["status"] == 200 for a in answers), answers
+        assert served(url) == "1"
+    engine.weight_group.close()
+    # what the engine received is the converter's output, byte for byte (float8 included: bytes on gloo)
+    kept = load_file(str(tmp_path / "kept" / "weight_v000001" / "model.safetensors"))
+    assert sorted(kept) == sorted(pushed)
+    for name, tensor in pushed.items():
+        assert kept[name].dtype == tensor.dtype and torch.equal(kept[name].view(torch.uint8),
+                                                                tensor.contiguous().view(torch.uint8)), name
+    # and it serves what loading that checkpoint from disk serves
+    from_disk = TorchEngine(model_path=str(tmp_path / "q1"), return_original_logprob=False)
+    want = from_disk.model.state_dict()
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
