@@ -544,27 +544,34 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup):
                 reference_model.validate_state_dict(self.model, state, source=model_path)
             except (ValueError, OSError) as exc:
                 raise RequestError(str(exc)) from exc
-            with self._state:  # like SGLang: wait for in-flight requests (parked ones count as drained)
-                self._updating = True
-                try:
-                    self._state.wait_for(lambda: len(self._running) == self._parked)
-                except BaseException:
-                    self._updating = False
-                    self._state.notify_all()
-                    raise
-            try:
-                with self._compute_lock:
-                    reference_model.apply_state_dict(self.model, state, source=model_path)
-                    self.model_path = model_path
-                    self.quantization = quantization
-                    self.weight_version = next_weight_version(self.weight_version, weight_version)
-            finally:
-                with self._state:
-                    self._updating = False
-                    self._state.notify_all()
+            self._switch_to(state, weight_version, source=model_path, model_path=model_path,
+                            quantization=quantization)
             logger.info("loaded weight version %s from %s (%s)", self.weight_version, model_path,
                         quantization or "unquantised")
         return {"success": True, "message": f"loaded weights from {model_path}", "num_paused_requests": 0}
+
+    def _switch_to(self, state: dict, version: str | None, source: str, **fields: Any) -> None:
+        """The one weight swap of every transport (disk, tensor, distributed): like SGLang, wait until in-flight
+        requests drained (parked ones count as drained), then apply ``state``, set ``fields`` (e.g. the served
+        ``model_path``) and the next weight version under the compute lock."""
+        with self._state:
+            self._updating = True
+            try:
+                self._state.wait_for(lambda: len(self._running) == self._parked)
+            except BaseException:
+                self._updating = False
+                self._state.notify_all()
+                raise
+        try:
+            with self._compute_lock:
+                reference_model.apply_state_dict(self.model, state, source=source)
+                for name, value in fields.items():
+                    setattr(self, name, value)
+                self.weight_version = next_weight_version(self.weight_version, version)
+        finally:
+            with self._state:
+                self._updating = False
+                self._state.notify_all()
 
     # ------------------------------------------------------------------ generate
     def generate(

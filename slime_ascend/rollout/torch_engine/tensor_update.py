@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..sglang_protocol import RequestError, check_weight_version, next_weight_version
+from ..sglang_protocol import RequestError, check_weight_version
 from ..tensor_sharing import use_file_system_sharing
 from . import model as reference_model
 
@@ -189,7 +189,7 @@ class TensorUpdate:
                 return {"success": True, "message": f"staged {len(bucket)} tensors of weight version {key} "
                         f"({len(staged['tensors'])} so far)", "num_paused_requests": 0}
             staged.clear()
-            self._switch_to(state, version)
+            self._switch_to(state, version, source="update_weights_from_tensor")
         logger.info("loaded weight version %s from update_weights_from_tensor (%d tensors)", self.weight_version,
                     len(state))
         return {"success": True, "message": f"weight version {self.weight_version} loaded from tensors",
@@ -235,22 +235,3 @@ class TensorUpdate:
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         return state
-
-    def _switch_to(self, state: dict[str, torch.Tensor], version: str | None) -> None:
-        """Apply ``state`` once in-flight requests drained (parked ones count as drained), then set the version."""
-        with self._state:
-            self._updating = True
-            try:
-                self._state.wait_for(lambda: len(self._running) == self._parked)
-            except BaseException:
-                self._updating = False
-                self._state.notify_all()
-                raise
-        try:
-            with self._compute_lock:
-                reference_model.apply_state_dict(self.model, state, source="update_weights_from_tensor")
-                self.weight_version = next_weight_version(self.weight_version, version)
-        finally:
-            with self._state:
-                self._updating = False
-                self._state.notify_all()
