@@ -229,6 +229,19 @@ def param_mismatch(func: Callable[..., Any], expected: Iterable[str], label: str
     return []
 
 
+def method_mismatch(module: ModuleType, dotted: str, params: Iterable[str], snippets: Iterable[str] = (),
+                    unwrap: bool = False) -> list[str]:
+    """The checks of a patch on one method (``dotted``: ``"Class.method"`` in ``module``): it exists, its
+    parameters start with ``params`` and its source holds ``snippets``. ``unwrap`` looks through an earlier
+    patch's wrapper (``__wrapped__``) at slime's own function."""
+    method = _get(module, dotted)
+    if method is _MISSING:
+        return [f"{module.__name__}.{dotted} is missing"]
+    if unwrap:
+        method = getattr(method, "__wrapped__", method)
+    return param_mismatch(method, params, dotted) + missing_source(method, snippets, dotted)
+
+
 def _get(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part, _MISSING)

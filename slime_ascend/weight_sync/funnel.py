@@ -9,8 +9,8 @@ quantizer run.
 
 Which config: the one slime passes (``--hf-checkpoint``'s ``config.json`` ``quantization_config``).
 When slime passes None, the Ascend msModelSlim description (``quant_model_description.json`` in
-``--hf-checkpoint``) is used if the enabled plugin is ``int8-sync``: msModelSlim removes
-``quantization_config`` from config.json, so slime never sees it.
+``--hf-checkpoint``) is used if the enabled plugin syncs one of its formats (``int8-sync``'s W8A8,
+``mxfp8-sync``): msModelSlim removes ``quantization_config`` from config.json, so slime never sees it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 from ..plugins import runtime
 from ..plugins.settings import SettingsError
 from ..quant.hf_config import format_from_quantization_config, read_checkpoint_quant_config, spec_from_quantization_config
+from ..quant.names import MXFP8
 from ..quant.schemes import FP8_BLOCK, INT4_GROUP, INT8_CT, INT8_W8A8, QuantSpec
 from . import metrics
 from .engine_gate import source_config
@@ -37,7 +38,9 @@ PLUGIN_FORMATS: dict[str, tuple[str, ...]] = {
     "fp8-sync": (FP8_BLOCK,),
     "int8-sync": (INT8_W8A8, INT8_CT),
     "int4-sync": (INT4_GROUP,),
+    "mxfp8-sync": (MXFP8,),
 }
+DESCRIPTION_FORMATS = (INT8_W8A8, MXFP8)  # described by msModelSlim's quant_model_description.json, not config.json
 ENGINE_POST_PROCESS_FORMATS = (INT8_W8A8,)  # formats slime's gate misses but whose engine layout differs
 
 
@@ -110,7 +113,7 @@ def spec_for(args: Any, quantization_config: Mapping[str, Any] | None) -> QuantS
     cfg = source_config(quantization_config)
     if cfg is None:
         ckpt = checkpoint_format(args)
-        if plugin != "int8-sync" or ckpt.fmt != INT8_W8A8:
+        if ckpt.fmt not in DESCRIPTION_FORMATS or ckpt.fmt not in PLUGIN_FORMATS[plugin]:
             return None
         cfg = ckpt.config
     spec = _spec_of(cfg, _numerics(args, plugin))

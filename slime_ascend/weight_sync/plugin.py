@@ -1,4 +1,4 @@
-"""The ``fp8-sync``, ``int8-sync`` and ``int4-sync`` plugins: online-quantised weight sync.
+"""The ``fp8-sync``, ``int8-sync``, ``int4-sync`` and ``mxfp8-sync`` plugins: online-quantised weight sync.
 
 Each plugin makes stock slime send the rollout engine's checkpoint format at every weight sync,
 bit-identical to ``slime-ascend quantize`` (the offline converter), over every transport
@@ -18,7 +18,15 @@ bit-identical to ``slime-ascend quantize`` (the offline converter), over every t
   lm_head stay in the model dtype unless it says otherwise); returns None for configs that are
   not ours, so slime's own quantizer runs.
 
-The three plugins conflict with one another: one job syncs one format.
+The four plugins conflict with one another: one job syncs one format.
+
+``mxfp8-sync`` syncs OCP MX (e4m3 + one E8M0 scale per 32 values) in msModelSlim's ``W8A8_MXFP8`` layout.
+msModelSlim removes ``quantization_config`` from config.json, so slime passes None and the format is read from
+``--hf-checkpoint``'s ``quant_model_description.json``, as for int8-sync's W8A8. SGLang's Ascend MXFP8 layer
+re-lays its weights out after loading (``weight`` transposed, ``weight_scale`` folded into ``weight_scale_inv``);
+whether its restore-before-load undoes that has not been checked, so ``funnel.ENGINE_POST_PROCESS_FORMATS`` names
+W8A8 only and an in-place mxfp8 update of such an engine is not covered yet. The torch engine loads the synced
+tensors as they are.
 """
 
 from __future__ import annotations
@@ -40,12 +48,12 @@ PATCHES = (
     # after --load the versions go on from the resumed rollout (not from 1 again)
     PatchUse("driver.resumed_weight_version", "import:slime.ray.actor_group"),
 )
-NAMES = ("fp8-sync", "int8-sync", "int4-sync")
+NAMES = ("fp8-sync", "int8-sync", "int4-sync", "mxfp8-sync")
 
 
 def _sync_plugin(name: str, label: str, description: str, *extra: Setting) -> Plugin:
-    """One of the three: the settings they share (``ascend_<name>_...``) and ``extra``, the funnel's contributions;
-    it conflicts with the other two."""
+    """One of the four: the settings they share (``ascend_<name>_...``) and ``extra``, the funnel's contributions;
+    it conflicts with the other three."""
     prefix = "ascend_" + name.replace("-", "_") + "_"
     return Plugin(
         name=name,
@@ -97,4 +105,10 @@ INT4_SYNC = _sync_plugin(
                  "converter's), torchao (QAT fake quant) or slime (its CUDA QAT kernel, amax/7)"),
 )
 
-PLUGINS = (FP8_SYNC, INT8_SYNC, INT4_SYNC)
+MXFP8_SYNC = _sync_plugin(
+    "mxfp8-sync", "mxfp8",
+    "MXFP8 (OCP microscaling: e4m3 + one E8M0 scale per 32 values, msModelSlim W8A8_MXFP8) online quantisation of "
+    "synced weights, bit-identical to `slime-ascend quantize --format mxfp8`",
+)
+
+PLUGINS = (FP8_SYNC, INT8_SYNC, INT4_SYNC, MXFP8_SYNC)

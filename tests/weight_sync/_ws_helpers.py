@@ -45,7 +45,8 @@ def write_hf(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 
 def plugin_for(fmt: str) -> str:
-    return {"fp8-block": "fp8-sync", "int8-w8a8": "int8-sync", "int8-ct": "int8-sync", "int4-group": "int4-sync"}[fmt]
+    return {"fp8-block": "fp8-sync", "int8-w8a8": "int8-sync", "int8-ct": "int8-sync", "int4-group": "int4-sync",
+            "mxfp8": "mxfp8-sync"}[fmt]
 
 
 def sync_args(plugin: str, hf_checkpoint, **extra) -> Namespace:

@@ -1,4 +1,5 @@
-"""mxfp8-sync: the funnel's MXFP8 tensors equal the offline converter's bytes; declines what is not ours."""
+"""mxfp8-sync (one of weight_sync.plugin's sync plugins): the funnel's MXFP8 tensors equal the offline converter's
+bytes; declines what is not ours; declares the collective patches of the other three."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from slime_ascend.plugins import registry  # noqa: E402
 from slime_ascend.plugins.base import resolve  # noqa: E402
 from slime_ascend.plugins.settings import SettingsError  # noqa: E402
 from slime_ascend.quant.checkpoint import CheckpointReader, convert_checkpoint, tensors_bit_equal  # noqa: E402
-from slime_ascend.weight_sync import funnel, metrics, mxfp8_sync  # noqa: E402
+from slime_ascend.weight_sync import funnel, metrics  # noqa: E402
+from slime_ascend.weight_sync.plugin import MXFP8_SYNC, PATCHES  # noqa: E402
 from slime_ascend.weight_sync.engine_gate import PostProcessGate  # noqa: E402
 
 SRC = hf_tensors()
@@ -33,7 +35,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _clean(fresh_runtime):
-    registry.register(mxfp8_sync.MXFP8_SYNC)  # (an installed checkout has the entry point as well)
+    registry.register(MXFP8_SYNC)  # (an installed checkout has the entry point as well)
     funnel.clear_caches()
     metrics.reset()
     yield
@@ -47,7 +49,7 @@ def test_online_bytes_equal_offline_converter(ckpts):
     reader = CheckpointReader(ckpts["mxfp8"])
     seen = set()
     for name, t in SRC.items():
-        out = mxfp8_sync.quantize_params(args, "module.module.x", [(name, t)], None)
+        out = funnel.quantize_params(args, "module.module.x", [(name, t)], None)
         assert out is not None
         for out_name, out_t in out:
             assert tensors_bit_equal(out_t, reader.get(out_name)), out_name
@@ -60,7 +62,7 @@ def test_online_bytes_equal_offline_converter(ckpts):
     # a whole bucket, as slime's convert_to_hf hands it over, through the PostProcessGate wrapper too
     bucket = [(k, SRC[k]) for k in list(SRC)[:8]]
     for cfg in (None, PostProcessGate(None)):
-        for out_name, out_t in mxfp8_sync.quantize_params(args, "x", bucket, cfg):
+        for out_name, out_t in funnel.quantize_params(args, "x", bucket, cfg):
             assert tensors_bit_equal(out_t, reader.get(out_name)), out_name
     snap = metrics.snapshot()
     assert snap[metrics.PREFIX + "quantized_params"] > 0 and snap[metrics.PREFIX + "bytes"] > 0
@@ -69,17 +71,17 @@ def test_online_bytes_equal_offline_converter(ckpts):
 def test_declines_what_is_not_ours(ckpts):
     fp8_cfg = json.loads((ckpts["fp8"] / "config.json").read_text())["quantization_config"]
     args = sync_args("mxfp8-sync", ckpts["mxfp8"])
-    assert mxfp8_sync.quantize_params(args, "x", [("a.weight", SRC["lm_head.weight"])], fp8_cfg) is None
+    assert funnel.quantize_params(args, "x", [("a.weight", SRC["lm_head.weight"])], fp8_cfg) is None
     off = sync_args("fp8-sync", ckpts["fp8"])  # plugin not enabled
-    assert mxfp8_sync.quantize_params(off, "x", [("a.weight", SRC["lm_head.weight"])], None) is None
+    assert funnel.quantize_params(off, "x", [("a.weight", SRC["lm_head.weight"])], None) is None
 
 
 def test_validate_refuses_another_format(ckpts):
     args = sync_args("mxfp8-sync", ckpts["fp8"])
     with pytest.raises(SettingsError, match=r"syncs mxfp8, but .* is fp8-block.*--format mxfp8"):
-        mxfp8_sync.validate(args, {"ascend_mxfp8_sync_check_engine_format": True})
-    mxfp8_sync.validate(args, {"ascend_mxfp8_sync_check_engine_format": False})
-    mxfp8_sync.validate(sync_args("mxfp8-sync", ckpts["mxfp8"]), {"ascend_mxfp8_sync_check_engine_format": True})
+        funnel.validate(args, {"ascend_mxfp8_sync_check_engine_format": True})
+    funnel.validate(args, {"ascend_mxfp8_sync_check_engine_format": False})
+    funnel.validate(sync_args("mxfp8-sync", ckpts["mxfp8"]), {"ascend_mxfp8_sync_check_engine_format": True})
 
 
 @pytest.mark.parametrize("other", ["fp8-sync", "int8-sync", "int4-sync"])
@@ -91,11 +93,13 @@ def test_conflicts_with_other_sync_plugins(other):
 def test_declaration():
     sel = registry.resolve_selection(["mxfp8-sync"])
     assert [p for p, _ in sel.slots["quantize_params"]] == ["mxfp8-sync"]
-    p = mxfp8_sync.MXFP8_SYNC
+    p = MXFP8_SYNC
     assert {c.slot for c in p.contributions} == {"quantize_params", "megatron_init"}
     for c in p.contributions:
         assert callable(c.load())
-    assert set(p.patch_ids) == {"train.quantize_params", "train.weight_sync_metrics", "driver.acknowledged_weight_update"}
-    assert resolve("slime_ascend.weight_sync.mxfp8_sync:MXFP8_SYNC") is p
+    # the same chain as the other sync plugins: float8 over gloo and every collective push acknowledged
+    assert set(p.patch_ids) == {u.patch for u in PATCHES} >= {"train.gloo_float8_broadcast",
+                                                           "driver.acknowledged_collective_update"}
+    assert resolve("slime_ascend.weight_sync.plugin:MXFP8_SYNC") is p
     text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
-    assert 'mxfp8-sync = "slime_ascend.weight_sync.mxfp8_sync:MXFP8_SYNC"' in text
+    assert 'mxfp8-sync = "slime_ascend.weight_sync.plugin:MXFP8_SYNC"' in text

@@ -19,7 +19,7 @@ from slime_ascend.weight_sync import funnel, metrics  # noqa: E402
 from slime_ascend.weight_sync.engine_gate import PostProcessGate, slime_gate_opens, source_config  # noqa: E402
 
 SRC = hf_tensors()
-# the formats of fp8-sync / int8-sync / int4-sync (mxfp8-sync has its own funnel: test_mxfp8_sync.py)
+# the formats of the four sync plugins
 FORMATS = tuple(f for fmts in funnel.PLUGIN_FORMATS.values() for f in fmts)
 
 
@@ -54,7 +54,7 @@ def _clean(fresh_runtime):
 def test_funnel_equals_offline_converter(fmt, ckpts):
     args = sync_args(plugin_for(fmt), ckpts[fmt])
     qc = quant_config(ckpts[fmt])
-    assert (qc is None) == (fmt == "int8-w8a8")  # msModelSlim: no quantization_config, a description file
+    assert (qc is None) == (fmt in funnel.DESCRIPTION_FORMATS)  # msModelSlim: no quantization_config, a description file
     reader = CheckpointReader(ckpts[fmt])
     seen = set()
     for name, t in SRC.items():

@@ -14,7 +14,7 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
+from ..base import RuntimePatch, method_mismatch, missing_attrs
 
 ACTOR_GROUP = "slime.ray.actor_group"
 ATTR = "update_weights"
@@ -49,16 +49,8 @@ def _wrap(original):
 class AcknowledgedCollectiveUpdate(RuntimePatch):
     def check(self, modules: dict[str, ModuleType]) -> list[str]:
         group = modules[ACTOR_GROUP]
-        problems = missing_attrs(group, ["RayTrainGroup"])
-        if problems:
-            return problems
-        cls = group.RayTrainGroup
-        problems = missing_attrs(cls, [ATTR, "_full_disk_weight_update_enabled"])
-        if problems:
-            return problems
-        method = getattr(cls, ATTR)
-        method = getattr(method, "__wrapped__", method)
-        return param_mismatch(method, ["self"]) + missing_source(method, EXPECTED_SOURCE, f"RayTrainGroup.{ATTR}")
+        problems = missing_attrs(group, ["RayTrainGroup._full_disk_weight_update_enabled"])
+        return problems or method_mismatch(group, f"RayTrainGroup.{ATTR}", ["self"], EXPECTED_SOURCE, unwrap=True)
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
         self.wrap(modules[ACTOR_GROUP].RayTrainGroup, ATTR, _wrap)

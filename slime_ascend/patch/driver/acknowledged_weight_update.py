@@ -16,7 +16,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
+from ..base import RuntimePatch, method_mismatch
 
 logger = logging.getLogger("slime_ascend.patch")
 ACTOR_GROUP = "slime.ray.actor_group"
@@ -75,15 +75,8 @@ def _reload(original):
 
 class AcknowledgedWeightUpdate(RuntimePatch):
     def check(self, modules: dict[str, ModuleType]) -> list[str]:
-        group = modules[ACTOR_GROUP]
-        problems = missing_attrs(group, ["RayTrainGroup"])
-        if problems:
-            return problems
-        method = getattr(group.RayTrainGroup, ATTR, None)
-        if method is None:
-            return [f"slime.ray.actor_group.RayTrainGroup.{ATTR} is missing"]
-        return param_mismatch(method, ["self", "disk_weight_dir", "weight_version"]) + missing_source(
-            method, EXPECTED_SOURCE, f"RayTrainGroup.{ATTR}")
+        return method_mismatch(modules[ACTOR_GROUP], f"RayTrainGroup.{ATTR}",
+                               ["self", "disk_weight_dir", "weight_version"], EXPECTED_SOURCE)
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
         group = modules[ACTOR_GROUP].RayTrainGroup

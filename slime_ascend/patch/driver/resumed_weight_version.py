@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..base import RuntimePatch, missing_attrs, missing_source, param_mismatch
+from ..base import RuntimePatch, method_mismatch, missing_source
 
 logger = logging.getLogger("slime_ascend.patch")
 ACTOR_GROUP = "slime.ray.actor_group"
@@ -87,17 +87,11 @@ def _create(original):
 class ResumedWeightVersion(RuntimePatch):
     def check(self, modules: dict[str, ModuleType]) -> list[str]:
         group = modules[ACTOR_GROUP]
-        problems = missing_attrs(group, ["RayTrainGroup"])
+        problems = method_mismatch(group, f"RayTrainGroup.{ATTR}", ["self", "rollout_manager"], EXPECTED_SOURCE)
         if problems:
             return problems
-        method = getattr(group.RayTrainGroup, ATTR, None)
-        if method is None:
-            return [f"slime.ray.actor_group.RayTrainGroup.{ATTR} is missing"]
-        problems = param_mismatch(method, ["self", "rollout_manager"]) + missing_source(
-            method, EXPECTED_SOURCE, f"RayTrainGroup.{ATTR}")
-        init = getattr(group.RayTrainGroup, "__init__", None)
-        return problems + missing_source(init, ['getattr(args, "update_weight_start_version", 0)'],
-                                         "RayTrainGroup.__init__")
+        return missing_source(group.RayTrainGroup.__init__, ['getattr(args, "update_weight_start_version", 0)'],
+                              "RayTrainGroup.__init__")
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
         self.wrap(modules[ACTOR_GROUP].RayTrainGroup, ATTR, _create)
