@@ -250,3 +250,27 @@ def test_plugin_skips_the_shims_where_cuda_works(monkeypatch):
     assert plugin.host_without_cuda() is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert plugin.host_without_cuda() is True
+
+
+DEVICE_CONTEXT_CHECK = r"""
+import json, torch
+from slime_ascend import patch
+p = patch.install("train.cpu_device_map")  # before any torch.device(...) context filled torch's factory cache
+with torch.device("meta"):
+    during = [torch.empty(2).device.type, torch.nn.Linear(2, 2).weight.device.type]
+p.remove()
+with torch.device("meta"):
+    after = [torch.empty(2).device.type, torch.zeros(2).device.type]
+print(json.dumps({"during": during, "after": after}))
+"""
+
+
+def test_device_map_keeps_device_contexts_working():
+    """transformers builds models under ``with torch.device("meta")``: the wrapped factories must not stop that
+    context from placing torch's own factories, while the patch stands or after it is removed."""
+    if torch.cuda.is_available():
+        pytest.skip("the cpu shims refuse a host with CUDA")
+    proc = run_python(DEVICE_CONTEXT_CHECK)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"during": ["meta", "meta"], "after": ["meta", "meta"]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -34,10 +35,27 @@ class CudaShims(RuntimePatch):
         return problems
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
+        _prime_device_constructors(modules["torch"])
         for path, shim in self.replaced.items():
             self.replace(*_owner(modules["torch"], path), shim)
         for path, wrapper in self.wrapped.items():
             self.wrap(*_owner(modules["torch"], path), wrapper)
+
+
+def _prime_device_constructors(torch_module: ModuleType) -> None:
+    """Fill torch's cache of the factories a ``with torch.device(...)`` context places before any is wrapped.
+
+    ``torch.utils._device._device_constructors()`` is an ``lru_cache`` filled on first use. Filled while our
+    wrappers stand in for ``torch.empty`` and the rest, it would hold the wrappers, and every later
+    ``torch.device("meta")`` context (transformers' ``from_pretrained``) would stop placing torch's own factories
+    for the rest of the process."""
+    try:
+        device_module = importlib.import_module(f"{torch_module.__name__}.utils._device")
+    except ImportError:  # a torch without device contexts has no cache to fill
+        return
+    constructors = getattr(device_module, "_device_constructors", None)
+    if callable(constructors):
+        constructors()
 
 
 def _owner(torch_module: ModuleType, path: str) -> tuple[Any, str]:
