@@ -52,6 +52,9 @@ TINY_GLM5_KWARGS: dict[str, Any] = dict(
     index_topk_freq=2,
     index_skip_topk_offset=1,
     indexer_types=["full", "shared"] * (NUM_LAYERS // 2),
+    # GLM-5's config.json: the indexer's RoPE rotates adjacent pairs (SGLang: is_neox_style=False; slime's spec
+    # always does); transformers ignores the flag, the torch engine honours it (rollout/torch_engine/glm5.py)
+    indexer_rope_interleave=True,
     rms_norm_eps=1e-5,
     rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
     max_position_embeddings=4096,

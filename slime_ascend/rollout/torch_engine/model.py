@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ...files import MAX_JSON_BYTES, check_regular_file, read_json_object, read_regular_file, regular_files  # noqa: F401
+from .glm5 import align_glm_moe_dsa
 
 __all__ = [
     "TINY_QWEN3_KWARGS",
@@ -337,7 +338,10 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
     ``model_dir=None`` builds the tiny random Qwen3 of :func:`tiny_qwen3_config` (``moe``: the Qwen3-MoE of
     :func:`tiny_qwen3_moe_config`; ``glm5``: the tiny GLM-5 of :func:`slime_ascend.glm5.tiny.tiny_glm5_config`,
     transformers' ``GlmMoeDsa`` with DSA and IndexShare) with weights drawn from ``torch.manual_seed(seed)`` (no download). Otherwise ``model_dir`` must be an HF directory
-    with config.json and safetensors weights.
+    with config.json and safetensors weights. A GLM-5 (``glm_moe_dsa``) is made to follow its checkpoint's
+    semantics, SGLang's and slime's spec's, where transformers departs from them
+    (:func:`slime_ascend.rollout.torch_engine.glm5.align_glm_moe_dsa`: the indexer's RoPE layout and top-k rule,
+    the MLA latent norms' epsilon).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -357,7 +361,7 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         finally:
             torch.random.set_rng_state(rng_state)
-        model = model.to(dtype)
+        model = align_glm_moe_dsa(model.to(dtype))
         model.name_or_path = "tiny-random-glm5" if glm5 else "tiny-random-qwen3-moe" if moe else "tiny-random-qwen3"
         return model.eval()
 
@@ -373,8 +377,35 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
         apply_state_dict(model, load_state_dict_from_dir(model_dir, dtype), source=str(model_dir))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True)
+        _reset_rotary_buffers(model)
+    model = align_glm_moe_dsa(model)
     model.name_or_path = str(model_dir)
     return model.eval()
+
+
+def _reset_rotary_buffers(model: torch.nn.Module) -> None:
+    """Recompute the RoPE ``inv_freq`` buffers from the config, as transformers' ``_init_weights`` does.
+
+    They are not in the checkpoint (non-persistent). transformers 5.12's ``from_pretrained`` builds the model under
+    ``torch.device("meta")`` and fills them after loading. Where that device context has no effect it computes
+    them at construction, then replaces every non-persistent buffer with ``torch.empty`` and, the modules marked
+    initialized, never fills them: the RoPE angles are uninitialized memory. Seen in a process that had run the
+    ``cpu`` plugin's ``train.cpu_device_map`` before that patch filled torch's cache of device-context factories
+    ahead of its wrappers (``patch/train/_cpu_common.py``); kept because any wrapper of torch's factories
+    installed before that cache is first filled (another library's) has the same effect.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
+            rope_type = getattr(module, "rope_type", "default")
+            init = module.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+            inv_freq, scaling = init(module.config, module.inv_freq.device)
+            with torch.no_grad():
+                module.inv_freq.copy_(inv_freq)
+                module.original_inv_freq.copy_(inv_freq)
+            if hasattr(module, "attention_scaling"):
+                module.attention_scaling = scaling
 
 
 def load_tokenizer(model_dir: str | Path | None):
