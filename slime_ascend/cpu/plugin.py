@@ -145,6 +145,8 @@ PLUGIN = Plugin(
              # expert parallelism's all-to-all split sizes: both bindings at once, once the dispatcher has its own
              PatchUse("train.cpu_moe_splits", "import:megatron.core.transformer.moe.token_dispatcher",
                       when=_P + "host_without_cuda"),
+             # torch's Adam in Megatron's distributed optimizer (no TE / Apex here): checkpoint loads and resumed steps
+             PatchUse("train.distrib_optimizer_step", when="slime_ascend.patch.train.distrib_optimizer_step.wanted"),
              # slime's routing replay in a Megatron-core without slime's Megatron patch (device-neutral; the
              # predicate lives with the patch: whether slime or Megatron already wire replay)
              PatchUse("train.routing_replay", "train", when="slime_ascend.patch.train.routing_replay.wanted"))
@@ -163,6 +165,11 @@ PLUGIN = Plugin(
               "use_cpu_initialization", True),
         _flag("--inference-rng-tracker", "the CUDA RNG tracker reads torch.cuda.get_rng_state()",
               "inference_rng_tracker", True),
+        # the inference tracker keeps no states, and Megatron's load_checkpoint exits ("Unable to load rng state")
+        # on a checkpoint whose rng_tracker_states are empty: such a checkpoint says it holds no RNG, and every
+        # Megatron then loads it (--load of the job's own --save, here or on a GPU) without one
+        _flag("--no-save-rng", "with --inference-rng-tracker the checkpoint's RNG tracker states are empty, and "
+              "Megatron's --load of such a checkpoint exits", "no_save_rng", True),
         _flag("--no-rope-fusion", "fused RoPE needs TransformerEngine", "apply_rope_fusion", False),
         _flag("--no-gradient-accumulation-fusion", "needs a CUDA extension", "gradient_accumulation_fusion", False),
         _flag("--no-masked-softmax-fusion", "needs a CUDA kernel", "masked_softmax_fusion", False),

@@ -29,6 +29,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.cpu_tensor_type | Tensor.type() of a CPU tensor reads torch.cuda.*Tensor | megatron/megatron-device-neutral-placement.md |
 | train.cpu_device_properties | torch.cuda.get_device_properties: the host's (Megatron's get_device_arch_version) | megatron/megatron-device-arch-version.md |
 | train.cpu_moe_splits | megatron moe_utils.maybe_move_tensor_to_cpu (and token_dispatcher's by-name import): numpy split sizes from CPU tensors | megatron/megatron-moe-host-splits.md |
+| train.distrib_optimizer_step | megatron DistributedOptimizer.state_dict / load_state_dict over torch's Adam (no TE / Apex): step 0 before the first step (checkpoint loads), one step counter per param after a load | megatron/megatron-distrib-optimizer-torch-adam-step.md |
 | train.routing_replay | megatron moe_utils/router topk_routing_with_score_function, TopKRouter.__init__: slime's routing replay without its Megatron patch (device-neutral) | 0020-routing-replay-through-megatron-router-replay |
 | train.reloadable_group_collectives | slime's ReloadableProcessGroup: forwards torch 2.14's reduce_scatter_single / all_gather_single / all_to_all_single / gather_single | 0017-reloadable-group-forwards-single-collectives |
 | driver.acknowledged_weight_update | RayTrainGroup._reload_rollout_weights_from_disk: every engine switched and read back, or all returned to the last acknowledged version | 0012-acknowledged-weight-update |
@@ -85,6 +86,7 @@ LEDGER: dict[str, str] = {
     "train.cpu_tensor_type": "slime_ascend.patch.train.cpu_tensor_type",
     "train.cpu_device_properties": "slime_ascend.patch.train.cpu_device_properties",
     "train.cpu_moe_splits": "slime_ascend.patch.train.cpu_moe_splits",
+    "train.distrib_optimizer_step": "slime_ascend.patch.train.distrib_optimizer_step",
     "train.routing_replay": "slime_ascend.patch.train.routing_replay",
     "train.reloadable_group_collectives": "slime_ascend.patch.train.reloadable_group_collectives",
     "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",

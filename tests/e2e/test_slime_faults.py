@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from fault_proxy import FaultProxy
-from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags, start_engine, stop
+from slime_ascend.demo.slime_job import (make_prompts, parse_rollout_metrics, run_slime, slime_flags,
+                                     start_engine, stop)
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixture)
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -37,6 +38,13 @@ def _config(tmp_path: Path, *plugins: str, settings: dict[str, object] | None = 
     return out
 
 
+def _with_load(flags: list[str], ckpt: Path) -> list[str]:
+    """``flags`` with ``--load`` of ``ckpt`` (a job restarted from its own ``--save`` directory)."""
+    flags = list(flags)
+    flags[flags.index("--load") + 1] = str(ckpt)
+    return flags
+
+
 def _info(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/get_server_info", timeout=10).read())
 
@@ -47,14 +55,20 @@ def _dumped_samples(path: Path) -> list[dict]:
     return torch.load(path, weights_only=False)["samples"]
 
 
-def test_an_engine_killed_mid_rollout_and_an_engine_silent_on_a_weight_update(model_dir, tmp_path):
-    """Three engines behind slime's router (round robin), one rollout of 2 prompts x 2 samples.
+def test_an_engine_killed_mid_rollout_an_engine_silent_on_a_weight_update_and_the_job_resumed(model_dir, tmp_path):
+    """Three engines behind slime's router (round robin), a job of two rollouts of 2 prompts x 2 samples, saved
+    after every step (``--save-interval 1``).
 
     * engine 1 is killed by its proxy at its first ``/generate`` (during rollout 0): the rollout completes on
       engines 0 and 2 (slime's router and its generate retries), every sample once, none trained twice;
-    * engine 2 never answers the second weight update (version 2, after train step 0): the switch waits
-      ``ascend_weight_update_deadline_s`` (20 s here) for it, sends engine 0 back to version 1 and resumes it,
-      leaves engines 1 and 2 unacknowledged, and slime stops with one line naming both."""
+    * engine 2 never answers the second weight update (version 2, after train step 0 and its save): the switch
+      waits ``ascend_weight_update_deadline_s`` (20 s here) for it, sends engine 0 back to version 1 and resumes
+      it, leaves engines 1 and 2 unacknowledged, and slime stops with one line naming both;
+    * the stopped job is started again as it was, on engine 0 alone, with ``--load`` of its ``--save``
+      directory: it resumes at rollout 1 (the saved step 0's Megatron checkpoint, optimizer included, and
+      slime's data-source position), pushes the saved weights as version 2 and its step's as version 3 (the
+      versions the uninterrupted job gave them), trains rollout 1's new samples once, and keeps the saved
+      step's checkpoint."""
     plugins = ("cpu", "staleness")
     deadline_s = 20
     engines = [start_engine(model_dir, tmp_path / f"engine{i}.log") for i in range(3)]
@@ -62,14 +76,21 @@ def test_an_engine_killed_mid_rollout_and_an_engine_silent_on_a_weight_update(mo
                FaultProxy(engines[1].url, engines[1].proc.pid, kill_at=("/generate", 1)),
                FaultProxy(engines[2].url, hold_at=("/update_weights_from_disk", 2))]
     batch, n_samples = 2, 2
+    prompts = make_prompts(tmp_path / "prompts.jsonl")
+    job = ["--save-interval", "1", "--save-debug-rollout-data", str(tmp_path / "dump" / "rollout_{rollout_id}.pt")]
+    ckpt = tmp_path / "ckpt"  # slime_flags' --save
     try:
-        flags = slime_flags(model_dir, make_prompts(tmp_path / "prompts.jsonl"), proxies, tmp_path, num_rollout=1,
-                            batch=batch, n_samples=n_samples) + [
-            "--router-policy", "round_robin",
-            "--save-debug-rollout-data", str(tmp_path / "dump" / "rollout_{rollout_id}.pt")]
+        flags = slime_flags(model_dir, prompts, proxies, tmp_path, num_rollout=2, batch=batch,
+                            n_samples=n_samples) + job + ["--router-policy", "round_robin"]
         config = _config(tmp_path, *plugins, settings={"ascend_weight_update_deadline_s": deadline_s})
         run = run_slime("train.py", flags, tmp_path, plugins, custom_config=config, timeout=600)
         after = [_info(engines[0].url), _info(engines[2].url)]
+        saved = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
+        # the same job again, on the engine left serving, from its own checkpoint
+        resumed_flags = _with_load(slime_flags(model_dir, prompts, [engines[0]], tmp_path, num_rollout=2, batch=batch,
+                                               n_samples=n_samples) + job, ckpt)
+        resumed = run_slime("train.py", resumed_flags, tmp_path, plugins, custom_config=config, timeout=600)
+        final = _info(engines[0].url)
     finally:
         for proxy in proxies:
             proxy.close()
@@ -104,6 +125,22 @@ def test_an_engine_killed_mid_rollout_and_an_engine_silent_on_a_weight_update(mo
     assert "loaded weight version 2 from" in engines[0].log.read_text()
     assert "loaded weight version 2 from" not in engines[2].log.read_text()
     assert run.seconds < 420, run.seconds  # bounded: no wait for ever
+    assert saved == "0"  # the stopped job's step 0 was saved before the push that failed
+
+    # -- the job resumed with --load: rollout 1 on, its versions the uninterrupted job's, nothing trained twice
+    assert resumed.returncode == 0, resumed.log[-5000:]
+    assert "resumed at rollout 1 (train.py): weight versions go on after 1 (the next push is version 2)" in resumed.log
+    assert "weight version 2 acknowledged by every engine (1)" in resumed.log, resumed.log[-5000:]
+    assert "weight version 3 acknowledged by every engine (1)" in resumed.log, resumed.log[-5000:]
+    assert "weight version 1 acknowledged" not in resumed.log  # no version goes back
+    assert final["weight_version"] == "3" and not final["paused"], final
+    assert [m["train/step"] for m in resumed.metrics() if "train/step" in m] == [1]  # step 1, once
+    assert sorted(parse_rollout_metrics(resumed.log)) == [1], sorted(parse_rollout_metrics(resumed.log))
+    again = _dumped_samples(tmp_path / "dump" / "rollout_1.pt")
+    assert sorted(s["index"] for s in again) == list(range(batch * n_samples, 2 * batch * n_samples))
+    assert not {str(s["prompt"]) for s in again} & {str(s["prompt"]) for s in samples}  # the next prompts, not rollout 0's
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert (ckpt / "iter_0000000").is_dir() and (ckpt / "iter_0000001").is_dir()  # the saved step kept
 
 
 def test_a_teacher_engine_dying_mid_opd_fails_its_samples_as_environment_failures(model_dir, tmp_path):
