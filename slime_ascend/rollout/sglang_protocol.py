@@ -17,6 +17,9 @@ serves it. Endpoints (the ones slime's rollout, external-engine discovery and we
   with methods of their names taking the request body (the torch engine: slime's broadcast over gloo).
 * ``POST /tokenize``, ``/v1/tokenize`` for an engine with a ``tokenize`` method (the torch engine;
   the OPD teacher check asks a remote teacher's engine through it): SGLang's request and answer.
+* ``GET|POST /get_weights_by_name`` for an engine with a ``get_weights_by_name`` method taking the request body
+  (the torch engine, :mod:`slime_ascend.rollout.torch_engine.weight_read`): SGLang's request and answer, and the
+  exact bytes with ``return_raw``.
 
 Client errors (:class:`RequestError`, the one error type of both engines) answer 4xx/5xx with
 ``{"error": message, "success": false}``. :func:`check_generate_keys` is the shared refusal of
@@ -248,6 +251,10 @@ def routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[in
         group_call = getattr(engine, path[1:], None)  # the torch engine (torch_engine/weight_group.py): the body
         if group_call is not None:
             table[("POST", path)] = lambda body, call=group_call: ok(call(body))
+    read_weights = getattr(engine, "get_weights_by_name", None)
+    if read_weights is not None:  # the torch engine (torch_engine/weight_read.py); SGLang serves GET and POST
+        for method in ("GET", "POST"):
+            table[(method, "/get_weights_by_name")] = lambda body, call=read_weights: ok(call(body))
     tokenize = getattr(engine, "tokenize", None)
     if tokenize is not None:
         # SGLang 0.5.15 serves one handler under both names (sglang/srt/entrypoints/http_server.py:1648-1663)

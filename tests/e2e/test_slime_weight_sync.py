@@ -1,18 +1,27 @@
-"""``int8-sync`` and ``fp8-sync`` in slime's own ``train.py`` on this CPU.
+"""``int8-sync`` and ``fp8-sync`` in slime's own ``train.py`` on this CPU, over slime's two weight transports.
 
-The rollout engine (the torch engine on 127.0.0.1) serves a checkpoint made by ``slime-ascend
-quantize`` from the tiny BF16 model; slime trains the BF16 model (``--load``) and, with the sync plugin,
-pushes every weight version in the engine's format through ``--update-weight-transport disk``.
+Both jobs train the tiny BF16 model (``--load``) while the rollout engine (the torch engine) serves a checkpoint
+made by ``slime-ascend quantize`` from it (``--hf-checkpoint``); the sync plugin makes slime push every weight
+version in the engine's format.
 
-Evidence, all from slime's and the engine's own output:
+* ``int8-sync``, ``--update-weight-transport disk``: one external engine (``--rollout-external-engine-addrs``);
+  slime writes each version as an HF directory and the engine reloads it. Evidence: slime's
+  ``perf/weight_sync_*`` metrics, the engine's ``/model_info`` and log (it loaded every version slime wrote,
+  serves the last one, in the quantised format), and the bytes of the directories slime wrote.
+* ``fp8-sync``, slime's default transport (``nccl``, which slime's accelerator maps to gloo under the ``cpu``
+  plugin: ``update_weights_from_distributed``): two engines started by slime itself (the ``torch-engine`` plugin:
+  slime's ``SGLangEngine`` actors launch them, register them with slime's router and join them to the broadcast
+  group), float8 on gloo as its bytes (``train.gloo_float8_broadcast``). Evidence: the same metrics; each
+  engine's log (it switched to every version, from the broadcast, in fp8-block); the driver's read-back of every
+  engine's version after each push (``driver.acknowledged_collective_update``); nothing written to disk; and the
+  bytes each engine **holds** after each push, read from it with SGLang's ``/get_weights_by_name`` (``return_raw``:
+  the exact bytes) inside slime's loop, by slime's eval hook, which runs right after each push
+  (``tests/e2e/weight_probe.py``, ``--eval-interval 1``).
 
-* slime's step metrics: ``perf/weight_sync_*`` (tensors quantised, bytes on the wire);
-* the engine's ``/model_info`` and its log: it loaded every version slime wrote, serves the last one,
-  and reports the quantised format it loaded;
-* the bytes: the first version slime pushed (the BF16 weights slime loaded, before any training) is
-  tensor-for-tensor identical to ``slime-ascend quantize`` of those BF16 weights, and the last version
-  (after training) is identical to ``slime-ascend quantize`` of slime's own Megatron checkpoint of the
-  same step, converted to HF BF16 by slime's own ``tools/convert_torch_dist_to_hf.py``.
+The bytes, in both jobs: the first version slime pushed (the BF16 weights slime loaded, before any training) is
+tensor-for-tensor identical to ``slime-ascend quantize`` of those BF16 weights, and the last version (after
+training) to ``slime-ascend quantize`` of slime's own Megatron checkpoint of the same step, converted to HF BF16 by
+slime's own ``tools/convert_torch_dist_to_hf.py``; training changed them (the comparison is not vacuous).
 
 One slime run per format (the sync plugins conflict: one job syncs one format).
 """
@@ -60,12 +69,13 @@ def quantize(src: Path, out: Path, fmt: str) -> Path:
 
 
 def tensors(directory: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """Every tensor of the safetensors files in ``directory``: name -> (dtype, shape, raw bytes)."""
+    """Every tensor of the safetensors files in ``directory`` (or of that one file): name -> (dtype, shape, raw
+    bytes)."""
     import torch
     from safetensors import safe_open
 
     out = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in [directory] if directory.is_file() else sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 t = f.get_tensor(name).contiguous()
@@ -194,7 +204,95 @@ def _check_run(run, model_dir: Path, qdir: Path, tmp_path: Path, plugin: str, fm
     assert tensors(weights / versions[0]) != tensors(last)
 
 
-@pytest.mark.parametrize(("plugin", "fmt"), [("int8-sync", "int8-w8a8"), ("fp8-sync", "fp8-block")])
-def test_quantised_sync_matches_offline_quantize(model_dir, tmp_path, plugin, fmt):
+def test_int8_sync_over_disk_matches_offline_quantize(model_dir, tmp_path):
+    plugin, fmt = "int8-sync", "int8-w8a8"
     run, qdir, info0, info, engine_log = _run_sync(model_dir, tmp_path, plugin, fmt)
     _check_run(run, model_dir, qdir, tmp_path, plugin, fmt, info0, info, engine_log)
+
+
+NUM_ENGINES = 2
+
+
+def _managed_distributed_flags(flags: list[str], qdir: Path, prompts: Path) -> list[str]:
+    """:func:`slime_flags` (an external engine, the disk transport) turned into slime's default deployment: no
+    ``--rollout-external*``, no ``--update-weight-transport`` (slime's default, ``nccl``), ``NUM_ENGINES`` engines of
+    one device each, the quantised checkpoint as ``--hf-checkpoint``, and the probe as slime's eval after each push."""
+    flags = list(flags)
+    at = flags.index("--rollout-external")
+    assert flags[at + 1] == "--rollout-external-engine-addrs" and flags[at + 2].startswith("--"), flags[at:at + 3]
+    del flags[at:at + 2]
+    at = flags.index("--update-weight-transport")
+    assert flags[at + 1:at + 3] == ["disk", "--update-weight-disk-dir"], flags[at:at + 4]
+    del flags[at:at + 4]
+    flags[flags.index("--hf-checkpoint") + 1] = str(qdir)
+    flags[flags.index("--rollout-num-gpus") + 1] = str(NUM_ENGINES)
+    return flags + ["--eval-interval", "1", "--eval-prompt-data", "probe", str(prompts),
+                    "--eval-function-path", "weight_probe.read_engines"]
+
+
+def test_fp8_sync_over_slime_distributed_transport_with_managed_engines(model_dir, tmp_path):
+    plugin, fmt = "fp8-sync", "fp8-block"
+    plugins = ("cpu", "torch-engine", plugin)
+    qdir = quantize(model_dir, tmp_path / f"tiny-qwen3-{fmt}", fmt)
+    config = tmp_path / "ascend.yaml"
+    _cli("config", *plugins, "-o", str(config))
+    prompts = make_prompts(tmp_path / "prompts.jsonl")
+    flags = _managed_distributed_flags(slime_flags(model_dir, prompts, [], tmp_path, num_rollout=NUM_ROLLOUT), qdir,
+                                       prompts)
+    probe = tmp_path / "probe"
+    run = run_slime("train.py", flags, tmp_path, plugins, custom_config=config,
+                    extra_env={"PYTHONPATH": str(Path(__file__).parent), "WEIGHT_PROBE_DIR": str(probe)})
+    assert run.returncode == 0, run.log[-6000:]
+    log = run.log
+    versions = range(1, NUM_ROLLOUT + 2)  # one push before training, one after each step
+
+    # the plugins ran in the train actor: the format checked, the quantiser and float8-over-gloo installed
+    assert any("MegatronTrainRayActor" in line and f"slime-ascend plugins active: {', '.join(plugins)}" in line
+               for line in log.splitlines())
+    assert f"{plugin}: rollout checkpoint {qdir} is {fmt}" in log
+    for patch_id in ("train.quantize_params", "train.weight_sync_metrics", "train.gloo_float8_broadcast",
+                     "engine.torch_engine_launch"):
+        assert f"applied runtime patch {patch_id}" in log, patch_id
+    # slime started the engines (its SGLangEngine actors), and nothing went through disk
+    assert log.count("torch-engine: slime-managed engine starting on ") == NUM_ENGINES
+    assert not any((tmp_path / "weights").iterdir())
+
+    # slime's perf metrics report the quantised sync: every linear weight quantised, fewer bytes sent
+    syncs = [m for m in run.metrics() if "perf/weight_sync_bytes" in m]
+    assert len(syncs) == NUM_ROLLOUT, syncs
+    for m in syncs:
+        assert m["perf/weight_sync_quantized_params"] % 14 == 0 and m["perf/weight_sync_quantized_params"] > 0
+        assert 0 < m["perf/weight_sync_bytes"] < m["perf/weight_sync_source_bytes"], m
+
+    # each engine switched to every version from the broadcast, and the driver read every engine's version back
+    for v in versions:
+        switched = f"switched to weight version {v} from "
+        lines = [line for line in log.splitlines() if switched in line]
+        assert len(lines) == NUM_ENGINES, (v, lines)
+        assert all(line.endswith(f"buckets of update_weights_from_distributed ({fmt})") for line in lines), lines
+        assert f"weight version {v} acknowledged by every engine ({NUM_ENGINES}) after the push" in log, v
+
+    # the probe (slime's eval, right after each push) read every engine: the version just pushed, acknowledged,
+    # served before and after the read and carried by every answer
+    reads = [json.loads(line) for line in (probe / "reads.jsonl").read_text().splitlines()]
+    assert [(r["engine"], r["before"]) for r in reads] == [(i, str(v)) for v in versions for i in range(NUM_ENGINES)]
+    n_tensors = len(tensors(qdir))
+    for r in reads:
+        assert r["after"] == r["before"] and r["answered"] == [r["before"]], r
+        assert r["acknowledged"] == int(r["before"]) and r["tensors"] == n_tensors, r
+    assert [m["eval/weight_probe"] for m in run.metrics() if "eval/weight_probe" in m] == \
+        [float(NUM_ENGINES * n_tensors)] * len(versions)
+
+    held = {(i, v): probe / f"engine{i}-v{v}.safetensors" for v in versions for i in range(NUM_ENGINES)}
+    assert all(path.is_file() for path in held.values()), sorted(p.name for p in probe.iterdir())
+    # bytes: version 1 is the BF16 model slime loaded, quantised; every engine holds the same
+    ref_first = quantize(model_dir, tmp_path / "ref-v1", fmt)
+    ref_last = quantize(torch_dist_to_hf(tmp_path / "ckpt", model_dir, tmp_path / "ckpt-hf", plugins),
+                        tmp_path / "ref-last", fmt)
+    for i in range(NUM_ENGINES):
+        assert_same_tensors(held[i, 1], ref_first)
+        assert_same_tensors(held[i, versions[-1]], ref_last)
+        assert tensors(held[i, 2]) == tensors(held[0, 2])
+    # float8 weights with their scales, and training changed them
+    assert any(dtype == "torch.float8_e4m3fn" for dtype, _, _ in tensors(held[0, 1]).values())
+    assert tensors(held[0, 1]) != tensors(held[0, versions[-1]])

@@ -196,6 +196,14 @@ def test_quantised_push_carries_the_converters_bytes(tmp_path, fmt):
         code, answers = send(tmp_path, url, pushed, 1, via_train_patch=True)
         assert code == 0 and len(answers) == 4 and all(a["status"] == 200 for a in answers), answers
         assert served(url) == "1"
+        # and holds it: SGLang's /get_weights_by_name with the exact bytes (weight_read.py) answers every tensor
+        from slime_ascend.rollout.torch_engine.weight_read import decode_raw
+
+        for name, tensor in pushed.items():
+            answer = HTTP.post(url + "/get_weights_by_name",
+                               json={"name": name, "truncate_size": 1 << 20, "return_raw": True}).json()
+            assert answer["weight_version"] == "1" and answer["dtype"] == str(tensor.dtype).removeprefix("torch.")
+            assert torch.equal(decode_raw(answer).view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
     engine.weight_group.close()
     # what the engine received is the converter's output, byte for byte (float8 included: bytes on gloo)
     kept = load_file(str(tmp_path / "kept" / "weight_v000001" / "model.safetensors"))

@@ -12,3 +12,5 @@ DEFAULT_MAX_NEW_TOKENS_LIMIT = 16384
 # the answer's size is bounded like the request's (about 30 bytes of JSON an entry; OPD's top-32 over 8 x 4k tokens
 # is 1M entries)
 DEFAULT_MAX_TOP_LOGPROBS = 1 << 22
+# Most values one /get_weights_by_name answer may hold (weight_read.py; about 80 MB of JSON at most)
+DEFAULT_MAX_WEIGHT_VALUES = 1 << 22

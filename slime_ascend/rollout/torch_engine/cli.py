@@ -7,7 +7,8 @@ import logging
 
 from ...command import ArgumentParser
 from ..http_server import add_server_flags, make_server, positive_int, serve_until_interrupted, server_options
-from . import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOP_LOGPROBS
+from . import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOP_LOGPROBS,
+               DEFAULT_MAX_WEIGHT_VALUES)
 
 __all__ = ["build_parser", "serve_torch"]
 
@@ -32,6 +33,8 @@ def build_parser() -> ArgumentParser:
     limits.add_argument("--max-top-logprobs", type=positive_int, default=DEFAULT_MAX_TOP_LOGPROBS,
                         help="most top-k log-prob entries in one answer: top_logprobs_num x scored and new "
                         "positions, over a batch (default %(default)s)")
+    limits.add_argument("--max-weight-values", type=positive_int, default=DEFAULT_MAX_WEIGHT_VALUES,
+                        help="most values in one /get_weights_by_name answer (default %(default)s)")
     add_server_flags(limits)
     sync = parser.add_argument_group("weight sync over a process group (/update_weights_from_distributed)")
     sync.add_argument("--weight-group-timeout", type=float, default=None, metavar="S",
@@ -53,7 +56,8 @@ def serve_torch(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = TorchEngine(model_path=args.model, dtype=args.dtype, seed=args.seed,
                              max_batch_size=args.max_batch_size, max_prompt_tokens=args.max_prompt_tokens,
-                             max_new_tokens=args.max_new_tokens, max_top_logprobs=args.max_top_logprobs)
+                             max_new_tokens=args.max_new_tokens, max_top_logprobs=args.max_top_logprobs,
+                             max_weight_values=args.max_weight_values)
     if args.weight_group_timeout is not None or args.keep_received_weights is not None:
         engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
     server = make_server(engine, host=args.host, port=args.port, **server_options(args))

@@ -34,8 +34,10 @@ Semantics mirrored from SGLang (checked against the installed ``sglang`` sources
   values only.
 
 Bounded work: per request, at most ``max_batch_size`` prompts, ``max_prompt_tokens`` prompt tokens in
-all, ``max_new_tokens`` new tokens per prompt and ``max_top_logprobs`` top-k entries in its answer (413/400
-beyond, naming the limit: a small request cannot ask for a huge answer); a request whose
+all, ``max_new_tokens`` new tokens per prompt and ``max_top_logprobs`` top-k entries in its answer, and at most
+``max_weight_values`` values in a ``/get_weights_by_name`` answer (:mod:`.weight_read`: SGLang's values of one
+served tensor, and with ``return_raw`` its exact bytes) (413/400 beyond, naming the limit: a small request cannot
+ask for a huge answer); a request whose
 client has disconnected is aborted at the next decode step; ``abort_request`` and an aborting pause
 also abort the prompts of a batch still queued behind the running one.
 
@@ -66,6 +68,7 @@ from slime_ascend.rollout.torch_engine import model as reference_model
 from slime_ascend.rollout.torch_engine.memory import MemoryOccupation
 from slime_ascend.rollout.torch_engine.tensor_update import TensorUpdate
 from slime_ascend.rollout.torch_engine.weight_group import WeightGroup
+from slime_ascend.rollout.torch_engine.weight_read import DEFAULT_MAX_WEIGHT_VALUES, WeightRead, checkpoint_tensors
 from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
                                                   check_positive_ints, check_weight_version, next_weight_version)
@@ -287,7 +290,7 @@ def _choose_token(
     return token, logprob, kept
 
 
-class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup):
+class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
     """A CPU rollout engine with SGLang's request/response semantics (see the module docstring).
 
     Args:
@@ -302,6 +305,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup):
         max_top_logprobs: most top-k log-prob entries one answer may hold, ``top_logprobs_num`` times the
             scored prompt positions and new tokens, summed over a batch (413 beyond).
         max_new_tokens: highest ``sampling_params.max_new_tokens`` accepted (400 beyond).
+        max_weight_values: most values one ``/get_weights_by_name`` answer may hold (413 beyond;
+            :mod:`.weight_read`).
     """
 
     engine_name = "the torch engine"  # in the HTTP surface's messages
@@ -317,9 +322,12 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup):
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
         max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
+        max_weight_values: int = DEFAULT_MAX_WEIGHT_VALUES,
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
-                            max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs)
+                            max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs,
+                            max_weight_values=max_weight_values)
+        self.max_weight_values = max_weight_values
         self.max_top_logprobs = max_top_logprobs
         self.max_batch_size = max_batch_size
         self.max_prompt_tokens = max_prompt_tokens
@@ -345,6 +353,9 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup):
         # a checkpoint of this architecture holds at most 8 bytes a parameter (float64), plus headers
         numel = sum(t.numel() for t in self.model.state_dict().values())
         self._max_checkpoint_bytes = 8 * numel + (64 << 20)
+        # a quantised checkpoint's own tensors, as /get_weights_by_name answers them (weight_read.py)
+        self._served_checkpoint = (checkpoint_tensors(self.model_path, self._max_checkpoint_bytes)
+                                   if self.quantization is not None else None)
 
         self._compute_lock = threading.Lock()  # one forward step at a time; weight swaps take it too
         self._update_lock = threading.Lock()  # one weight update at a time
@@ -394,6 +405,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup):
             "max_prompt_tokens": self.max_prompt_tokens,
             "max_new_tokens": self.max_new_tokens,
             "max_top_logprobs": self.max_top_logprobs,
+            "max_weight_values": self.max_weight_values,
             "enable_return_routed_experts": self._routes is not None,  # slime checks it under routing replay
         }
 
@@ -542,10 +554,12 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup):
                 quantization = checkpoint_quantization(model_path)
                 state = reference_model.load_state_dict_from_dir(model_path, self.dtype, self._max_checkpoint_bytes)
                 reference_model.validate_state_dict(self.model, state, source=model_path)
+                served = (checkpoint_tensors(model_path, self._max_checkpoint_bytes) if quantization is not None
+                          else None)
             except (ValueError, OSError) as exc:
                 raise RequestError(str(exc)) from exc
             self._switch_to(state, weight_version, source=model_path, model_path=model_path,
-                            quantization=quantization)
+                            quantization=quantization, _served_checkpoint=served)
             logger.info("loaded weight version %s from %s (%s)", self.weight_version, model_path,
                         quantization or "unquantised")
         return {"success": True, "message": f"loaded weights from {model_path}", "num_paused_requests": 0}

@@ -10,7 +10,8 @@ only clears its flag. While the weights are released, ``/generate`` and ``/updat
 naming the fix, and ``/health_generate`` reports unhealthy (slime pauses its health monitor meanwhile).
 
 Resume (``tags`` ``None``, or a list of ``weights`` / ``kv_cache``, SGLang's names) reads the spill file
-back into fresh storage and deletes it; the next generation is the one before the release, bit for bit.
+back into fresh storage and deletes it (a quantised version's checkpoint tensors, which ``/get_weights_by_name``
+answers, are spilled and restored with them); the next generation is the one before the release, bit for bit.
 A weight push after resume (slime's ``update_weights``) then overwrites them as usual.
 """
 
@@ -77,6 +78,9 @@ class MemoryOccupation:
                 try:
                     params = dict(self.model.named_parameters())  # tied weights once
                     torch.save({name: p.detach() for name, p in params.items()}, spill / "weights.pt")
+                    served = getattr(self, "_served_checkpoint", None)  # a quantised version's tensors (weight_read)
+                    if served is not None:
+                        torch.save(served, spill / "checkpoint.pt")
                 except BaseException:
                     shutil.rmtree(spill, ignore_errors=True)
                     with self._state:
@@ -86,6 +90,9 @@ class MemoryOccupation:
                 for p in params.values():
                     nbytes += p.numel() * p.element_size()
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                if served is not None:
+                    nbytes += sum(t.numel() * t.element_size() for t in served.values())
+                    self._served_checkpoint = None
                 self._spill_dir = spill
             gc.collect()
             trim_heap()
@@ -106,6 +113,8 @@ class MemoryOccupation:
                     state = torch.load(spill / "weights.pt", weights_only=True)
                     for name, p in self.model.named_parameters():
                         p.data = state[name]
+                    if (spill / "checkpoint.pt").exists():
+                        self._served_checkpoint = torch.load(spill / "checkpoint.pt", weights_only=True)
                     self._spill_dir = None
                     shutil.rmtree(spill, ignore_errors=True)
             with self._state:

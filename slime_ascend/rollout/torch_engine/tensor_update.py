@@ -189,7 +189,8 @@ class TensorUpdate:
                 return {"success": True, "message": f"staged {len(bucket)} tensors of weight version {key} "
                         f"({len(staged['tensors'])} so far)", "num_paused_requests": 0}
             staged.clear()
-            self._switch_to(state, version, source="update_weights_from_tensor")
+            # the model's own tensors are what serve now (/get_weights_by_name, weight_read.py)
+            self._switch_to(state, version, source="update_weights_from_tensor", _served_checkpoint=None)
         logger.info("loaded weight version %s from update_weights_from_tensor (%d tensors)", self.weight_version,
                     len(state))
         return {"success": True, "message": f"weight version {self.weight_version} loaded from tensors",

@@ -31,8 +31,9 @@ API (a benchmark may drive it directly): ``WeightGroupReceiver(engine, timeout_s
 ``{"success": True, "message": ...}``; refusals raise :class:`RequestError`. :class:`WeightGroup` is the
 engine's mixin (the three endpoints, taking the request body; ``engine.weight_group`` is its receiver). The
 engine supplies ``model``, ``model_path``, ``dtype``, ``quantization``, ``weight_version``,
-``_max_checkpoint_bytes``, ``_update_lock`` and ``_switch_to(state, version, source)`` (the drained swap of
-:mod:`.tensor_update`, shared by every transport).
+``_max_checkpoint_bytes``, ``_update_lock`` and ``_switch_to(state, version, source, **fields)`` (the drained
+swap of :mod:`.engine`, shared by every transport). A quantised version's tensors, as received, stay with it
+(``_served_checkpoint``): ``/get_weights_by_name`` answers them (:mod:`.weight_read`).
 """
 
 from __future__ import annotations
@@ -324,7 +325,10 @@ class WeightGroupReceiver:
                 check_released = getattr(engine, "_check_weights_present", None)
                 if check_released is not None:  # the weights were released (--colocate offload): no swap into them
                     check_released("update_weights_from_distributed")
-                engine._switch_to(state, staged.version, source="update_weights_from_distributed")
+                # a quantised version's tensors as received: what /get_weights_by_name answers (weight_read.py)
+                served = dict(staged.tensors) if engine.quantization is not None else None
+                engine._switch_to(state, staged.version, source="update_weights_from_distributed",
+                                  _served_checkpoint=served)
         except (ValueError, TypeError, KeyError) as exc:
             raise RequestError(f"{source} refused: {exc}; version {engine.weight_version} keeps serving") from None
         logger.info("switched to weight version %s from %d buckets of update_weights_from_distributed (%s)",

@@ -1,0 +1,142 @@
+"""SGLang's ``/get_weights_by_name`` on the torch engine: the values of one served tensor, and (our extension)
+its exact bytes.
+
+SGLang (0.5.15, ``GetWeightsByNameReqInput`` in ``sglang/srt/managers/io_struct.py``; ``http_server.py``
+``/get_weights_by_name``, GET or POST; ``LlamaForCausalLM.get_weights_by_name``): the request is
+``{"name": str, "truncate_size": int = 100}`` and the answer is the parameter as a JSON list,
+``weight.to(float32).tolist()[:truncate_size]`` (the first ``truncate_size`` rows); a name it cannot find is a
+400. The torch engine answers the same, and adds one request field of its own:
+
+* ``"return_raw": true`` makes the answer an object: ``parameter`` (SGLang's list, unchanged; the field name of
+  SGLang's ``GetWeightsByNameReqOutput``), ``name``, ``weight_version`` (the version these bytes belong to: read
+  together with them, under the lock every weight swap takes), ``dtype`` (torch's name without ``torch.``,
+  e.g. ``float8_e4m3fn``), ``shape`` (the whole tensor's), ``raw_shape`` (the returned rows: the first
+  ``min(truncate_size, shape[0])``) and ``raw_base64`` (those rows' bytes, C order, the host's byte order:
+  little-endian on x86 and Arm). A float32 list cannot say a tensor was float8 or bfloat16, nor carry
+  packed ``uint8`` int4 as what it is; the bytes can, so a test compares them with ``slime-ascend quantize``.
+
+What "the served tensor" is: for an unquantised version, the model's own parameter or buffer (in the engine's
+dtype, as SGLang returns its own parameter). For a quantised version the model computes with dequantised
+weights, so the engine also keeps the checkpoint tensors of the version it serves, as they were loaded or
+received (float8 / int8 / packed weights with their scales; the rest in the checkpoint's dtype), and answers
+from them: at start (``--model`` a quantised checkpoint), after ``update_weights_from_disk`` of a quantised
+checkpoint and after a complete ``update_weights_from_distributed`` version. That copy is the size of the
+quantised checkpoint. A ``--colocate`` release (:mod:`.memory`) spills it with the weights.
+
+Names are the checkpoint's (HF) names; a name the served version does not hold is a 400 naming it. MoE experts
+of an unquantised model are held stacked (``...experts.down_proj``), so their per-expert checkpoint names are
+not found: ask for the stacked name. Bounded work: an answer holds at most ``max_weight_values`` values
+(``serve-torch --max-weight-values``; 413 beyond, naming it: lower ``truncate_size``). 0-d tensors answer their
+value as a one-element list (SGLang fails on them).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..sglang_protocol import RequestError
+from . import DEFAULT_MAX_WEIGHT_VALUES
+
+__all__ = ["DEFAULT_MAX_WEIGHT_VALUES", "WeightRead", "checkpoint_tensors", "decode_raw"]
+
+_FIELDS = ("name", "truncate_size", "return_raw")
+
+
+def checkpoint_tensors(model_dir: str | os.PathLike, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``model_dir`` as stored (no dtype change, no dequantising);
+    regular files only, at most ``max_bytes`` in all (ValueError naming the file otherwise)."""
+    from safetensors.torch import load as load_bytes
+
+    from ...files import read_regular_file, regular_files
+
+    files = regular_files(Path(model_dir), "*.safetensors")
+    if not files:
+        raise ValueError(f"{str(model_dir)!r} holds no *.safetensors files")
+    total = sum(os.stat(p).st_size for p in files)
+    if max_bytes is not None and total > max_bytes:
+        raise ValueError(f"the *.safetensors files in {str(model_dir)!r} hold {total} bytes, above {max_bytes}")
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            tensors = load_bytes(read_regular_file(path))
+        except Exception as exc:  # noqa: BLE001 - SafetensorError and friends: a corrupt or truncated file
+            raise ValueError(f"{str(path)!r} is not a valid safetensors file: {exc}") from None
+        for name, tensor in tensors.items():
+            if name in out:
+                raise ValueError(f"tensor {name!r} appears in more than one file of {str(model_dir)!r}")
+            out[name] = tensor
+    return out
+
+
+class WeightRead:
+    """Mixin of :class:`~slime_ascend.rollout.torch_engine.engine.TorchEngine`: ``/get_weights_by_name`` (module
+    docstring). The engine supplies ``model``, ``weight_version``, ``max_weight_values``, ``_compute_lock`` and
+    ``_check_weights_present``; ``_served_checkpoint`` is the quantised version's checkpoint tensors (None when
+    the served version is unquantised), set with the version by every swap."""
+
+    _served_checkpoint: dict[str, torch.Tensor] | None = None
+
+    def get_weights_by_name(self, body: Any) -> Any:
+        if not isinstance(body, dict):
+            raise RequestError("get_weights_by_name: the request body must be a JSON object")
+        unknown = sorted(set(body) - set(_FIELDS))
+        if unknown:
+            raise RequestError(f"get_weights_by_name: unknown fields {unknown} (fields: {', '.join(_FIELDS)})")
+        name = body.get("name")
+        truncate_size = body.get("truncate_size", 100)
+        return_raw = body.get("return_raw", False)
+        if not isinstance(name, str) or not name:
+            raise RequestError("get_weights_by_name: name must be a non-empty string (a checkpoint tensor name)")
+        if not isinstance(truncate_size, int) or isinstance(truncate_size, bool) or truncate_size < 0:
+            raise RequestError(f"get_weights_by_name: truncate_size must be an integer >= 0 (rows returned), got "
+                               f"{truncate_size!r}")
+        if not isinstance(return_raw, bool):
+            raise RequestError("get_weights_by_name: return_raw must be true or false")
+        self._check_weights_present("get_weights_by_name")
+        with self._compute_lock:  # every swap sets the tensors and the version under it: one version's bytes
+            served = self._served_checkpoint
+            tensor = (served if served is not None else self.model.state_dict()).get(name)
+            version = self.weight_version
+            if tensor is None:
+                what = "quantised checkpoint" if served is not None else "model"
+                raise RequestError(f"get_weights_by_name: {name!r} is not a tensor of the served {what} (weight "
+                                   f"version {version}); use a checkpoint (HF) tensor name")
+            part = tensor.detach() if tensor.dim() == 0 else tensor.detach()[:truncate_size]
+            if part.numel() > self.max_weight_values:
+                raise RequestError(
+                    f"get_weights_by_name: {name!r} would answer {part.numel()} values (shape {list(tensor.shape)}, "
+                    f"truncate_size={truncate_size}), above this server's limit max_weight_values="
+                    f"{self.max_weight_values} (lower truncate_size, or raise it with serve-torch --max-weight-values)",
+                    status=413)
+            part = part.contiguous().clone()
+        values = part.to(torch.float32).tolist()
+        parameter = [values] if part.dim() == 0 else values
+        if not return_raw:
+            return parameter
+        raw = part.reshape(-1).view(torch.uint8) if part.numel() else torch.zeros(0, dtype=torch.uint8)
+        return {
+            "parameter": parameter,
+            "name": name,
+            "weight_version": version,
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(tensor.shape),
+            "raw_shape": list(part.shape),
+            "raw_base64": base64.b64encode(raw.numpy().tobytes()).decode("ascii"),
+        }
+
+
+def decode_raw(answer: dict[str, Any]) -> torch.Tensor:
+    """The tensor of a ``return_raw`` answer (its ``raw_shape`` rows, in its ``dtype``): what a client does."""
+    dtype = getattr(torch, answer["dtype"])
+    data = bytearray(base64.b64decode(answer["raw_base64"]))
+    flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    shape = answer["raw_shape"]
+    if math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return flat.view(dtype).reshape(shape)

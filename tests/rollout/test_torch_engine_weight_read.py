@@ -1,0 +1,139 @@
+"""The torch engine's ``/get_weights_by_name`` (torch_engine/weight_read.py): SGLang's request and answer (the first
+``truncate_size`` rows as a float32 list), the exact bytes with ``return_raw`` (float8 and int8 checkpoints
+included), the served version's tensors after a disk update and across a release/resume, and its refusals (a
+name not held, bad fields, an answer above ``max_weight_values``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
+from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
+from slime_ascend.rollout.torch_engine.weight_read import decode_raw
+
+HTTP = httpx.Client(trust_env=False, timeout=60)
+NAME = "model.layers.0.self_attn.q_proj.weight"
+
+
+def read(url: str, name: str, method: str = "POST", **fields) -> httpx.Response:
+    return HTTP.request(method, url + "/get_weights_by_name", json={"name": name, **fields})
+
+
+def bf16_dir(out: Path, scale: float) -> Path:
+    model = load_model(None, dtype=torch.float32, seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.ones_like(p))
+    model = model.to(torch.bfloat16)
+    model.config.torch_dtype = torch.bfloat16
+    return save_model(model, out, build_byte_tokenizer())
+
+
+def checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
+
+
+def test_sglang_answer_and_raw_bytes_of_an_unquantised_model():
+    engine = TorchEngine(return_original_logprob=False, dtype="bfloat16", max_weight_values=5000)
+    own = engine.model.state_dict()
+    with engine.start_in_thread() as url:
+        # SGLang's shape: the parameter as a float32 list, its first truncate_size rows (default 100)
+        answer = read(url, NAME).json()
+        assert answer == own[NAME].float()[:100].tolist()
+        assert read(url, NAME, method="GET", truncate_size=3).json() == own[NAME].float()[:3].tolist()
+        assert read(url, NAME, truncate_size=0).json() == []
+        norm = "model.norm.weight"
+        assert read(url, norm, truncate_size=10**9).json() == own[norm].float().tolist()
+
+        # return_raw: the same list, plus the bytes, dtype, shapes and the version they belong to
+        full = read(url, NAME, truncate_size=10**6, return_raw=True).json()
+        assert full["parameter"] == own[NAME].float().tolist()
+        assert full["dtype"] == "bfloat16" and full["shape"] == list(own[NAME].shape) == full["raw_shape"]
+        assert full["weight_version"] == "default" and full["name"] == NAME
+        assert same_bytes(decode_raw(full), own[NAME])
+        two = read(url, NAME, truncate_size=2, return_raw=True).json()
+        assert two["raw_shape"] == [2, own[NAME].shape[1]] and two["shape"] == list(own[NAME].shape)
+        assert same_bytes(decode_raw(two), own[NAME][:2])
+
+        # refusals, each naming what to fix; nothing of a refused request is answered
+        missing = read(url, "model.layers.9.mlp.up_proj.weight")
+        assert missing.status_code == 400 and "'model.layers.9.mlp.up_proj.weight'" in missing.json()["error"]
+        for fields, needle in (({"truncate_size": -1}, "truncate_size"), ({"truncate_size": "5"}, "truncate_size"),
+                               ({"return_raw": 1}, "return_raw"), ({"rows": 1}, "unknown fields ['rows']")):
+            resp = read(url, NAME, **fields)
+            assert resp.status_code == 400 and needle in resp.json()["error"], (fields, resp.text)
+        assert HTTP.post(url + "/get_weights_by_name", json={}).status_code == 400
+        # the answer's size is bounded: the embedding (1024 x 64 values) is above max_weight_values=5000 ...
+        big = read(url, "model.embed_tokens.weight", truncate_size=10**6)
+        assert big.status_code == 413 and "max_weight_values=5000" in big.json()["error"]
+        assert "--max-weight-values" in big.json()["error"]
+        # ... its first rows are not
+        assert len(read(url, "model.embed_tokens.weight", truncate_size=78).json()) == 78
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "int8-w8a8"])
+def test_quantised_engine_answers_the_checkpoint_bytes(tmp_path, fmt):
+    from slime_ascend.quant.checkpoint import convert_checkpoint
+
+    q0, q1 = tmp_path / "q0", tmp_path / "q1"
+    convert_checkpoint(bf16_dir(tmp_path / "bf16-0", 0.0), q0, fmt)
+    convert_checkpoint(bf16_dir(tmp_path / "bf16-1", 0.01), q1, fmt)
+    engine = TorchEngine(model_path=str(q0), return_original_logprob=False)
+
+    def held(url: str, names) -> dict[str, tuple[str, torch.Tensor]]:
+        out = {}
+        for name in names:
+            resp = read(url, name, truncate_size=10**6, return_raw=True)
+            assert resp.status_code == 200, resp.text
+            out[name] = (resp.json()["weight_version"], decode_raw(resp.json()))
+        return out
+
+    with engine.start_in_thread() as url:
+        want = checkpoint(q0)
+        assert any(t.dtype in (torch.float8_e4m3fn, torch.int8) for t in want.values())
+        for name, (version, tensor) in held(url, want).items():
+            assert version == "default" and same_bytes(tensor, want[name]), name
+        # a scale is a tensor of the served checkpoint (the model itself holds none)
+        scale = next(n for n in want if "scale" in n)
+        assert scale not in engine.model.state_dict() and read(url, scale).status_code == 200
+
+        resp = HTTP.post(url + "/update_weights_from_disk", json={"model_path": str(q1), "weight_version": "7"})
+        assert resp.status_code == 200, resp.text
+        want = checkpoint(q1)
+        for name, (version, tensor) in held(url, want).items():
+            assert version == "7" and same_bytes(tensor, want[name]), name
+
+        # released (--colocate offload): refused; resumed: the same bytes again
+        assert HTTP.post(url + "/release_memory_occupation", json={}).status_code == 200
+        assert read(url, scale).status_code == 503
+        assert HTTP.post(url + "/resume_memory_occupation", json={}).status_code == 200
+        for name, (version, tensor) in held(url, want).items():
+            assert version == "7" and same_bytes(tensor, want[name]), name
+
+        # an unquantised checkpoint then serves the model's own tensors: no scale any more
+        resp = HTTP.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "bf16-1"),
+                                                                  "weight_version": "8"})
+        assert resp.status_code == 200, resp.text
+        gone = read(url, scale)
+        assert gone.status_code == 400 and repr(scale) in gone.json()["error"]
+        answer = read(url, NAME, truncate_size=10**6, return_raw=True).json()
+        assert answer["dtype"] == "float32" and answer["weight_version"] == "8"
+        assert torch.equal(decode_raw(answer), checkpoint(tmp_path / "bf16-1")[NAME].float())
+
+
+def test_serve_torch_flag_sets_the_limit():
+    from slime_ascend.rollout.torch_engine.cli import build_parser
+
+    assert build_parser().parse_args(["--max-weight-values", "9"]).max_weight_values == 9
+    with pytest.raises(ValueError, match="max_weight_values"):
+        TorchEngine(max_weight_values=0)
