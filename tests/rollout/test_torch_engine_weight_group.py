@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slime_ascend.rollout.torch_engine.engine import TorchEngine
-from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
+from torch_engine_fixtures import bf16_dir
 
 SENDER = Path(__file__).with_name("weight_sender.py")
 HTTP = httpx.Client(trust_env=False, timeout=60)
@@ -173,15 +173,6 @@ def test_refused_pushes_change_nothing(served_engine, tmp_path):
 @pytest.mark.parametrize("fmt", ["fp8-block", "int8-w8a8"])
 def test_quantised_push_carries_the_converters_bytes(tmp_path, fmt):
     from slime_ascend.quant.checkpoint import convert_checkpoint
-
-    def bf16_dir(out: Path, scale: float) -> Path:
-        model = load_model(None, dtype=torch.float32, seed=0)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(scale * torch.ones_like(p))
-        model = model.to(torch.bfloat16)
-        model.config.torch_dtype = torch.bfloat16
-        return save_model(model, out, build_byte_tokenizer())
 
     def quantised(src: Path, out: Path) -> dict[str, torch.Tensor]:
         convert_checkpoint(src, out, fmt)

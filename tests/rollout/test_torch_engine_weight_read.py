@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from slime_ascend.rollout.torch_engine.engine import TorchEngine
-from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
+from torch_engine_fixtures import bf16_dir
 from slime_ascend.rollout.torch_engine.weight_read import decode_raw
 
 HTTP = httpx.Client(trust_env=False, timeout=60)
@@ -22,16 +22,6 @@ NAME = "model.layers.0.self_attn.q_proj.weight"
 
 def read(url: str, name: str, method: str = "POST", **fields) -> httpx.Response:
     return HTTP.request(method, url + "/get_weights_by_name", json={"name": name, **fields})
-
-
-def bf16_dir(out: Path, scale: float) -> Path:
-    model = load_model(None, dtype=torch.float32, seed=0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.ones_like(p))
-    model = model.to(torch.bfloat16)
-    model.config.torch_dtype = torch.bfloat16
-    return save_model(model, out, build_byte_tokenizer())
 
 
 def checkpoint(directory: Path) -> dict[str, torch.Tensor]:
