@@ -104,7 +104,9 @@ TORCH_ENGINE = Plugin(
     ),
     # the engine actor's launch; CPU tensors of the colocated push as named shared memory the engine can open
     process_start=("slime_ascend.rollout.plugin.torch_engine_process_start",),
-    patches=("engine.torch_engine_launch",),  # in whatever process imports slime's engine actor
+    patches=("engine.torch_engine_launch",  # in whatever process imports slime's engine actor
+             # the train actors: host tensors of the colocated push stay picklable after sglang's CUDA-only reducer
+             "train.cpu_tensor_reductions"),
 )
 
 

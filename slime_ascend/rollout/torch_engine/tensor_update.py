@@ -21,6 +21,13 @@ weight of the model (slime pushes the full model every update). A bucket of a ne
 was staged for another. So a version serves only when all of it has arrived and been checked, and the
 engine reports it (``/get_weight_version``, each answer's ``meta_info.weight_version``) exactly as after
 ``/update_weights_from_disk``.
+
+A quantised checkpoint (the ``fp8-sync`` / ``int8-sync`` / ``int4-sync`` plugins quantise on the train side, so
+slime's colocated push carries the names and bytes ``slime-ascend quantize`` writes): the names are those of the
+served checkpoint's safetensors, each tensor's shape and dtype must be the one the served checkpoint holds
+(the bytes are kept as received, no cast), and the complete version is dequantised with the checkpoint's scheme
+and checked like the disk path's; its tensors as received become what ``/get_weights_by_name`` answers
+(:mod:`.weight_read`), as on the distributed path.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import base64
 import io
 import logging
 import pickle
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,6 +154,8 @@ def decode_named_tensors(serialized: Any, load_format: str | None) -> list[tuple
             if not (0 <= start <= end <= flat.numel()):
                 raise RequestError(f"{name}: bytes [{start}, {end}) are outside the bucket of {flat.numel()} bytes")
             piece = flat[start:end]
+            if piece.storage_offset() % dtype.itemsize:
+                piece = piece.clone()  # a tensor after an odd-sized one (int8, bool) starts unaligned for its dtype
             try:
                 tensor = piece.view(dtype).reshape(shape)
             except RuntimeError as exc:
@@ -162,7 +172,8 @@ def decode_named_tensors(serialized: Any, load_format: str | None) -> list[tuple
 
 class TensorUpdate:
     """Mixin of :class:`~slime_ascend.rollout.torch_engine.engine.TorchEngine`: SGLang's
-    ``update_weights_from_tensor`` (module docstring). Uses the engine's locks and drain state."""
+    ``update_weights_from_tensor`` (module docstring). Uses the engine's locks and drain state, and for a
+    quantised checkpoint its ``quantization``, ``model_path`` and ``_served_checkpoint``."""
 
     def update_weights_from_tensor(self, serialized_named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = False, weight_version: Any = None, **_: Any) -> dict[str, Any]:
@@ -171,6 +182,7 @@ class TensorUpdate:
         if check_released is not None:
             check_released("update_weights_from_tensor")
         named = decode_named_tensors(serialized_named_tensors, load_format)
+        quantization = getattr(self, "quantization", None)
         with self._update_lock:
             staged = self.__dict__.setdefault("_staged_tensors", {})
             key = version if version is not None else "<next>"
@@ -179,20 +191,31 @@ class TensorUpdate:
                     logger.warning("dropping %d staged tensors of weight version %s: version %s started",
                                    len(staged["tensors"]), staged["version"], key)
                 staged.clear()
-                staged.update(version=key, tensors={})
-            own = self.model.state_dict()
+                staged.update(version=key, tensors={}, buckets=0)
             bucket = {name: tensor for name, tensor in named}
-            self._check_bucket(bucket, own)
-            staged["tensors"].update({n: t.to(self.dtype) if t.is_floating_point() else t for n, t in bucket.items()})
-            state = self._complete_state(staged["tensors"], own)
+            if quantization is None:
+                own = self.model.state_dict()
+                self._check_bucket(bucket, own)
+                staged["tensors"].update({n: t.to(self.dtype) if t.is_floating_point() else t
+                                          for n, t in bucket.items()})
+                state, served = self._complete_state(staged["tensors"], own), None
+            else:
+                self._check_quantised_bucket(bucket)
+                staged["tensors"].update(bucket)  # the bytes as received
+                served = self._complete_quantised(staged["tensors"])
+                state = None if served is None else self._dequantised_state(served)
+            staged["buckets"] = staged.get("buckets", 0) + 1
             if state is None:
                 return {"success": True, "message": f"staged {len(bucket)} tensors of weight version {key} "
                         f"({len(staged['tensors'])} so far)", "num_paused_requests": 0}
+            buckets = staged["buckets"]
             staged.clear()
-            # the model's own tensors are what serve now (/get_weights_by_name, weight_read.py)
-            self._switch_to(state, version, source="update_weights_from_tensor", _served_checkpoint=None)
-        logger.info("loaded weight version %s from update_weights_from_tensor (%d tensors)", self.weight_version,
-                    len(state))
+            # unquantised: the model's own tensors are what serve now; quantised: the tensors as received
+            # (/get_weights_by_name, weight_read.py)
+            self._switch_to(state, version, source="update_weights_from_tensor", _served_checkpoint=served)
+        logger.info("loaded weight version %s from %d buckets of update_weights_from_tensor (%d tensors, %s)",
+                    self.weight_version, buckets, len(served if served is not None else state),
+                    quantization or "unquantised")
         return {"success": True, "message": f"weight version {self.weight_version} loaded from tensors",
                 "num_paused_requests": 0}
 
@@ -236,3 +259,66 @@ class TensorUpdate:
         except ValueError as exc:
             raise RequestError(str(exc)) from exc
         return state
+
+    # ------------------------------------------------------------------ a quantised checkpoint
+    def _checkpoint_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """name -> (dtype, shape) of every tensor of the served quantised checkpoint (its safetensors headers,
+        read once per served ``model_path``)."""
+        cached = self.__dict__.get("_checkpoint_layout_cache")
+        if cached is not None and cached[0] == self.model_path:
+            return cached[1]
+        from safetensors import safe_open
+
+        layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for path in sorted(Path(self.model_path).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    layout[name] = (_SAFETENSORS_DTYPES[piece.get_dtype()], tuple(piece.get_shape()))
+        self.__dict__["_checkpoint_layout_cache"] = (self.model_path, layout)
+        return layout
+
+    def _check_quantised_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
+        layout = self._checkpoint_layout()
+        for name, tensor in bucket.items():
+            if name not in layout:
+                raise RequestError(f"update_weights_from_tensor: {name!r} is not a tensor of the served "
+                                   f"{self.quantization} checkpoint")
+            dtype, shape = layout[name]
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise RequestError(f"update_weights_from_tensor: {name!r} is {str(tensor.dtype)[6:]} "
+                                   f"{tuple(tensor.shape)}, the served {self.quantization} checkpoint holds "
+                                   f"{str(dtype)[6:]} {shape} (the train side must quantise to the served format: "
+                                   "the matching sync plugin)")
+
+    def _complete_quantised(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The staged tensors once they cover every tensor of the served checkpoint (tied ones may be absent),
+        else None."""
+        tied: set[str] = set()
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        if any(k not in staged and k not in tied for k in self._checkpoint_layout()):
+            return None
+        return dict(staged)
+
+    def _dequantised_state(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``received`` dequantised with the served checkpoint's scheme and checked like a checkpoint on disk."""
+        from slime_ascend.quant.hf_config import spec_from_checkpoint
+        from slime_ascend.quant.params import dequantize_named_params
+
+        source = "update_weights_from_tensor"
+        try:
+            state = dequantize_named_params(received, spec_from_checkpoint(self.model_path), self.dtype)
+            reference_model.validate_state_dict(self.model, state, source=source)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RequestError(f"{source}: the {self.quantization} version is refused: {exc}; version "
+                               f"{self.weight_version} keeps serving") from None
+        return state
+
+
+# safetensors' dtype names (``get_slice(...).get_dtype()``) -> torch dtype
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
