@@ -10,7 +10,22 @@ from ..http_server import add_server_flags, make_server, positive_int, serve_unt
 from . import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOP_LOGPROBS,
                DEFAULT_MAX_WEIGHT_VALUES)
 
+from .prefix_cache import DEFAULT_MAX_ENTRIES as DEFAULT_PREFIX_CACHE_ENTRIES
+from .prefix_cache import DEFAULT_MAX_TOKENS as DEFAULT_PREFIX_CACHE_TOKENS
+
 __all__ = ["build_parser", "serve_torch"]
+
+
+def _non_negative_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def build_parser() -> ArgumentParser:
@@ -36,6 +51,13 @@ def build_parser() -> ArgumentParser:
     limits.add_argument("--max-weight-values", type=positive_int, default=DEFAULT_MAX_WEIGHT_VALUES,
                         help="most values in one /get_weights_by_name answer (default %(default)s)")
     add_server_flags(limits)
+    cache = parser.add_argument_group("prefix cache (KV of earlier requests, reused only under the weight version "
+                                      "that computed them)")
+    cache.add_argument("--prefix-cache-tokens", type=_non_negative_int, default=DEFAULT_PREFIX_CACHE_TOKENS,
+                       metavar="N", help="most KV positions kept across requests, LRU; 0 turns the cache off "
+                       "(default %(default)s)")
+    cache.add_argument("--prefix-cache-entries", type=positive_int, default=DEFAULT_PREFIX_CACHE_ENTRIES,
+                       metavar="N", help="most cached prefixes (default %(default)s)")
     sync = parser.add_argument_group("weight sync over a process group (/update_weights_from_distributed)")
     sync.add_argument("--weight-group-timeout", type=float, default=None, metavar="S",
                       help="seconds to join a weight-update group, and for one bucket's tensors to arrive "
@@ -57,7 +79,9 @@ def serve_torch(argv: list[str] | None = None) -> int:
     engine = TorchEngine(model_path=args.model, dtype=args.dtype, seed=args.seed,
                              max_batch_size=args.max_batch_size, max_prompt_tokens=args.max_prompt_tokens,
                              max_new_tokens=args.max_new_tokens, max_top_logprobs=args.max_top_logprobs,
-                             max_weight_values=args.max_weight_values)
+                             max_weight_values=args.max_weight_values,
+                             prefix_cache_tokens=args.prefix_cache_tokens,
+                             prefix_cache_entries=args.prefix_cache_entries)
     if args.weight_group_timeout is not None or args.keep_received_weights is not None:
         engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
     server = make_server(engine, host=args.host, port=args.port, **server_options(args))

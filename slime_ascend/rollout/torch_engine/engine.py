@@ -29,6 +29,9 @@ Semantics mirrored from SGLang (checked against the installed ``sglang`` sources
 * ``return_routed_experts: true`` (an MoE model only) adds ``meta_info["routed_experts"]``: SGLang's
   base64 of int32 ``[len(input_ids) + completion_tokens - 1, num_layers, top_k]``, each fed token's experts
   in each layer (zeros in dense layers; :class:`~slime_ascend.rollout.torch_engine.model.RouteRecorder`).
+* ``meta_info["cached_tokens"]``: the prompt tokens reused from the cross-request prefix cache
+  (:mod:`.prefix_cache`: off unless ``prefix_cache_tokens``; reused only under the weight version that computed
+  them, dropped at every switch; ``/server_info``'s ``prefix_cache`` counts what reuse saved and switches dropped).
 * slime's sglang router re-serialises each body with ``background``, ``model``, ``no_logs``,
   ``return_bytes``, ``return_entropy`` and ``log_metrics``; those are accepted at their neutral
   values only.
@@ -66,6 +69,8 @@ import torch
 
 from slime_ascend.rollout.torch_engine import model as reference_model
 from slime_ascend.rollout.torch_engine.memory import MemoryOccupation
+from slime_ascend.rollout.torch_engine.prefix_cache import (DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS, PrefixCache,
+                                                             unsupported)
 from slime_ascend.rollout.torch_engine.tensor_update import TensorUpdate
 from slime_ascend.rollout.torch_engine.weight_group import WeightGroup
 from slime_ascend.rollout.torch_engine.weight_read import DEFAULT_MAX_WEIGHT_VALUES, WeightRead, checkpoint_tensors
@@ -307,6 +312,9 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         max_new_tokens: highest ``sampling_params.max_new_tokens`` accepted (400 beyond).
         max_weight_values: most values one ``/get_weights_by_name`` answer may hold (413 beyond;
             :mod:`.weight_read`).
+        prefix_cache_tokens: most KV positions the cross-request prefix cache keeps (:mod:`.prefix_cache`:
+            reused only under the weight version that computed them); 0 (default) turns it off.
+        prefix_cache_entries: most prefixes it keeps.
     """
 
     engine_name = "the torch engine"  # in the HTTP surface's messages
@@ -323,6 +331,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
         max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
         max_weight_values: int = DEFAULT_MAX_WEIGHT_VALUES,
+        prefix_cache_tokens: int = DEFAULT_MAX_TOKENS,
+        prefix_cache_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
                             max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs,
@@ -342,6 +352,10 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             return_original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true")
         self.return_original_logprob = bool(return_original_logprob)
         self.weight_version = str(weight_version)
+        self._prefix_cache = PrefixCache(prefix_cache_tokens, prefix_cache_entries, version=self.weight_version)
+        if self._prefix_cache.enabled and unsupported(self.model):
+            raise ValueError(f"prefix cache: {unsupported(self.model)}; serve this model without "
+                             "--prefix-cache-tokens")
         self.vocab_size = int(self.model.config.vocab_size)
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
         self.eos_token_ids = self._eos_ids()
@@ -407,6 +421,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "max_top_logprobs": self.max_top_logprobs,
             "max_weight_values": self.max_weight_values,
             "enable_return_routed_experts": self._routes is not None,  # slime checks it under routing replay
+            "disable_radix_cache": not self._prefix_cache.enabled,  # SGLang's field
+            "prefix_cache": self._prefix_cache.stats(),  # prefix_cache.py: tokens saved, entries invalidated
         }
 
     def model_info(self) -> dict[str, Any]:
@@ -520,7 +536,17 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         return {"success": True, "num_aborted": len(hits)}
 
     def flush_cache(self) -> dict[str, Any]:
-        return {"success": True, "message": "the torch engine keeps no cross-request cache"}
+        dropped = self._prefix_cache.clear()
+        if self._prefix_cache.enabled:
+            logger.info("flush_cache: dropped %d cached prefixes", dropped)
+        return {"success": True, "message": f"flushed {dropped} cached prefixes"}
+
+    def release_memory_occupation(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """:mod:`.memory`'s release, then the cached prefixes dropped (SGLang flushes at a ``kv_cache`` release);
+        requests drained and refused from there on, so none is inserted after."""
+        answer = super().release_memory_occupation(*args, **kwargs)
+        self._prefix_cache.clear()
+        return answer
 
     def health(self) -> bool:
         return True
@@ -578,10 +604,17 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 raise
         try:
             with self._compute_lock:
-                reference_model.apply_state_dict(self.model, state, source=source)
-                for name, value in fields.items():
-                    setattr(self, name, value)
-                self.weight_version = next_weight_version(self.weight_version, version)
+                old = self.weight_version
+                try:
+                    reference_model.apply_state_dict(self.model, state, source=source)
+                    for name, value in fields.items():
+                        setattr(self, name, value)
+                    self.weight_version = next_weight_version(self.weight_version, version)
+                finally:  # even a swap that failed half-way: no KV of the weights before it is reused
+                    entries, tokens = self._prefix_cache.switch(self.weight_version)
+                if self._prefix_cache.enabled:
+                    logger.info("weight version %s -> %s: dropped %d cached prefixes (%d tokens)", old,
+                                self.weight_version, entries, tokens)
         finally:
             with self._state:
                 self._updating = False
@@ -780,13 +813,30 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                  ) -> tuple[Any, torch.Tensor]:
         """Feed ``ids`` after the KV cache ``past``; returns the new cache and float32 logits ``[len(ids), V]``.
         ``routes`` (an MoE model): gets the experts of the fed tokens appended."""
-        with self._compute_lock, torch.no_grad():
+        with self._compute_lock:
+            return self._forward_locked(past, ids, routes)
+
+    def _forward_locked(self, past: Any, ids: list[int], routes: list[torch.Tensor] | None) -> tuple[Any, torch.Tensor]:
+        with torch.no_grad():
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long), **{self._cache_kwarg: past}, use_cache=True
             )
             if routes is not None:
                 routes.append(self._routes.take(len(ids)))
         return out.get(self._cache_kwarg), out.logits[0].float()
+
+    def _prefill(self, req: _Request, limit: int, routes: list[torch.Tensor] | None) -> tuple[Any, torch.Tensor, int, int]:
+        """The prompt's forward after the longest cached prefix of it (at most ``limit`` tokens) that the serving
+        weights computed: lookup and forward under one hold of the compute lock (a weight switch takes it).
+        Returns (cache, logits of the fed positions, tokens reused, the prefix cache's generation)."""
+        with self._compute_lock:
+            generation = self._prefix_cache.generation
+            hit = self._prefix_cache.match(req.input_ids, limit, need_routes=routes is not None)
+            reused = hit.length if hit is not None else 0
+            if routes is not None and hit is not None:
+                routes.append(hit.routes)
+            past, logits = self._forward_locked(None if hit is None else hit.kv, req.input_ids[reused:], routes)
+        return past, logits, reused, generation
 
     def _entries(self, values: list[Any], ids: list[int], req: _Request) -> list[list[Any]]:
         """SGLang's log-prob entries ``[logprob, token_id, text]`` (text with ``return_text_in_logprobs``)."""
@@ -812,17 +862,22 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         finish: dict[str, Any] = {"type": "length", "length": max_new}
         trim_text_to: int | None = None
         stop_trim_token = False
-        routes: list[torch.Tensor] | None = [] if req.return_routed_experts else None
+        # an MoE model's routes are kept with its cached prefixes, whether this request asks for them or not
+        keep_routes = req.return_routed_experts or (self._prefix_cache.enabled and self._routes is not None)
+        routes: list[torch.Tensor] | None = [] if keep_routes else None
+        past, reused, generation = None, 0, None
 
         with self._admitted(req):
             input_logprobs = 0 <= req.logprob_start_len < len(req.input_ids)  # -1 unless return_logprob
             abort = self._check_step(req)
             if abort is None and (max_new > 0 or input_logprobs):
-                past, logits = self._forward(None, req.input_ids, routes)
+                # reuse leaves the last prompt token to feed, and every scored position (SGLang's radix match)
+                limit = min(len(req.input_ids) - 1, req.logprob_start_len if input_logprobs else len(req.input_ids))
+                past, logits, reused, generation = self._prefill(req, limit, routes)
                 if input_logprobs:
                     start = req.logprob_start_len
                     targets = torch.tensor(req.input_ids[start + 1 :], dtype=torch.long)
-                    rows = torch.log_softmax(logits[start:-1], dim=-1)
+                    rows = torch.log_softmax(logits[start - reused:-1], dim=-1)
                     lps = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
                     input_lps = self._entries([None] + lps.tolist(), req.input_ids[start:], req)
                     if req.top_logprobs_num:
@@ -858,6 +913,9 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             if abort is not None:
                 finish = {"type": "abort", "message": abort}
             weight_version = self.weight_version  # the weights that produced the last token
+            if past is not None and self._prefix_cache.enabled:  # the fed tokens: the prompt, the outputs but the last
+                fed = (req.input_ids + out_ids)[: len(req.input_ids) + max(len(out_ids) - 1, 0)]
+                self._prefix_cache.insert(fed, past, torch.cat(routes) if routes else None, generation)
 
         text_ids = out_ids[:-1] if stop_trim_token else out_ids
         text = self._decode(text_ids, cfg) if self.tokenizer is not None else ""
@@ -868,7 +926,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "finish_reason": finish,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(out_ids),
-            "cached_tokens": 0,
+            "cached_tokens": reused,
             "weight_version": weight_version,
             "e2e_latency": time.perf_counter() - started,
         }
@@ -878,7 +936,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             if req.top_logprobs_num:
                 meta["input_top_logprobs"] = input_top or []
                 meta["output_top_logprobs"] = out_top
-        if routes is not None:  # SGLang's layout: base64 of int32 [fed tokens, layers, top_k]
+        if req.return_routed_experts:  # SGLang's layout: base64 of int32 [fed tokens, layers, top_k]
             flat = torch.cat(routes) if routes else torch.zeros(0, dtype=torch.int32)
             meta["routed_experts"] = base64.b64encode(flat.contiguous().numpy().tobytes()).decode("ascii")
         if cfg.return_top_p_token_ids:

@@ -4,15 +4,20 @@ around training under ``--colocate``: ``offload_rollout``).
 Release waits for in-flight requests to finish, writes the weights to a spill file (``torch.save`` in a
 private temporary directory), frees every parameter's storage and hands the freed pages back to the
 operating system (glibc ``malloc_trim``), so the process's resident memory goes down by the size of the
-weights. The KV cache: the engine keeps none across requests (each request's cache lives while it
-runs), so once requests have drained there is none left to drop; ``kv_cache`` is accepted as a tag and
-only clears its flag. While the weights are released, ``/generate`` and ``/update_weights_*`` answer 503
-naming the fix, and ``/health_generate`` reports unhealthy (slime pauses its health monitor meanwhile).
+weights. The KV cache: each request's cache lives while it runs, and the one cache kept across requests, the
+prefix cache (``prefix_cache.py``, off unless ``--prefix-cache-tokens``), is emptied at every release
+(``engine.py``); ``kv_cache`` is accepted as a tag and only clears its flag; so does ``cuda_graph`` (the engine captures no graphs), which slime's ``onload_kv``
+sends with ``kv_cache`` (SGLang's ``GPU_MEMORY_TYPE_CUDA_GRAPH``). While the weights are released,
+``/generate`` and ``/update_weights_*`` answer 503 naming the fix, and ``/health_generate`` reports unhealthy
+(slime pauses its health monitor meanwhile).
 
-Resume (``tags`` ``None``, or a list of ``weights`` / ``kv_cache``, SGLang's names) reads the spill file
-back into fresh storage and deletes it (a quantised version's checkpoint tensors, which ``/get_weights_by_name``
+Resume (``tags`` ``None``, or a list of ``weights`` / ``kv_cache`` / ``cuda_graph``, SGLang's
+``GPU_MEMORY_ALL_TYPES``) reads the spill file back into fresh storage and deletes it (a quantised version's checkpoint tensors, which ``/get_weights_by_name``
 answers, are spilled and restored with them); the next generation is the one before the release, bit for bit.
 A weight push after resume (slime's ``update_weights``) then overwrites them as usual.
+
+Both log one line with the process's resident memory (``/proc/self/statm``) before and after, the evidence
+slime's own log carries for a slime-managed engine under ``--colocate``.
 """
 
 from __future__ import annotations
@@ -30,11 +35,34 @@ import torch
 
 from ..sglang_protocol import RequestError
 
-__all__ = ["MemoryOccupation", "TAGS", "trim_heap"]
+__all__ = ["TAGS", "MemoryOccupation", "resident_bytes", "trim_heap"]
 
 logger = logging.getLogger(__name__)
 
-TAGS = ("weights", "kv_cache")  # SGLang's GPU_MEMORY_TYPE_WEIGHTS / GPU_MEMORY_TYPE_KV_CACHE
+# SGLang's GPU_MEMORY_ALL_TYPES: GPU_MEMORY_TYPE_WEIGHTS / _KV_CACHE / _CUDA_GRAPH (slime's onload_kv sends the last two)
+TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def resident_bytes() -> int | None:
+    """The process's resident set size (``/proc/self/statm``), None where there is no procfs."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _page_size()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _page_size() -> int:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4096
+
+
+def _mb(nbytes: int | None) -> str:
+    return "?" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
 def trim_heap() -> bool:
@@ -63,6 +91,7 @@ class MemoryOccupation:
                                "resume_memory_occupation first", status=503)
 
     def release_memory_occupation(self) -> dict[str, Any]:
+        rss_before = resident_bytes()
         with self._update_lock:
             if "weights" in self._released:
                 return {"success": True, "message": "memory already released"}
@@ -96,15 +125,18 @@ class MemoryOccupation:
                 self._spill_dir = spill
             gc.collect()
             trim_heap()
-        logger.info("released memory occupation: %.1f MB of weights spilled to %s", nbytes / 2**20, spill)
-        return {"success": True, "message": f"released {nbytes} bytes of weights (no KV cache is held between "
-                "requests)"}
+        rss_after = resident_bytes()
+        logger.info("released memory occupation: %d bytes of weights spilled to %s (resident %s -> %s MB)", nbytes,
+                    spill, _mb(rss_before), _mb(rss_after))
+        return {"success": True, "message": f"released {nbytes} bytes of weights (the prefix cache, if any, "
+                "is emptied)", "resident_bytes_before": rss_before, "resident_bytes_after": rss_after}
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         wanted = set(TAGS if tags is None else tags)
         unknown = sorted(wanted - set(TAGS))
         if unknown:
             raise RequestError(f"resume_memory_occupation: unknown tags {unknown}; use {list(TAGS)} or leave tags out")
+        rss_before = resident_bytes()
         with self._update_lock:
             restored = "weights" in wanted and "weights" in self._released
             if restored:
@@ -121,5 +153,10 @@ class MemoryOccupation:
                 self._released = frozenset(self._released - wanted)
                 self._state.notify_all()
         if restored:
-            logger.info("resumed memory occupation: weights restored")
+            nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            served = getattr(self, "_served_checkpoint", None)
+            if served is not None:
+                nbytes += sum(t.numel() * t.element_size() for t in served.values())
+            logger.info("resumed memory occupation: %d bytes of weights restored (resident %s -> %s MB)", nbytes,
+                        _mb(rss_before), _mb(resident_bytes()))
         return {"success": True, "message": f"resumed {sorted(wanted)}"}
