@@ -101,6 +101,10 @@ TORCH_ENGINE = Plugin(
         Setting("ascend_rollout_torch_dtype", str, "float32",
                 "dtype the torch engine serves in (slime's --fp16 / --sglang-dtype win when they name one)",
                 choices=("float32", "bfloat16", "float16")),
+        Setting("ascend_rollout_torch_prefix_cache_tokens", int, 0,
+                "positions of earlier requests' KV each torch engine keeps for reuse (serve-torch "
+                "--prefix-cache-tokens; 0: off), reused only under the weight version that computed them",
+                check=lambda v: None if v >= 0 else "must be 0 (off) or a positive number of token positions"),
     ),
     # the engine actor's launch; CPU tensors of the colocated push as named shared memory the engine can open
     process_start=("slime_ascend.rollout.plugin.torch_engine_process_start",),

@@ -126,3 +126,7 @@ def test_engine_command_from_slime_server_args():
                            )[-1] == "bfloat16"
     with pytest.raises(BackendError, match="--rollout-num-gpus-per-engine"):
         BACKEND.command({"model_path": "/m", "host": "h", "port": 1, "nnodes": 2}, BACKEND.options())
+    assert "--prefix-cache-tokens" not in cmd  # off by default
+    cached = BACKEND.command({"model_path": "/m", "host": "h", "port": 1},
+                             BACKEND.options({"torch_prefix_cache_tokens": 4096}))
+    assert cached[-2:] == ["--prefix-cache-tokens", "4096"]

@@ -42,7 +42,8 @@ class TorchEngineBackend(RolloutBackend):
     def command(self, server_args: Mapping[str, Any], options: Mapping[str, Any]) -> list[str]:
         """``slime-ascend serve-torch`` for one engine from the ``ServerArgs`` fields slime computed
         (``_compute_server_args``): its model, host, port and seed; the dtype is slime's (``--fp16``:
-        ``float16``, ``--sglang-dtype``) when it names one, else the plugin's ``ascend_rollout_torch_dtype``."""
+        ``float16``, ``--sglang-dtype``) when it names one, else the plugin's ``ascend_rollout_torch_dtype``;
+        ``ascend_rollout_torch_prefix_cache_tokens`` above 0 turns the engine's prefix cache on."""
         nnodes = int(server_args.get("nnodes", 1) or 1)
         if nnodes != 1:
             raise BackendError(f"torch-engine: an engine spanning {nnodes} nodes (--rollout-num-gpus-per-engine above "
@@ -52,9 +53,12 @@ class TorchEngineBackend(RolloutBackend):
         if dtype not in DTYPES:
             dtype = options.get("torch_dtype") or "float32"
         host = str(server_args["host"]).strip("[]")
+        tokens = int(options.get("torch_prefix_cache_tokens") or 0)
+        prefix_cache = ["--prefix-cache-tokens", str(tokens)] if tokens > 0 else []
         return [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(server_args["model_path"]),
                 "--host", host, "--port", str(int(server_args["port"])),
-                "--seed", str(int(server_args.get("random_seed", 0) or 0)), "--dtype", dtype]
+                "--seed", str(int(server_args.get("random_seed", 0) or 0)), "--dtype", dtype,
+                *prefix_cache]
 
 
 BACKEND = TorchEngineBackend()
