@@ -2,7 +2,8 @@
 
 ``slime-ascend config PLUGIN... --flags --tp 2 --ep 2`` prints them after the plugins' flags: Megatron's sizes
 (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--context-parallel-size``,
-``--expert-model-parallel-size``, ``--sequence-parallel``, ``--allgather-cp``) and the train ranks slime starts
+``--expert-model-parallel-size``, with it ``--expert-tensor-parallel-size 1`` as slime's MoE scripts pass it,
+``--sequence-parallel``, ``--allgather-cp``) and the train ranks slime starts
 (``--actor-num-nodes 1 --actor-num-gpus-per-node TP x PP x CP x DP``). Megatron's own rules on the sizes are
 checked here, each refusal one line naming the flag; what a plugin refuses (the ``cpu`` plugin: context
 parallelism with another layout) is its start-up check's line, run by :func:`slime_ascend.config.build`.
@@ -74,6 +75,10 @@ class Layout:
         self.check()
         words = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
                  "--context-parallel-size", str(self.cp), "--expert-model-parallel-size", str(self.ep)]
+        if self.ep > 1:
+            # what every MoE script of slime passes; Megatron's default is the TP size, whose expert-TP token gather
+            # (uneven pieces) gloo cannot do (the cpu plugin refuses it)
+            words += ["--expert-tensor-parallel-size", "1"]
         if self.sp:
             words.append("--sequence-parallel")
         if self.allgather_cp:
@@ -84,6 +89,7 @@ class Layout:
         """What slime's parsed args hold for this layout (for the plugins' start-up checks)."""
         return {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
                 "context_parallel_size": self.cp, "expert_model_parallel_size": self.ep,
+                "expert_tensor_parallel_size": 1 if self.ep > 1 else None,
                 "sequence_parallel": self.sp, "allgather_cp": self.allgather_cp,
                 "actor_num_gpus_per_node": self.world}
 

@@ -93,6 +93,7 @@ def validate(args, settings) -> None:
             raise SettingsError(f"cpu: {shown} is not supported on the host ({why}). Fix: {fix}; tensor, "
                                 "pipeline, data and expert parallelism run")
     _check_context_parallel(args, SettingsError)
+    _check_expert_tensor_parallel(args, SettingsError)
     if getattr(args, "use_rollout_routing_replay", False):
         # the train side replays (train.routing_replay); the routes never reach it: slime's sglang router
         # (sglang-router 0.3.2) re-serialises each /generate body without return_routed_experts
@@ -127,6 +128,28 @@ def _check_context_parallel(args, error) -> None:
         raise error(f"cpu: --actor-num-gpus-per-node {world} with --context-parallel-size {cp} is not supported on "
                     "the host (data parallelism over CP groups has not been checked against one rank). Fix: "
                     f"--actor-num-gpus-per-node {cp} --actor-num-nodes 1, or --context-parallel-size 1")
+
+
+def _check_expert_tensor_parallel(args, error) -> None:
+    """MoE with expert TP above 1 (Megatron's default is the TP size): the all-to-all dispatcher gathers each expert-TP
+    group's tokens in uneven pieces (``all_gather`` of a list of sizes), which gloo refuses in the first step."""
+    if not getattr(args, "num_experts", None):
+        return
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if tp > 1 and not getattr(args, "sequence_parallel", False):
+        # Megatron's MoELayer raises this in the train actor, after Ray and the engines have started
+        raise error(f"cpu: an MoE model at --tensor-model-parallel-size {tp} needs --sequence-parallel (Megatron's "
+                    "MoELayer refuses MoE with tensor parallelism and without it in training). Fix: add "
+                    "--sequence-parallel")
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    etp = etp if etp is not None else (getattr(args, "tensor_model_parallel_size", 1) or 1)
+    if etp != 1:
+        given = "" if getattr(args, "expert_tensor_parallel_size", None) is not None else \
+            " (Megatron's default: the --tensor-model-parallel-size)"
+        raise error(f"cpu: --expert-tensor-parallel-size {etp}{given} is not supported on the host with an MoE model "
+                    "(Megatron's all-to-all dispatcher gathers the expert-tensor-parallel group's tokens in uneven "
+                    "pieces, which gloo's all_gather cannot do). Fix: --expert-tensor-parallel-size 1 (what slime's MoE "
+                    "scripts pass)")
 
 
 def _flag(flag: str, why: str, attr: str, value) -> CommandLineFlag:
