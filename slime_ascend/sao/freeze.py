@@ -98,12 +98,15 @@ def _optimizer_param_ids(optimizer: Any) -> set[int]:
         state = getattr(opt, "state", None)
         if isinstance(state, dict):
             ids.update(id(k) for k in state if isinstance(k, torch.Tensor))
-        for attr in ("chained_optimizers", "optimizer"):
-            inner = getattr(opt, attr, None)
-            if isinstance(inner, (list, tuple)):
-                stack.extend(inner)
-            elif inner is not None and inner is not opt:
-                stack.append(inner)
+        chained = getattr(opt, "chained_optimizers", None)
+        if isinstance(chained, (list, tuple)):
+            # Megatron's ChainedOptimizer (an MoE model's dense and expert optimizers): its ``optimizer``
+            # property asserts that it chains only one, so only the chained ones are read
+            stack.extend(chained)
+            continue
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and inner is not opt:
+            stack.append(inner)
     return ids
 
 
