@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .loop import DEFAULT_PLUGINS, DemoConfig, run_demo
+from .loop import MODELS, DemoConfig, default_plugins, run_demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,8 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "hooks, and an online-quantised weight sync after every update.",
     )
     p.add_argument("--steps", type=int, default=DemoConfig.steps, help="rollout/train steps (default %(default)s)")
-    p.add_argument("--plugins", default=",".join(DEFAULT_PLUGINS),
-                   help="comma-separated plugins (default %(default)s; sao is required: it provides the loss)")
+    p.add_argument("--model", choices=MODELS, default="qwen3",
+                   help="qwen3 (default): the tiny Qwen3, dense; glm5: the tiny GLM-5 (MoE, MLA, DSA with IndexShare) "
+                        "on slime's own glm5 spec, in slime's loop only (--slime-src)")
+    p.add_argument("--plugins", default=None,
+                   help=f"comma-separated plugins (default: {','.join(default_plugins('qwen3'))} for qwen3, "
+                        f"{','.join(default_plugins('glm5'))} for glm5; sao is required: it provides the loss)")
     p.add_argument("--seed", type=int, default=DemoConfig.seed, help="seed of everything (default %(default)s)")
     p.add_argument("--out", default=DemoConfig.out, help="output directory (default ./%(default)s)")
     p.add_argument("--batch", type=int, default=DemoConfig.batch, help="rollouts per step (default %(default)s)")
@@ -43,21 +47,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --steps {ns.steps} is not a positive number of rollouts. Fix: pass --steps 1 or more",
               file=sys.stderr)
         return 2
-    plugins = tuple(p.strip() for p in ns.plugins.split(",") if p.strip())
-    cfg = DemoConfig(steps=ns.steps, plugins=plugins, seed=ns.seed, out=ns.out, batch=ns.batch, lr=ns.lr,
-                     contract_check=not ns.no_check, progress=not ns.no_progress)
+    plugins = (default_plugins(ns.model) if ns.plugins is None
+               else tuple(p.strip() for p in ns.plugins.split(",") if p.strip()))
+    cfg = DemoConfig(steps=ns.steps, plugins=plugins, model=ns.model, seed=ns.seed, out=ns.out, batch=ns.batch,
+                     lr=ns.lr, contract_check=not ns.no_check, progress=not ns.no_progress)
     if ns.slime_src is not None and ns.loop == "mini":
         print("error: --slime-src runs slime's own loop but --loop mini asks for the miniature. Fix: drop --loop mini "
               "(or --slime-src)", file=sys.stderr)
+        return 2
+    if ns.model != "qwen3" and ns.loop == "mini":
+        print(f"error: --model {ns.model} runs in slime's own loop only (the miniature trains the tiny Qwen3). Fix: "
+              "drop --loop mini and pass --slime-src DIR", file=sys.stderr)
         return 2
     src = None
     if ns.loop != "mini":
         from .slime_loop import resolve_slime, run_slime_demo
 
         src, why = resolve_slime(ns.slime_src)
-        if src is None and (ns.loop == "slime" or ns.slime_src is not None):
+        if src is None and (ns.loop == "slime" or ns.slime_src is not None or ns.model != "qwen3"):
+            mini = ", or --loop mini" if ns.model == "qwen3" else f" (--model {ns.model} runs in slime's loop only)"
             print(f"error: {why}" if "Fix:" in why else f"error: {why.rstrip('.')}. Fix: pass --slime-src DIR (a clone "
-                  "of github.com/THUDM/slime), or --loop mini", file=sys.stderr)
+                  f"of github.com/THUDM/slime){mini}", file=sys.stderr)
             return 2
         if src is None:
             print(f"note: running the miniature loop ({why})", file=sys.stderr)
@@ -69,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if summary.get("interrupted"):
         return 130
     if src is not None:
-        return 0 if summary.get("returncode") == 0 and not summary["plugins_without_evidence"] else 1
+        return 0 if (summary.get("returncode") == 0 and not summary["plugins_without_evidence"]
+                     and summary["model_evidence"]["spec_in_log"]) else 1
     return 0 if summary.get("contracts_passed", True) else 1
 
 

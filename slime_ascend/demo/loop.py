@@ -28,9 +28,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PLUGINS", "DemoConfig", "build_args", "prepare_task", "run_demo", "task_settings", "write_yaml"]
+__all__ = ["DEFAULT_PLUGINS", "MODELS", "DemoConfig", "build_args", "default_plugins", "prepare_task", "run_demo",
+           "task_settings", "write_yaml"]
 
 DEFAULT_PLUGINS = ("sao", "compaction", "opd", "staleness", "int8-sync")
+# the demo's models (``--model``): the tiny Qwen3 (dense; both loops) and the tiny GLM-5 (slime's own glm5 spec:
+# MoE, MLA, DSA with IndexShare; slime's loop only), each with the plugins the demo runs on it by default
+MODELS = ("qwen3", "glm5")
+MODEL_PLUGINS: dict[str, tuple[str, ...]] = {"qwen3": DEFAULT_PLUGINS, "glm5": (*DEFAULT_PLUGINS, "dsa-determinism")}
+
+
+def default_plugins(model: str) -> tuple[str, ...]:
+    """The plugins the demo runs on ``model`` when ``--plugins`` is not given."""
+    if model not in MODEL_PLUGINS:
+        raise ValueError(f"--model {model!r} is not one of {', '.join(MODELS)}")
+    return MODEL_PLUGINS[model]
 SYNC_PLUGINS = {"int8-sync": "int8", "fp8-sync": "fp8"}
 
 
@@ -38,6 +50,7 @@ SYNC_PLUGINS = {"int8-sync": "int8", "fp8-sync": "fp8"}
 class DemoConfig:
     steps: int = 30
     plugins: tuple[str, ...] = DEFAULT_PLUGINS
+    model: str = "qwen3"  # one of MODELS
     seed: int = 0
     out: str = "slime_ascend_demo"
     batch: int = 32  # rollouts per step (one sample per prompt, as SAO wants)
@@ -102,8 +115,13 @@ def task_settings(plugin: str, cfg: DemoConfig, paths: dict[str, str], teacher_u
     return {}
 
 
-def write_yaml(plugins: tuple[str, ...], edits: dict[str, Any], path: str | Path) -> Any:
-    """``slime-ascend config <plugins>``'s YAML with the demo's ``edits`` at ``path``; returns the generated config."""
+def write_yaml(plugins: tuple[str, ...], edits: dict[str, Any], path: str | Path,
+               slime_args: dict[str, Any] | None = None) -> Any:
+    """``slime-ascend config <plugins>``'s YAML with the demo's ``edits`` at ``path``; returns the generated config.
+
+    ``slime_args``: plain slime arguments added at the end, as a user appends them to the file (slime's
+    ``--custom-config-path`` sets them after the command line and after slime's own rules, e.g. its
+    ``bf16 = not fp16``); unlike ``edits`` they need not be keys of the generated YAML."""
     import yaml
 
     from slime_ascend import config as ascend_config
@@ -114,6 +132,7 @@ def write_yaml(plugins: tuple[str, ...], edits: dict[str, Any], path: str | Path
     if unknown:
         raise RuntimeError(f"the demo sets keys the generated YAML does not have: {unknown}")
     values.update(edits)
+    values.update(slime_args or {})
     Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
     return generated
 
@@ -165,10 +184,17 @@ def _episodes(cfg: DemoConfig, step: int) -> list[dict[str, Any]]:
 def prepare_task(cfg: DemoConfig, out: Path) -> tuple[dict[str, str], dict[str, dict[str, float]], float]:
     """What both loops start from: the paths of the checkpoints (``policy``, ``copy``, ``next``), of the
     compaction prompt files and of ``teacher_stage``; the checkpoints' p(right answer); the seconds they took."""
-    from slime_ascend.demo.task import RESUME_TEMPLATE, SUMMARY_PROMPT, checkpoint_answer_probs, prepare_checkpoints
+    from slime_ascend.demo.task import (
+        GLM5_SFT,
+        RESUME_TEMPLATE,
+        SUMMARY_PROMPT,
+        checkpoint_answer_probs,
+        prepare_checkpoints,
+    )
 
     t0 = time.perf_counter()
-    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed)
+    glm5 = cfg.model == "glm5"
+    ckpt = prepare_checkpoints(out / "checkpoints", cfg.seed, glm5=glm5, **(GLM5_SFT if glm5 else {}))
     start = checkpoint_answer_probs(ckpt)
     seconds = time.perf_counter() - t0
     (out / "prompts").mkdir(parents=True, exist_ok=True)
@@ -192,6 +218,9 @@ def _step_line(step: int, steps: int, m: dict[str, Any]) -> str:
 
 def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the closed loop; returns the summary (also written to ``<out>/summary.json``)."""
+    if cfg.model != "qwen3":
+        raise ValueError(f"the miniature loop trains the tiny Qwen3 only; --model {cfg.model} runs in slime's own "
+                         "loop (--slime-src)")
     t_start = time.perf_counter()
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,11 @@ train step (``rollout N: {...}``, ``step N: {...}``, ``perf N: {...}``), its log
 it writes. ``metrics.jsonl`` has one line per rollout with the miniature loop's keys where slime has
 the same quantity (``reward``, ``mismatch``, ``masked_frac``, ...) and slime's own dicts beside them;
 ``summary.json`` has ``"loop": "slime"`` and, per plugin, the evidence found in slime's output.
+
+``--model glm5`` (:data:`MODEL_JOBS`): the same task on the tiny GLM-5 (:mod:`slime_ascend.glm5.tiny`: MoE,
+MLA, DSA with IndexShare) built by slime's own spec, ``slime_plugins.models.glm5.glm5 get_glm5_spec`` (the
+``cpu`` plugin's glm5 patches give it its host parts), with ``dsa-determinism`` added and fp32 training;
+``summary.json``'s ``model_evidence`` is the spec Megatron's argument dump shows and the glm5 patches applied.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..glm5.tiny import TINY_GLM5_ARGS
 from ..plugins.base import option_groups
 from .loop import DemoConfig, prepare_task, task_settings, write_yaml
 from .plots import plot_curves
@@ -43,7 +49,8 @@ from .slime_job import (
     stop,
 )
 
-__all__ = ["SLIME_DEPENDENCIES", "missing_dependencies", "resolve_slime", "run_slime_demo"]
+__all__ = ["MODEL_JOBS", "SLIME_DEPENDENCIES", "ModelJob", "missing_dependencies", "model_evidence", "resolve_slime",
+           "run_slime_demo"]
 
 # what slime's train_async.py imports on the path the demo runs, beyond slime itself
 SLIME_DEPENDENCIES = ("ray", "megatron.training", "sglang", "sglang_router", "transformers")
@@ -66,6 +73,58 @@ def resolve_slime(explicit: str | None) -> tuple[Path | None, str]:
         return None, (f"slime at {src} needs {', '.join(missing)} (not importable here); install slime's "
                       "dependencies as the README's 'slime on CPU' section says")
     return src, ""
+
+
+def _without_spec(flags: tuple[str, ...] | list[str]) -> tuple[list[str], tuple[str, ...]]:
+    """(the architecture flags less ``--spec MODULE FUNCTION``, that spec)."""
+    flags = list(flags)
+    if "--spec" not in flags:
+        return flags, ()
+    at = flags.index("--spec")
+    return flags[:at] + flags[at + 3:], tuple(flags[at + 1:at + 3])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelJob:
+    """What ``--model`` changes in the slime job: the architecture flags, the spec (empty: the ``cpu`` plugin's),
+    plain slime arguments set in the YAML (applied after slime's own rules), the demo's base flags it drops, and
+    the default plugins the model cannot run here, each with why."""
+
+    arch: tuple[str, ...]
+    spec: tuple[str, ...] = ()
+    slime_args: tuple[tuple[str, Any], ...] = ()
+    drop_flags: tuple[str, ...] = ()
+    left_out: tuple[tuple[str, str], ...] = ()
+
+
+_GLM5_ARCH, _GLM5_SPEC = _without_spec(TINY_GLM5_ARGS)
+MODEL_JOBS: dict[str, ModelJob] = {
+    "qwen3": ModelJob(arch=tuple(TINY_QWEN3_ARGS.split())),
+    # fp32 (bf16: false after slime's bf16 = not fp16), as slime's glm5 spec trains on this host in
+    # tests/e2e/test_slime_glm5_cpu.py; the spec replaces the cpu plugin's local one
+    "glm5": ModelJob(arch=tuple(_GLM5_ARCH), spec=_GLM5_SPEC, slime_args=(("bf16", False),), drop_flags=("--bf16",)),
+}
+# the spec each model's job trains (Megatron's argument dump in slime's log shows it)
+MODEL_SPECS = {"qwen3": ("slime_ascend.cpu.spec", "get_layer_spec"), "glm5": _GLM5_SPEC}
+_SPEC_LINE = re.compile(r"\bspec \.+ (\[[^\]\n]*\])[ \t]*$", re.MULTILINE)
+
+
+def model_evidence(model: str, log: str) -> dict[str, Any]:
+    """The model slime trained, from its log: the specs in Megatron's argument dumps (one per train actor:
+    the policy and SAO's critic) and, for GLM-5, the cpu plugin's glm5 patches applied."""
+    import ast
+
+    specs: list[list[str]] = []
+    for match in _SPEC_LINE.finditer(log):
+        try:
+            spec = [str(x) for x in ast.literal_eval(match.group(1))]
+        except (ValueError, SyntaxError):
+            continue
+        if spec not in specs:
+            specs.append(spec)
+    expected = list(MODEL_SPECS[model])
+    return {"name": model, "spec": expected, "logged_specs": specs, "spec_in_log": specs == [expected],
+            "glm5_patches": sorted(set(re.findall(r"applied runtime patch (train\.glm5_\w+)", log)))}
 
 
 @dataclasses.dataclass
@@ -191,6 +250,8 @@ EVIDENCE_METRICS: dict[str, tuple[str, ...]] = {
 EVIDENCE_LOG: dict[str, tuple[str, ...]] = {
     "cpu": (r"applied runtime patch (?:driver\.ray_cpu_resources|train\.cpu_\w+)", r"backend=gloo"),
     "sao": (r"applied runtime patch train\.critic_\w+",),
+    # the train side's indexer selects with the deterministic top-k (installed as slime's indexer is imported)
+    "dsa-determinism": (r"applied runtime patch train\.dsa_deterministic_topk",),
 }
 EVIDENCE_ENGINE_LOG: dict[str, tuple[str, ...]] = {
     "int8-sync": (r"loaded weight version \d+ from \S+ \(int8[^)]*\)",),
@@ -243,16 +304,22 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     t_start = time.perf_counter()
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    plugins = ("cpu", *[p for p in cfg.plugins if p != "cpu"])
-    log(f"slime-ascend demo in slime's own loop ({src / 'train_async.py'}): plugins {', '.join(plugins)}; "
+    model = MODEL_JOBS[cfg.model]
+    left_out = {p: why for p, why in model.left_out if p in cfg.plugins}
+    plugins = ("cpu", *[p for p in cfg.plugins if p != "cpu" and p not in left_out])
+    log(f"slime-ascend demo in slime's own loop ({src / 'train_async.py'}): model {cfg.model}"
+        + (f" (spec {' '.join(model.spec)})" if model.spec else "") + f"; plugins {', '.join(plugins)}; "
         f"seed {cfg.seed}; {cfg.steps} rollouts; output {out}")
+    for plugin, why in left_out.items():
+        log(f"note: {plugin} left out for --model {cfg.model}: {why}")
     paths, start, seconds = prepare_task(cfg, out)
     log(f"prepared the initial policy and two teachers in {seconds:.1f}s")
     (out / "weights").mkdir(exist_ok=True)
     paths["prompts"] = str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps)))
     job = _Job(out, paths)
-    summary: dict[str, Any] = {"loop": "slime", "slime_src": str(src), "plugins": list(plugins), "seed": cfg.seed,
-                               "steps_requested": cfg.steps, "interrupted": False, "start_answer_probs": start}
+    summary: dict[str, Any] = {"loop": "slime", "slime_src": str(src), "model": cfg.model, "plugins": list(plugins),
+                               "left_out": left_out, "seed": cfg.seed, "steps_requested": cfg.steps,
+                               "interrupted": False, "start_answer_probs": start}
     run_log = out / "train_async.log"
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
@@ -269,13 +336,9 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
         engine = start_engine(Path(job.paths.get("engine_checkpoint", paths["policy"])), out / "engine.log")
         log(f"torch engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
         job.engines.append(engine)
-        generated = write_yaml(plugins, job.yaml, out / "ascend.yaml")
+        generated = write_yaml(plugins, job.yaml, out / "ascend.yaml", dict(model.slime_args))
         own = {**_base_flags(cfg, job, engine), **job.flags}  # the demo's values, then the plugins' other flags
-        words = [word for flag_value in own.items() for word in flag_value if word is not None]  # None: a switch
-        words += [word for option, *values in option_groups(generated.flags) if option not in own
-                  for word in (option, *values)]
-        cmd = [sys.executable, str(src / "train_async.py"), *TINY_QWEN3_ARGS.split(), *words,
-               "--custom-config-path", str(out / "ascend.yaml")]
+        cmd = slime_command(src, cfg.model, own, generated.flags, out / "ascend.yaml")
         (out / "command.txt").write_text(shlex.join(cmd) + "\n")
         log(f"running slime's train_async.py (log: {run_log}); one line per rollout as slime logs it")
         rc = _run_streaming(cmd, job_env(plugins, src=src), out, run_log, metrics_path, cfg.steps, log)
@@ -299,9 +362,10 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     engine_log = (out / "engine.log").read_text(errors="replace") if (out / "engine.log").exists() else ""
     summary["evidence"] = plugin_evidence(plugins, steps, text, engine_log)
     summary["plugins_without_evidence"] = [p for p, e in summary["evidence"].items() if not e["found"]]
+    summary["model_evidence"] = model_evidence(cfg.model, text)
     if history and rewards:
         summary["plot"] = plot_curves([h for h in history if h["reward"] is not None], str(out / "curves.png"),
-                                      title=f"slime's train_async.py on this CPU: {', '.join(plugins)}")
+                                      title=f"slime's train_async.py on this CPU, {cfg.model}: {', '.join(plugins)}")
     summary["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if rc not in (0, None):
@@ -310,9 +374,28 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     else:
         log(f"\n{summary['steps_done']} train steps in slime's loop; evidence from slime's output for "
             + ", ".join(f"{p} ({'yes' if e['found'] else 'none'})" for p, e in summary["evidence"].items())
+            + f"; model {cfg.model}, spec {' '.join(MODEL_SPECS[cfg.model])} "
+            + ("in" if summary["model_evidence"]["spec_in_log"] else "NOT in") + " slime's log"
+            + "".join(f"\n{p} left out: {why}" for p, why in left_out.items())
             + f"\nwrote {metrics_path}, {out / 'summary.json'}" + (f", {summary['plot']}" if "plot" in summary else "")
             + f" in {summary['elapsed_s']}s")
     return summary
+
+
+def slime_command(src: Path, model: str, own: dict[str, str | None], plugin_flags: list[str], config_path: Path
+                  ) -> list[str]:
+    """slime's ``train_async.py`` command line: ``model``'s architecture flags (:data:`MODEL_JOBS`), the demo's
+    flags ``own`` (flag -> value, None: a switch) less those the model drops, the model's spec, then the flags
+    ``slime-ascend config`` printed (``plugin_flags``) that ``own`` and the spec do not set, then the YAML."""
+    job = MODEL_JOBS[model]
+    flags: dict[str, str | tuple[str, ...] | None] = {k: v for k, v in own.items() if k not in job.drop_flags}
+    if job.spec:
+        flags["--spec"] = job.spec  # in place of the cpu plugin's local spec
+    words = [word for flag, value in flags.items()  # None: a switch; a tuple: several words
+             for word in (flag, *(() if value is None else value if isinstance(value, tuple) else (value,)))]
+    words += [word for option, *values in option_groups(plugin_flags) if option not in flags
+              for word in (option, *values)]
+    return [sys.executable, str(src / "train_async.py"), *job.arch, *words, "--custom-config-path", str(config_path)]
 
 
 def _terminate_as_interrupt(signum: int, frame: Any) -> None:

@@ -142,3 +142,70 @@ def test_job_env_adds_an_extra_pythonpath_to_the_jobs(tmp_path, monkeypatch):
     monkeypatch.delenv("PYTHONPATH")
     assert slime_job.job_env(("cpu",), src=tmp_path)["PYTHONPATH"].split(":") == [
         str(tmp_path), str(slime_job.PACKAGE_ROOT)]
+
+
+# Megatron's argument dump as slime's driver prints it (two dumps: the critic role prints its own), and the cpu
+# plugin's glm5 patches as the train actors log them
+GLM5_LOG = """\
+  seq_length ...................................... 512
+  spec ............................................ ['slime_plugins.models.glm5.glm5', 'get_glm5_spec']
+  spec ............................................ ['slime_plugins.models.glm5.glm5', 'get_glm5_spec']
+(MegatronTrainRayActor pid=2) [..] base.py:197 - applied runtime patch train.glm5_host_spec
+(MegatronTrainRayActor pid=2) [..] base.py:197 - applied runtime patch train.glm5_kernels
+(MegatronTrainRayActor pid=3) [..] base.py:197 - applied runtime patch train.glm5_host_spec
+(MegatronTrainRayActor pid=2) [..] base.py:197 - applied runtime patch train.dsa_deterministic_topk
+"""
+
+
+def test_model_evidence_reads_the_spec_megatron_printed():
+    ev = slime_loop.model_evidence("glm5", GLM5_LOG)
+    assert ev == {"name": "glm5", "spec": ["slime_plugins.models.glm5.glm5", "get_glm5_spec"],
+                  "logged_specs": [["slime_plugins.models.glm5.glm5", "get_glm5_spec"]], "spec_in_log": True,
+                  "glm5_patches": ["train.glm5_host_spec", "train.glm5_kernels"]}
+    # the same log is not evidence of the qwen3 job's spec; a job that trained two specs is evidence of neither
+    assert not slime_loop.model_evidence("qwen3", GLM5_LOG)["spec_in_log"]
+    mixed = GLM5_LOG + "  spec ........ ['slime_ascend.cpu.spec', 'get_layer_spec']\n"
+    assert not slime_loop.model_evidence("glm5", mixed)["spec_in_log"]
+    assert slime_loop.model_evidence("glm5", "no dump here")["logged_specs"] == []
+    ev = slime_loop.plugin_evidence(("dsa-determinism",), {}, GLM5_LOG)
+    assert ev["dsa-determinism"]["log"] == ["applied runtime patch train.dsa_deterministic_topk"]
+
+
+def _command(model: str, plugins: tuple[str, ...], tmp_path: Path) -> list[str]:
+    from slime_ascend import config
+
+    own = {"--hf-checkpoint": "/m", "--bf16": None, "--megatron-config-path": "/sao.yaml", "--lr": "1e-3"}
+    return slime_loop.slime_command(tmp_path, model, own, config.build(list(plugins)).flags_line().split(),
+                                    tmp_path / "ascend.yaml")
+
+
+def test_glm5_command_trains_slimes_glm5_spec_in_fp32(tmp_path):
+    from slime_ascend.glm5.tiny import TINY_GLM5_ARGS
+
+    cmd = _command("glm5", ("cpu", "sao", "dsa-determinism"), tmp_path)
+    assert cmd[1] == str(tmp_path / "train_async.py") and cmd[-2:] == ["--custom-config-path", str(tmp_path / "ascend.yaml")]
+    at = cmd.index("--spec")
+    assert cmd.count("--spec") == 1 and cmd[at + 1:at + 3] == ["slime_plugins.models.glm5.glm5", "get_glm5_spec"]
+    assert "slime_ascend.cpu.spec" not in cmd and "--bf16" not in cmd
+    # every architecture flag of the tiny GLM-5, the demo's own values (not the generated ones), the cpu plugin's
+    arch = [w for w in TINY_GLM5_ARGS if w not in ("--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec")]
+    assert cmd[2:2 + len(arch)] == arch and "--multi-latent-attention" in arch
+    assert cmd[cmd.index("--megatron-config-path") + 1] == "/sao.yaml" and cmd.count("--megatron-config-path") == 1
+    assert "--transformer-impl" in cmd and "--use-cpu-initialization" in cmd
+    qwen = _command("qwen3", ("cpu", "sao"), tmp_path)
+    assert qwen[qwen.index("--spec") + 1:qwen.index("--spec") + 3] == ["slime_ascend.cpu.spec", "get_layer_spec"]
+    assert "--bf16" in qwen and "--multi-latent-attention" not in qwen
+    assert qwen[2:2 + len(slime_job.TINY_QWEN3_ARGS.split())] == slime_job.TINY_QWEN3_ARGS.split()
+
+
+def test_write_yaml_appends_plain_slime_args(tmp_path):
+    import yaml
+
+    from slime_ascend.demo.loop import write_yaml
+
+    write_yaml(("cpu", "staleness"), {"ascend_staleness_tau": 1}, tmp_path / "a.yaml",
+               dict(slime_loop.MODEL_JOBS["glm5"].slime_args))
+    values = yaml.safe_load((tmp_path / "a.yaml").read_text())
+    assert values["bf16"] is False and values["ascend_staleness_tau"] == 1
+    with pytest.raises(RuntimeError, match="keys the generated YAML does not have"):
+        write_yaml(("cpu",), {"bf16": False}, tmp_path / "b.yaml")  # edits stay the generated keys
