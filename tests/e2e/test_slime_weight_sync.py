@@ -24,6 +24,10 @@ training) to ``slime-ascend quantize`` of slime's own Megatron checkpoint of the
 slime's own ``tools/convert_torch_dist_to_hf.py``; training changed them (the comparison is not vacuous).
 
 One slime run per format (the sync plugins conflict: one job syncs one format).
+
+The fp8-sync job also runs ``cosched`` (its evidence is separable: the dispatch counts in slime's rollout metrics,
+which weight sync does not touch): with two slime-managed engines read from slime's router (``/workers``), each
+rollout's requests are all dispatched by the plugin, spread over both engines, and none moves (no sessions).
 """
 
 from __future__ import annotations
@@ -232,7 +236,7 @@ def _managed_distributed_flags(flags: list[str], qdir: Path, prompts: Path) -> l
 
 def test_fp8_sync_over_slime_distributed_transport_with_managed_engines(model_dir, tmp_path):
     plugin, fmt = "fp8-sync", "fp8-block"
-    plugins = ("cpu", "torch-engine", plugin)
+    plugins = ("cpu", "torch-engine", plugin, "cosched")
     qdir = quantize(model_dir, tmp_path / f"tiny-qwen3-{fmt}", fmt)
     config = tmp_path / "ascend.yaml"
     _cli("config", *plugins, "-o", str(config))
@@ -253,6 +257,17 @@ def test_fp8_sync_over_slime_distributed_transport_with_managed_engines(model_di
     for patch_id in ("train.quantize_params", "train.weight_sync_metrics", "train.gloo_float8_broadcast",
                      "engine.torch_engine_launch"):
         assert f"applied runtime patch {patch_id}" in log, patch_id
+
+    # cosched: every rollout request went out through the plugin's dispatcher, to both of slime's engines
+    assert "applied runtime patch rollout.cosched_generate" in log
+    cosched = [m for m in run.metrics() if "rollout/cosched_requests" in m]
+    assert len(cosched) == NUM_ROLLOUT, cosched
+    requests = 4 * 2  # slime_flags' defaults: batch 4 prompts x 2 samples
+    for m in cosched:
+        dispatched = [m[f"rollout/cosched_engine{i}_dispatched"] for i in range(NUM_ENGINES)]
+        assert m["rollout/cosched_requests"] == sum(dispatched) == requests and min(dispatched) > 0, m
+        assert m["rollout/cosched_moves"] == 0, m
+        assert all(0 < m[f"rollout/cosched_engine{i}_busy_fraction"] <= 1 for i in range(NUM_ENGINES)), m
     # slime started the engines (its SGLangEngine actors), and nothing went through disk
     assert log.count("torch-engine: slime-managed engine starting on ") == NUM_ENGINES
     assert not any((tmp_path / "weights").iterdir())
