@@ -39,6 +39,8 @@ MISTAKES = [
     (("verify-quant", "{tmp}/nowhere", "{tmp}/nowhere"), "not a directory"),
     (("tito-fingerprint", "{tmp}/nowhere"), "not a directory"),
     (("demo", "--steps", "0"), "--steps"),
+    (("demo", "--model", "llama"), "--model"),
+    (("serve-torch", "--prefix-cache-tokens", "-1", "--port", "0"), "--prefix-cache-tokens"),
     (("demo", "--loop", "slime", "--slime-src", "{tmp}/nowhere"), "--slime-src"),
     (("demo", "--slime-src", "{tmp}", "--loop", "mini"), "drop --loop mini"),
     (("check", "--device", "nope"), "not a torch device"),
