@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 
 from slime_ascend.demo.slime_job import make_model, make_prompts, run_slime, slime_flags
-from test_slime_weight_sync import _cli, assert_same_tensors, quantize, tensors, torch_dist_to_hf
+from test_slime_weight_sync import _cli, assert_same_tensors, quantize, slime_managed, tensors, torch_dist_to_hf
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -64,15 +64,7 @@ def colocate_flags(flags: list[str], qdir: Path, prompts: Path) -> list[str]:
     ``--rollout-external*``, no ``--update-weight-transport`` (slime's default; with ``--colocate`` slime pushes
     over ``update_weights_from_tensor``), ``--colocate``, the quantised checkpoint as ``--hf-checkpoint``, the
     weight probe as slime's eval after each push and the sample probe as its rollout log hook."""
-    flags = list(flags)
-    at = flags.index("--rollout-external")
-    assert flags[at + 1] == "--rollout-external-engine-addrs" and flags[at + 2].startswith("--"), flags[at:at + 3]
-    del flags[at:at + 2]
-    at = flags.index("--update-weight-transport")
-    assert flags[at + 1:at + 3] == ["disk", "--update-weight-disk-dir"], flags[at:at + 4]
-    del flags[at:at + 4]
-    flags[flags.index("--hf-checkpoint") + 1] = str(qdir)
-    return flags + ["--colocate", "--update-weight-buffer-size", str(BUFFER_BYTES),
+    return slime_managed(flags, qdir) + ["--colocate", "--update-weight-buffer-size", str(BUFFER_BYTES),
                     "--eval-interval", "1", "--eval-prompt-data", "probe", str(prompts),
                     "--eval-function-path", "weight_probe.read_engines",
                     "--custom-rollout-log-function-path", "colocate_probe.log_samples"]

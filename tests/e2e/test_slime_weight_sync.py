@@ -217,10 +217,10 @@ def test_int8_sync_over_disk_matches_offline_quantize(model_dir, tmp_path):
 NUM_ENGINES = 2
 
 
-def _managed_distributed_flags(flags: list[str], qdir: Path, prompts: Path) -> list[str]:
-    """:func:`slime_flags` (an external engine, the disk transport) turned into slime's default deployment: no
-    ``--rollout-external*``, no ``--update-weight-transport`` (slime's default, ``nccl``), ``NUM_ENGINES`` engines of
-    one device each, the quantised checkpoint as ``--hf-checkpoint``, and the probe as slime's eval after each push."""
+def slime_managed(flags: list[str], qdir: Path) -> list[str]:
+    """:func:`slime_flags` (an external engine, the disk transport) without ``--rollout-external*`` (slime starts
+    the engines) and without ``--update-weight-transport`` (slime's default), serving the quantised checkpoint
+    ``qdir`` (``--hf-checkpoint``)."""
     flags = list(flags)
     at = flags.index("--rollout-external")
     assert flags[at + 1] == "--rollout-external-engine-addrs" and flags[at + 2].startswith("--"), flags[at:at + 3]
@@ -229,6 +229,13 @@ def _managed_distributed_flags(flags: list[str], qdir: Path, prompts: Path) -> l
     assert flags[at + 1:at + 3] == ["disk", "--update-weight-disk-dir"], flags[at:at + 4]
     del flags[at:at + 4]
     flags[flags.index("--hf-checkpoint") + 1] = str(qdir)
+    return flags
+
+
+def _managed_distributed_flags(flags: list[str], qdir: Path, prompts: Path) -> list[str]:
+    """:func:`slime_managed` flags on slime's default transport (``nccl``: ``update_weights_from_distributed``),
+    ``NUM_ENGINES`` engines of one device each, and the probe as slime's eval after each push."""
+    flags = slime_managed(flags, qdir)
     flags[flags.index("--rollout-num-gpus") + 1] = str(NUM_ENGINES)
     return flags + ["--eval-interval", "1", "--eval-prompt-data", "probe", str(prompts),
                     "--eval-function-path", "weight_probe.read_engines"]
