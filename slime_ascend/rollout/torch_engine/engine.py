@@ -73,7 +73,7 @@ from slime_ascend.rollout.torch_engine.prefix_cache import (DEFAULT_MAX_ENTRIES,
                                                              unsupported)
 from slime_ascend.rollout.torch_engine.tensor_update import TensorUpdate
 from slime_ascend.rollout.torch_engine.weight_group import WeightGroup
-from slime_ascend.rollout.torch_engine.weight_read import DEFAULT_MAX_WEIGHT_VALUES, WeightRead, checkpoint_tensors
+from slime_ascend.rollout.torch_engine.weight_read import DEFAULT_MAX_WEIGHT_VALUES, WeightRead
 from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
                                                   check_positive_ints, check_weight_version, next_weight_version)
@@ -368,8 +368,9 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         numel = sum(t.numel() for t in self.model.state_dict().values())
         self._max_checkpoint_bytes = 8 * numel + (64 << 20)
         # a quantised checkpoint's own tensors, as /get_weights_by_name answers them (weight_read.py)
-        self._served_checkpoint = (checkpoint_tensors(self.model_path, self._max_checkpoint_bytes)
-                                   if self.quantization is not None else None)
+        self._served_checkpoint = (
+            reference_model.checkpoint_tensors(self.model_path, self._max_checkpoint_bytes)
+            if self.quantization is not None else None)
 
         self._compute_lock = threading.Lock()  # one forward step at a time; weight swaps take it too
         self._update_lock = threading.Lock()  # one weight update at a time
@@ -580,8 +581,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 quantization = checkpoint_quantization(model_path)
                 state = reference_model.load_state_dict_from_dir(model_path, self.dtype, self._max_checkpoint_bytes)
                 reference_model.validate_state_dict(self.model, state, source=model_path)
-                served = (checkpoint_tensors(model_path, self._max_checkpoint_bytes) if quantization is not None
-                          else None)
+                served = (reference_model.checkpoint_tensors(model_path, self._max_checkpoint_bytes)
+                          if quantization is not None else None)
             except (ValueError, OSError) as exc:
                 raise RequestError(str(exc)) from exc
             self._switch_to(state, weight_version, source=model_path, model_path=model_path,

@@ -29,6 +29,7 @@ __all__ = [
     "TINY_QWEN3_KWARGS",
     "build_byte_tokenizer",
     "check_same_architecture",
+    "checkpoint_tensors",
     "is_quantized_checkpoint",
     "load_model",
     "load_state_dict_from_dir",
@@ -218,16 +219,7 @@ def load_state_dict_from_dir(
     """
     model_dir = Path(model_dir)
     dtype = _resolve_dtype(dtype)
-    if not model_dir.is_dir():
-        raise ValueError(f"model_path {str(model_dir)!r} is not a directory.")
-    files = _safetensors_files(model_dir)
-    if max_bytes is not None:
-        total = sum(os.stat(p).st_size for p in files)
-        if total > max_bytes:
-            raise ValueError(
-                f"the *.safetensors files in {str(model_dir)!r} hold {total} bytes; a checkpoint of the loaded "
-                f"architecture needs at most {max_bytes}"
-            )
+    files = _checked_safetensors_files(model_dir, max_bytes)
     if is_quantized_checkpoint(model_dir):
         for name in ("config.json", "quant_model_description.json"):
             if os.path.lexists(model_dir / name):
@@ -242,7 +234,34 @@ def load_state_dict_from_dir(
                 f"quantization_config (or quant_model_description.json): {type(exc).__name__}: {exc}"
             ) from exc
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return _read_safetensors(model_dir, files, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
+
+def checkpoint_tensors(model_dir: str | Path, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``model_dir`` as stored (no dtype change, no dequantising);
+    the same file checks as :func:`load_state_dict_from_dir` (ValueError naming the file)."""
+    model_dir = Path(model_dir)
+    return _read_safetensors(model_dir, _checked_safetensors_files(model_dir, max_bytes), lambda t: t)
+
+
+def _checked_safetensors_files(model_dir: Path, max_bytes: int | None) -> list[Path]:
+    """:func:`_safetensors_files` of a directory, at most ``max_bytes`` in all (ValueError otherwise)."""
+    if not model_dir.is_dir():
+        raise ValueError(f"model_path {str(model_dir)!r} is not a directory.")
+    files = _safetensors_files(model_dir)
+    if max_bytes is not None:
+        total = sum(os.stat(p).st_size for p in files)
+        if total > max_bytes:
+            raise ValueError(
+                f"the *.safetensors files in {str(model_dir)!r} hold {total} bytes; a checkpoint of the loaded "
+                f"architecture needs at most {max_bytes}"
+            )
+    return files
+
+
+def _read_safetensors(model_dir: Path, files: list[Path], convert) -> dict[str, torch.Tensor]:
+    """``{name: convert(tensor)}`` over ``files``, one file's bytes in memory at a time; a name in two files is a
+    ValueError."""
     from safetensors.torch import load as load_bytes
 
     state: dict[str, torch.Tensor] = {}
@@ -258,7 +277,7 @@ def load_state_dict_from_dir(
                 raise ValueError(
                     f"tensor {name!r} appears in more than one file of {str(model_dir)!r} (again in {path.name})"
                 )
-            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            state[name] = convert(tensor)
     return state
 
 

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import base64
 import math
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,35 +41,9 @@ import torch
 from ..sglang_protocol import RequestError
 from . import DEFAULT_MAX_WEIGHT_VALUES
 
-__all__ = ["DEFAULT_MAX_WEIGHT_VALUES", "WeightRead", "checkpoint_tensors", "decode_raw"]
+__all__ = ["DEFAULT_MAX_WEIGHT_VALUES", "WeightRead", "decode_raw"]
 
 _FIELDS = ("name", "truncate_size", "return_raw")
-
-
-def checkpoint_tensors(model_dir: str | os.PathLike, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files in ``model_dir`` as stored (no dtype change, no dequantising);
-    regular files only, at most ``max_bytes`` in all (ValueError naming the file otherwise)."""
-    from safetensors.torch import load as load_bytes
-
-    from ...files import read_regular_file, regular_files
-
-    files = regular_files(Path(model_dir), "*.safetensors")
-    if not files:
-        raise ValueError(f"{str(model_dir)!r} holds no *.safetensors files")
-    total = sum(os.stat(p).st_size for p in files)
-    if max_bytes is not None and total > max_bytes:
-        raise ValueError(f"the *.safetensors files in {str(model_dir)!r} hold {total} bytes, above {max_bytes}")
-    out: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            tensors = load_bytes(read_regular_file(path))
-        except Exception as exc:  # noqa: BLE001 - SafetensorError and friends: a corrupt or truncated file
-            raise ValueError(f"{str(path)!r} is not a valid safetensors file: {exc}") from None
-        for name, tensor in tensors.items():
-            if name in out:
-                raise ValueError(f"tensor {name!r} appears in more than one file of {str(model_dir)!r}")
-            out[name] = tensor
-    return out
 
 
 class WeightRead:
