@@ -353,9 +353,9 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         self.return_original_logprob = bool(return_original_logprob)
         self.weight_version = str(weight_version)
         self._prefix_cache = PrefixCache(prefix_cache_tokens, prefix_cache_entries, version=self.weight_version)
-        if self._prefix_cache.enabled and unsupported(self.model):
-            raise ValueError(f"prefix cache: {unsupported(self.model)}; serve this model without "
-                             "--prefix-cache-tokens")
+        refusal = unsupported(self.model) if self._prefix_cache.enabled else None
+        if refusal:
+            raise ValueError(f"prefix cache: {refusal}; serve this model without --prefix-cache-tokens")
         self.vocab_size = int(self.model.config.vocab_size)
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
         self.eos_token_ids = self._eos_ids()
@@ -914,9 +914,10 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             if abort is not None:
                 finish = {"type": "abort", "message": abort}
             weight_version = self.weight_version  # the weights that produced the last token
+            fed_routes = torch.cat(routes) if routes else None  # [fed tokens, layers, top_k]
             if past is not None and self._prefix_cache.enabled:  # the fed tokens: the prompt, the outputs but the last
                 fed = (req.input_ids + out_ids)[: len(req.input_ids) + max(len(out_ids) - 1, 0)]
-                self._prefix_cache.insert(fed, past, torch.cat(routes) if routes else None, generation)
+                self._prefix_cache.insert(fed, past, fed_routes, generation)
 
         text_ids = out_ids[:-1] if stop_trim_token else out_ids
         text = self._decode(text_ids, cfg) if self.tokenizer is not None else ""
@@ -938,7 +939,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 meta["input_top_logprobs"] = input_top or []
                 meta["output_top_logprobs"] = out_top
         if req.return_routed_experts:  # SGLang's layout: base64 of int32 [fed tokens, layers, top_k]
-            flat = torch.cat(routes) if routes else torch.zeros(0, dtype=torch.int32)
+            flat = fed_routes if fed_routes is not None else torch.zeros(0, dtype=torch.int32)
             meta["routed_experts"] = base64.b64encode(flat.contiguous().numpy().tobytes()).decode("ascii")
         if cfg.return_top_p_token_ids:
             meta["top_p_token_ids"] = kept_ids
