@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..cpu.plugin import SPEC as CPU_SPEC
 from ..glm5.tiny import TINY_GLM5_ARGS
 from ..plugins.base import option_groups
 from .loop import DemoConfig, prepare_task, task_settings, write_yaml
@@ -104,8 +105,6 @@ MODEL_JOBS: dict[str, ModelJob] = {
     # tests/e2e/test_slime_glm5_cpu.py; the spec replaces the cpu plugin's local one
     "glm5": ModelJob(arch=tuple(_GLM5_ARCH), spec=_GLM5_SPEC, slime_args=(("bf16", False),), drop_flags=("--bf16",)),
 }
-# the spec each model's job trains (Megatron's argument dump in slime's log shows it)
-MODEL_SPECS = {"qwen3": ("slime_ascend.cpu.spec", "get_layer_spec"), "glm5": _GLM5_SPEC}
 _SPEC_LINE = re.compile(r"\bspec \.+ (\[[^\]\n]*\])[ \t]*$", re.MULTILINE)
 
 
@@ -122,7 +121,7 @@ def model_evidence(model: str, log: str) -> dict[str, Any]:
             continue
         if spec not in specs:
             specs.append(spec)
-    expected = list(MODEL_SPECS[model])
+    expected = list(MODEL_JOBS[model].spec or CPU_SPEC.split())  # a model without its own: the cpu plugin's
     return {"name": model, "spec": expected, "logged_specs": specs, "spec_in_log": specs == [expected],
             "glm5_patches": sorted(set(re.findall(r"applied runtime patch (train\.glm5_\w+)", log)))}
 
@@ -374,7 +373,7 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     else:
         log(f"\n{summary['steps_done']} train steps in slime's loop; evidence from slime's output for "
             + ", ".join(f"{p} ({'yes' if e['found'] else 'none'})" for p, e in summary["evidence"].items())
-            + f"; model {cfg.model}, spec {' '.join(MODEL_SPECS[cfg.model])} "
+            + f"; model {cfg.model}, spec {' '.join(summary['model_evidence']['spec'])} "
             + ("in" if summary["model_evidence"]["spec_in_log"] else "NOT in") + " slime's log"
             + "".join(f"\n{p} left out: {why}" for p, why in left_out.items())
             + f"\nwrote {metrics_path}, {out / 'summary.json'}" + (f", {summary['plot']}" if "plot" in summary else "")
