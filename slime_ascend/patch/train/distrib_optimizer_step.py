@@ -55,7 +55,7 @@ def wanted() -> bool:
     """The distributed optimizer wraps torch's Adam here (no TE / Apex FusedAdam): evaluated when Megatron's
     distrib_optimizer module has been imported."""
     module = sys.modules.get(MODULE)
-    return module is not None and getattr(module, FLAG, True) is False
+    return module is not None and _torch_adam(module)
 
 
 def _torch_adam(module: ModuleType) -> bool:
