@@ -36,7 +36,6 @@ import base64
 import io
 import logging
 import pickle
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -261,30 +260,15 @@ class TensorUpdate:
         return state
 
     # ------------------------------------------------------------------ a quantised checkpoint
-    def _checkpoint_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """name -> (dtype, shape) of every tensor of the served quantised checkpoint (its safetensors headers,
-        read once per served ``model_path``)."""
-        cached = self.__dict__.get("_checkpoint_layout_cache")
-        if cached is not None and cached[0] == self.model_path:
-            return cached[1]
-        from safetensors import safe_open
-
-        layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        for path in sorted(Path(self.model_path).glob("*.safetensors")):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    piece = f.get_slice(name)
-                    layout[name] = (_SAFETENSORS_DTYPES[piece.get_dtype()], tuple(piece.get_shape()))
-        self.__dict__["_checkpoint_layout_cache"] = (self.model_path, layout)
-        return layout
-
     def _check_quantised_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
-        layout = self._checkpoint_layout()
+        """Each tensor named, shaped and typed as the served quantised checkpoint's (``_served_checkpoint``: the
+        tensors of the version serving now, loaded or received, always in the checkpoint's layout)."""
+        served = self._served_checkpoint
         for name, tensor in bucket.items():
-            if name not in layout:
+            if name not in served:
                 raise RequestError(f"update_weights_from_tensor: {name!r} is not a tensor of the served "
                                    f"{self.quantization} checkpoint")
-            dtype, shape = layout[name]
+            dtype, shape = served[name].dtype, tuple(served[name].shape)
             if tensor.dtype != dtype or tuple(tensor.shape) != shape:
                 raise RequestError(f"update_weights_from_tensor: {name!r} is {str(tensor.dtype)[6:]} "
                                    f"{tuple(tensor.shape)}, the served {self.quantization} checkpoint holds "
@@ -297,7 +281,7 @@ class TensorUpdate:
         tied: set[str] = set()
         if getattr(self.model.config, "tie_word_embeddings", False):
             tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
-        if any(k not in staged and k not in tied for k in self._checkpoint_layout()):
+        if any(k not in staged and k not in tied for k in self._served_checkpoint):
             return None
         return dict(staged)
 
@@ -314,11 +298,3 @@ class TensorUpdate:
             raise RequestError(f"{source}: the {self.quantization} version is refused: {exc}; version "
                                f"{self.weight_version} keeps serving") from None
         return state
-
-
-# safetensors' dtype names (``get_slice(...).get_dtype()``) -> torch dtype
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
