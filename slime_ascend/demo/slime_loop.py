@@ -88,14 +88,13 @@ def _without_spec(flags: tuple[str, ...] | list[str]) -> tuple[list[str], tuple[
 @dataclasses.dataclass(frozen=True)
 class ModelJob:
     """What ``--model`` changes in the slime job: the architecture flags, the spec (empty: the ``cpu`` plugin's),
-    plain slime arguments set in the YAML (applied after slime's own rules), the demo's base flags it drops, and
-    the default plugins the model cannot run here, each with why."""
+    plain slime arguments set in the YAML (applied after slime's own rules) and the demo's base flags it drops.
+    Every model runs every plugin the demo is asked for."""
 
     arch: tuple[str, ...]
     spec: tuple[str, ...] = ()
     slime_args: tuple[tuple[str, Any], ...] = ()
     drop_flags: tuple[str, ...] = ()
-    left_out: tuple[tuple[str, str], ...] = ()
 
 
 _GLM5_ARCH, _GLM5_SPEC = _without_spec(TINY_GLM5_ARGS)
@@ -304,20 +303,17 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = MODEL_JOBS[cfg.model]
-    left_out = {p: why for p, why in model.left_out if p in cfg.plugins}
-    plugins = ("cpu", *[p for p in cfg.plugins if p != "cpu" and p not in left_out])
+    plugins = ("cpu", *[p for p in cfg.plugins if p != "cpu"])
     log(f"slime-ascend demo in slime's own loop ({src / 'train_async.py'}): model {cfg.model}"
         + (f" (spec {' '.join(model.spec)})" if model.spec else "") + f"; plugins {', '.join(plugins)}; "
         f"seed {cfg.seed}; {cfg.steps} rollouts; output {out}")
-    for plugin, why in left_out.items():
-        log(f"note: {plugin} left out for --model {cfg.model}: {why}")
     paths, start, seconds = prepare_task(cfg, out)
     log(f"prepared the initial policy and two teachers in {seconds:.1f}s")
     (out / "weights").mkdir(exist_ok=True)
     paths["prompts"] = str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps)))
     job = _Job(out, paths)
     summary: dict[str, Any] = {"loop": "slime", "slime_src": str(src), "model": cfg.model, "plugins": list(plugins),
-                               "left_out": left_out, "seed": cfg.seed, "steps_requested": cfg.steps,
+                               "seed": cfg.seed, "steps_requested": cfg.steps,
                                "interrupted": False, "start_answer_probs": start}
     run_log = out / "train_async.log"
     metrics_path = out / "metrics.jsonl"
@@ -375,7 +371,6 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
             + ", ".join(f"{p} ({'yes' if e['found'] else 'none'})" for p, e in summary["evidence"].items())
             + f"; model {cfg.model}, spec {' '.join(summary['model_evidence']['spec'])} "
             + ("in" if summary["model_evidence"]["spec_in_log"] else "NOT in") + " slime's log"
-            + "".join(f"\n{p} left out: {why}" for p, why in left_out.items())
             + f"\nwrote {metrics_path}, {out / 'summary.json'}" + (f", {summary['plot']}" if "plot" in summary else "")
             + f" in {summary['elapsed_s']}s")
     return summary
