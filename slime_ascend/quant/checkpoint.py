@@ -370,16 +370,30 @@ def load_state_dict_dequantized(
     """Read a checkpoint in any of our formats (or an unquantised one) and return dense weights
     under the original HF names; floating tensors are cast to `dtype`."""
     p = os.fspath(path)
+    _checkpoint_spec(p)  # an unsupported config is refused before anything is read
+    with CheckpointReader(p, device=device) as reader:
+        named = dict(reader.items())
+    return dequantize_stored(p, named, dtype)
+
+
+def dequantize_stored(path: str | os.PathLike[str], named: dict[str, torch.Tensor],
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Dense weights under the original HF names from ``named``, the tensors of the checkpoint at ``path`` as
+    stored (read by the caller, e.g. the reference engine, which keeps them to serve them: one read of the
+    files); its quantisation config is read from ``path``. Floating tensors are cast to ``dtype``."""
+    spec = _checkpoint_spec(os.fspath(path))
+    if spec is None:
+        return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in named.items()}
+    return dequantize_named_params(named, spec, dtype)
+
+
+def _checkpoint_spec(p: str) -> QuantSpec | None:
     qcfg = read_checkpoint_quant_config(p)
     spec = spec_from_quantization_config(qcfg) if qcfg else None
     if qcfg and spec is None:
         method = qcfg.get("quant_method", qcfg.get("model_quant_type"))
         raise ValueError(f"{p}: unsupported quantization config {method!r}")
-    with CheckpointReader(p, device=device) as reader:
-        named = dict(reader.items())
-    if spec is None:
-        return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in named.items()}
-    return dequantize_named_params(named, spec, dtype)
+    return spec
 
 
 quant_spec_of = spec_from_checkpoint  # the QuantSpec a quantised checkpoint was written with (None: unquantised)
@@ -387,7 +401,7 @@ quant_spec_of = spec_from_checkpoint  # the QuantSpec a quantised checkpoint was
 
 __all__ = [
     "CheckpointReader", "ConvertReport", "TensorCheck", "VerifyReport", "convert_checkpoint",
-    "load_state_dict_dequantized", "quant_spec_of", "tensors_bit_equal", "verify_against_checkpoint",
+    "dequantize_stored", "load_state_dict_dequantized", "quant_spec_of", "tensors_bit_equal", "verify_against_checkpoint",
     "verify_named_tensors", "verify_tensor",
 ]
 

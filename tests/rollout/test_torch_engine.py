@@ -547,7 +547,8 @@ def test_load_model_refuses_bin_only_dir(tmp_path):
 
 
 def test_quantized_checkpoint_routes_through_quant_loader(tmp_path, monkeypatch):
-    """A config.json quantization_config of our formats loads via slime_ascend.quant.load_state_dict_dequantized."""
+    """A config.json quantization_config of our formats is dequantized by slime_ascend.quant.dequantize_stored
+    from the tensors read once (read_checkpoint)."""
     import slime_ascend.quant as quant
 
     source = load_model(None, seed=5)
@@ -557,13 +558,13 @@ def test_quantized_checkpoint_routes_through_quant_loader(tmp_path, monkeypatch)
     (model_dir / "config.json").write_text(json.dumps(config))
     calls = []
 
-    def fake_loader(path, dtype):
-        calls.append((path, dtype))
+    def fake_dequantize(path, named, dtype):
+        calls.append((path, sorted(named), dtype))
         return {k: v.clone() for k, v in source.state_dict().items()}
 
-    monkeypatch.setattr(quant, "load_state_dict_dequantized", fake_loader, raising=False)
+    monkeypatch.setattr(quant, "dequantize_stored", fake_dequantize, raising=False)
     loaded = load_model(str(model_dir), torch.float32)
-    assert calls == [(str(model_dir), torch.float32)]
+    assert calls == [(str(model_dir), sorted(source.state_dict()), torch.float32)]
     torch.testing.assert_close(score_tokens(loaded, PROMPT), score_tokens(source, PROMPT))
 
 

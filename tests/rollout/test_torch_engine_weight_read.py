@@ -72,13 +72,27 @@ def test_sglang_answer_and_raw_bytes_of_an_unquantised_model():
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "int8-w8a8"])
-def test_quantised_engine_answers_the_checkpoint_bytes(tmp_path, fmt):
+def test_quantised_engine_answers_the_checkpoint_bytes(tmp_path, fmt, monkeypatch):
     from slime_ascend.quant.checkpoint import convert_checkpoint
+    from slime_ascend.rollout.torch_engine import model as reference_model
 
     q0, q1 = tmp_path / "q0", tmp_path / "q1"
     convert_checkpoint(bf16_dir(tmp_path / "bf16-0", 0.0), q0, fmt)
     convert_checkpoint(bf16_dir(tmp_path / "bf16-1", 0.01), q1, fmt)
+    # a quantised checkpoint is read once per load: every weight file through read_regular_file, once; never
+    # again by the quant package's reader (which the engine's first version used beside its own read)
+    reads: list[str] = []
+    real_read = reference_model.read_regular_file
+    monkeypatch.setattr(reference_model, "read_regular_file", lambda p, *a, **k: reads.append(Path(p).name)
+                        or real_read(p, *a, **k))
+
+    def second_reader(*a, **k):
+        raise AssertionError("the engine read the checkpoint a second time (CheckpointReader)")
+
+    monkeypatch.setattr("slime_ascend.quant.checkpoint.CheckpointReader", second_reader)
     engine = TorchEngine(model_path=str(q0), return_original_logprob=False)
+    files = sorted(p.name for p in q0.glob("*.safetensors"))
+    assert sorted(r for r in reads if r.endswith(".safetensors")) == files
 
     def held(url: str, names) -> dict[str, tuple[str, torch.Tensor]]:
         out = {}
@@ -97,8 +111,10 @@ def test_quantised_engine_answers_the_checkpoint_bytes(tmp_path, fmt):
         scale = next(n for n in want if "scale" in n)
         assert scale not in engine.model.state_dict() and read(url, scale).status_code == 200
 
+        reads.clear()
         resp = HTTP.post(url + "/update_weights_from_disk", json={"model_path": str(q1), "weight_version": "7"})
         assert resp.status_code == 200, resp.text
+        assert sorted(r for r in reads if r.endswith(".safetensors")) == sorted(p.name for p in q1.glob("*.safetensors"))
         want = checkpoint(q1)
         for name, (version, tensor) in held(url, want).items():
             assert version == "7" and same_bytes(tensor, want[name]), name

@@ -345,9 +345,12 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         self.model_path = None if model_path is None else str(model_path)
         self.dtype = reference_model._resolve_dtype(dtype)
         self.seed = seed
-        self.model = reference_model.load_model(self.model_path, self.dtype, seed=seed)
-        self.tokenizer = reference_model.load_tokenizer(self.model_path)
         self.quantization = checkpoint_quantization(self.model_path)
+        # a quantised checkpoint is read once: its dense weights load the model, its own tensors are served
+        checkpoint = (reference_model.read_checkpoint(self.model_path, self.dtype)
+                      if self.quantization is not None else None)
+        self.model = reference_model.load_model(self.model_path, self.dtype, seed=seed, checkpoint=checkpoint)
+        self.tokenizer = reference_model.load_tokenizer(self.model_path)
         if return_original_logprob is None:
             return_original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true")
         self.return_original_logprob = bool(return_original_logprob)
@@ -368,9 +371,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         numel = sum(t.numel() for t in self.model.state_dict().values())
         self._max_checkpoint_bytes = 8 * numel + (64 << 20)
         # a quantised checkpoint's own tensors, as /get_weights_by_name answers them (weight_read.py)
-        self._served_checkpoint = (
-            reference_model.checkpoint_tensors(self.model_path, self._max_checkpoint_bytes)
-            if self.quantization is not None else None)
+        self._served_checkpoint = None if checkpoint is None else checkpoint.stored
 
         self._compute_lock = threading.Lock()  # one forward step at a time; weight swaps take it too
         self._update_lock = threading.Lock()  # one weight update at a time
@@ -579,10 +580,9 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             try:  # load and check everything while the old weights keep serving
                 reference_model.check_same_architecture(self.model, model_path)
                 quantization = checkpoint_quantization(model_path)
-                state = reference_model.load_state_dict_from_dir(model_path, self.dtype, self._max_checkpoint_bytes)
+                checkpoint = reference_model.read_checkpoint(model_path, self.dtype, self._max_checkpoint_bytes)
+                state, served = checkpoint.state, checkpoint.stored
                 reference_model.validate_state_dict(self.model, state, source=model_path)
-                served = (reference_model.checkpoint_tensors(model_path, self._max_checkpoint_bytes)
-                          if quantization is not None else None)
             except (ValueError, OSError) as exc:
                 raise RequestError(str(exc)) from exc
             self._switch_to(state, weight_version, source=model_path, model_path=model_path,

@@ -1,8 +1,8 @@
 """Model side of the reference rollout engine: load a Hugging Face causal LM on CPU and score tokens.
 
 * :func:`load_model` builds a tiny random Qwen3 (no download) or loads an HF directory from
-  safetensors only; quantized checkpoints in our formats go through
-  ``slime_ascend.quant.load_state_dict_dequantized``.
+  safetensors only; quantized checkpoints in our formats are read once (:func:`read_checkpoint`) and
+  dequantized by ``slime_ascend.quant.dequantize_stored``.
 * :func:`load_state_dict_from_dir` / :func:`check_same_architecture` / :func:`validate_state_dict` back
   the engine's ``/update_weights_from_disk``. Every file is opened only if it is a regular file (a FIFO
   or device would block the reader), read in chunks that release the GIL (a slow disk stalls only the
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -28,12 +29,13 @@ from .glm5 import align_glm_moe_dsa
 __all__ = [
     "TINY_QWEN3_KWARGS",
     "build_byte_tokenizer",
+    "CheckpointWeights",
     "check_same_architecture",
-    "checkpoint_tensors",
     "is_quantized_checkpoint",
     "load_model",
     "load_state_dict_from_dir",
     "load_tokenizer",
+    "read_checkpoint",
     "read_config",
     "read_regular_file",
     "RouteRecorder",
@@ -208,40 +210,53 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_state_dict_from_dir(
+@dataclasses.dataclass(frozen=True)
+class CheckpointWeights:
+    """An HF checkpoint directory read once: ``state``, its weights in the engine's dtype (dequantised), and
+    ``stored``, a quantised checkpoint's own tensors as stored (what ``/get_weights_by_name`` answers; None for
+    an unquantised checkpoint)."""
+
+    state: dict[str, torch.Tensor]
+    stored: dict[str, torch.Tensor] | None
+
+
+def read_checkpoint(
     model_dir: str | Path, dtype: torch.dtype | str = torch.float32, max_bytes: int | None = None
-) -> dict[str, torch.Tensor]:
-    """All weights of an HF checkpoint directory as ``{name: tensor}`` in ``dtype``.
+) -> CheckpointWeights:
+    """Every weight of an HF checkpoint directory, read once (:class:`CheckpointWeights`).
 
     Reads ``*.safetensors`` only (pickle ``.bin`` files are refused), regular files only, at most
     ``max_bytes`` in all. Quantized checkpoints of our formats are dequantized by
-    ``slime_ascend.quant.load_state_dict_dequantized``. Any defect is a ValueError naming the file.
+    ``slime_ascend.quant.dequantize_stored`` from the tensors read. Any defect is a ValueError naming the file.
     """
     model_dir = Path(model_dir)
     dtype = _resolve_dtype(dtype)
     files = _checked_safetensors_files(model_dir, max_bytes)
-    if is_quantized_checkpoint(model_dir):
-        for name in ("config.json", "quant_model_description.json"):
-            if os.path.lexists(model_dir / name):
-                check_regular_file(model_dir / name)
-        from slime_ascend.quant import load_state_dict_dequantized
+    if not is_quantized_checkpoint(model_dir):
+        return CheckpointWeights(
+            _read_safetensors(model_dir, files, lambda t: t.to(dtype) if t.is_floating_point() else t), None)
+    for name in ("config.json", "quant_model_description.json"):
+        if os.path.lexists(model_dir / name):
+            check_regular_file(model_dir / name)
+    from slime_ascend.quant import dequantize_stored
 
-        try:
-            state = load_state_dict_dequantized(str(model_dir), dtype)
-        except Exception as exc:  # a malformed quantization_config surfaces as Key/Type/IndexError too
-            raise ValueError(
-                f"{str(model_dir)!r}: cannot load it as a quantized checkpoint; check config.json's "
-                f"quantization_config (or quant_model_description.json): {type(exc).__name__}: {exc}"
-            ) from exc
-        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    return _read_safetensors(model_dir, files, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    stored = _read_safetensors(model_dir, files, lambda t: t)
+    try:
+        state = dequantize_stored(str(model_dir), stored, dtype)
+    except Exception as exc:  # a malformed quantization_config surfaces as Key/Type/IndexError too
+        raise ValueError(
+            f"{str(model_dir)!r}: cannot load it as a quantized checkpoint; check config.json's "
+            f"quantization_config (or quant_model_description.json): {type(exc).__name__}: {exc}"
+        ) from exc
+    return CheckpointWeights({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, stored)
 
 
-def checkpoint_tensors(model_dir: str | Path, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files in ``model_dir`` as stored (no dtype change, no dequantising);
-    the same file checks as :func:`load_state_dict_from_dir` (ValueError naming the file)."""
-    model_dir = Path(model_dir)
-    return _read_safetensors(model_dir, _checked_safetensors_files(model_dir, max_bytes), lambda t: t)
+def load_state_dict_from_dir(
+    model_dir: str | Path, dtype: torch.dtype | str = torch.float32, max_bytes: int | None = None
+) -> dict[str, torch.Tensor]:
+    """All weights of an HF checkpoint directory as ``{name: tensor}`` in ``dtype``
+    (:func:`read_checkpoint`'s ``state``)."""
+    return read_checkpoint(model_dir, dtype, max_bytes).state
 
 
 def _checked_safetensors_files(model_dir: Path, max_bytes: int | None) -> list[Path]:
@@ -351,7 +366,7 @@ def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
 
 
 def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = torch.float32, seed: int = 0,
-               moe: bool = False, glm5: bool = False):
+               moe: bool = False, glm5: bool = False, checkpoint: CheckpointWeights | None = None):
     """Load a causal LM for CPU inference, in eval mode.
 
     ``model_dir=None`` builds the tiny random Qwen3 of :func:`tiny_qwen3_config` (``moe``: the Qwen3-MoE of
@@ -360,7 +375,8 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
     with config.json and safetensors weights. A GLM-5 (``glm_moe_dsa``) is made to follow its checkpoint's
     semantics, SGLang's and slime's spec's, where transformers departs from them
     (:func:`slime_ascend.rollout.torch_engine.glm5.align_glm_moe_dsa`: the indexer's RoPE layout and top-k rule,
-    the MLA latent norms' epsilon).
+    the MLA latent norms' epsilon). ``checkpoint``: a quantised ``model_dir`` already read by
+    :func:`read_checkpoint` (its weights are not read again).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -393,7 +409,8 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        apply_state_dict(model, load_state_dict_from_dir(model_dir, dtype), source=str(model_dir))
+        state = (checkpoint or read_checkpoint(model_dir, dtype)).state
+        apply_state_dict(model, state, source=str(model_dir))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True)
         _reset_rotary_buffers(model)
