@@ -29,8 +29,10 @@ export HCCL_HOST_SOCKET_PORT_RANGE=60000-60050
 export HCCL_NPU_SOCKET_PORT_RANGE=61000-61050
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:False
 
-# [ascend:sao] the critic freeze list slime reads through --megatron-config-path (this script's own file)
-python -m slime_ascend.sao.critic -o "${HERE}/sao_megatron.yaml" --force
+# [ascend:sao] the critic freeze list slime reads through --megatron-config-path (this script's own file),
+# and the critic's own --save: slime saves each role to its args.save, so without it the critic's checkpoint
+# would land on the actor's (the sao plugin refuses that at start)
+python -m slime_ascend.sao.critic -o "${HERE}/sao_megatron.yaml" --force --set "save=${BASE}/Qwen3-8B_slime_critic/"
 
 source "${SLIME_DIR}/scripts/models/qwen3-8B.sh"
 

@@ -185,7 +185,9 @@ def _setup_sao(cfg: DemoConfig, job: _Job) -> None:
     from slime_ascend.sao.role_config import write_megatron_role_config
 
     role_config = job.out / "sao_megatron.yaml"
-    write_megatron_role_config(str(role_config), ["self_attention"], force=True)
+    # the critic saves beside the actor's --save, not over it (slime saves each role to its own args.save)
+    write_megatron_role_config(str(role_config), ["self_attention"], force=True,
+                               save=str(job.out / "slime_ckpt_critic"))
     job.flags["--megatron-config-path"] = str(role_config)
     job.flags["--critic-lr"] = str(cfg.critic_lr)
     job.yaml.update(ascend_sao_freeze_patterns=["self_attention"])

@@ -51,7 +51,7 @@ def validate(args: Any, settings: Any) -> None:
             "kl_coef and slime's critic would compute KL without reference log-probs. Fix: pass "
             "--megatron-config-path (slime sets the critic's kl_coef to 0 there), or set kl_coef 0"
         )
-    from slime_ascend.plugins import runtime
+    from slime_ascend.plugins import roles, runtime
 
     ignored = sorted(set(runtime.enabled_names(args)) & set(TIS_PLUGINS_IGNORED))
     if ignored:
@@ -61,6 +61,28 @@ def validate(args: Any, settings: Any) -> None:
         )
     if settings.freeze_critic_attention:
         check_freeze_config(args, list(settings.freeze_patterns))
+    if roles.train_role() is None:  # the driver and the rollout process hold the shared command-line args
+        _check_critic_save(args)
+
+
+def _check_critic_save(args: Any) -> None:
+    from slime_ascend.plugins.settings import SettingsError
+
+    from .role_config import shared_save_dir
+
+    try:
+        shared = shared_save_dir(args)
+    except (OSError, ValueError):  # the role config is unreadable here: check_freeze_config / slime say so
+        return
+    if shared is not None:
+        config = getattr(args, "megatron_config_path", None)
+        writer = (f"--merge {config} -o {config}" if config else "-o sao_megatron.yaml")
+        raise SettingsError(
+            f"sao: the critic would save into --save {shared}, the actor's own directory, over the actor's "
+            "checkpoint (slime saves each role to its args.save). Fix: give the critic its own: "
+            f"`python -m slime_ascend.sao.critic {writer} --set save={shared.rstrip('/')}_critic` (or `save:` "
+            f"under the role: critic entry of {config or 'your --megatron-config-path file'})"
+        )
 
 
 def megatron_init(args: Any) -> None:

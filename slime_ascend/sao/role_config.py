@@ -29,15 +29,20 @@ def write_role_config_for(path: str, settings: dict, force: bool = False) -> Non
     write_megatron_role_config(path, patterns, force=force)
 
 
-def critic_entry(path: str | None, config: Any) -> dict | None:
-    """The ``role: critic`` entry of the slime megatron role config ``config`` read from ``path`` (None: none)."""
+def role_entry(path: str | None, config: Any, role: str = "critic") -> dict | None:
+    """The ``role: ROLE`` entry of the slime megatron role config ``config`` read from ``path`` (None: none)."""
     entries = config.get("megatron") if isinstance(config, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"{path}: needs a top-level 'megatron' list of role entries")
-    critic = [e for e in entries if isinstance(e, dict) and e.get("role") == "critic"]
-    if len(critic) > 1:
-        raise ValueError(f"{path}: more than one entry with role: critic")
-    return critic[0] if critic else None
+    found = [e for e in entries if isinstance(e, dict) and e.get("role") == role]
+    if len(found) > 1:
+        raise ValueError(f"{path}: more than one entry with role: {role}")
+    return found[0] if found else None
+
+
+def critic_entry(path: str | None, config: Any) -> dict | None:
+    """The ``role: critic`` entry of ``config`` (:func:`role_entry`)."""
+    return role_entry(path, config, "critic")
 
 
 def write_megatron_role_config(
@@ -79,11 +84,38 @@ def write_megatron_role_config(
     return config
 
 
-def critic_overrides(megatron_config_path: str) -> dict:
-    """The critic entry's overrides of a slime megatron role config ({} when there is none)."""
+def role_overrides(megatron_config_path: str, role: str = "critic") -> dict:
+    """A role entry's overrides of a slime megatron role config ({} when there is none)."""
     import yaml
 
     with open(megatron_config_path) as f:
         raw = yaml.safe_load(f) or {}
-    critic = critic_entry(megatron_config_path, raw)
-    return {} if critic is None else dict(critic.get("overrides") or critic.get("args") or {})
+    entry = role_entry(megatron_config_path, raw, role)
+    return {} if entry is None else dict(entry.get("overrides") or entry.get("args") or {})
+
+
+def critic_overrides(megatron_config_path: str) -> dict:
+    """The critic entry's overrides of a slime megatron role config ({} when there is none)."""
+    return role_overrides(megatron_config_path, "critic")
+
+
+def shared_save_dir(args: Any) -> str | None:
+    """The directory the actor and the critic would both save to, or None.
+
+    slime saves each role's checkpoint to that role's ``args.save`` (``save_model``: ``iter_NNNNNNN`` and
+    ``latest_checkpointed_iteration.txt``), and a role gets its own ``save`` only from its entry in
+    ``--megatron-config-path`` (``_apply_megatron_role_overrides``). Without one the critic saves into the actor's
+    directory after the actor, over the actor's checkpoint, and a job resumed from it loads the critic's weights
+    into the policy. ``args`` are the shared command-line args (the driver's, not a train actor's, whose
+    ``save`` already carries its role's override)."""
+    save = getattr(args, "save", None)
+    if not save or not getattr(args, "use_critic", False):
+        return None
+    path = getattr(args, "megatron_config_path", None)
+    critic = actor = save
+    if path:
+        critic = role_overrides(path, "critic").get("save") or save
+        actor = role_overrides(path, "actor").get("save") or save
+    if os.path.abspath(os.path.expanduser(str(critic))) == os.path.abspath(os.path.expanduser(str(actor))):
+        return str(critic)
+    return None

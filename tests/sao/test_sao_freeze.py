@@ -145,3 +145,44 @@ def test_validate(sao_args, tmp_path):
     bad = types.SimpleNamespace(dis_preset="custom", dis_eps_low=None, dis_eps_high=None, freeze_critic_attention=False)
     with pytest.raises(SettingsError, match="custom"):
         critic.validate(sao_args, bad)
+
+
+def test_validate_refuses_a_critic_saving_over_the_actors_checkpoint(sao_args, tmp_path):
+    """slime saves each role to its own args.save; without a critic `save` in the role config the critic's
+    checkpoint lands on the actor's (the demo's log showed both saved to one dir, the critic second)."""
+    from slime_ascend.plugins import roles, runtime
+
+    s = runtime.settings(sao_args, "sao")
+    config = tmp_path / "sao_megatron.yaml"
+    role_config.write_megatron_role_config(str(config))
+    vars(sao_args).update(megatron_config_path=str(config), use_critic=True, save=str(tmp_path / "ckpt"))
+    with pytest.raises(SettingsError, match="over the actor's checkpoint") as err:
+        critic.validate(sao_args, s)
+    message = str(err.value)
+    assert "\n" not in message and f"--merge {config} -o {config}" in message
+    assert f"--set save={tmp_path / 'ckpt'}_critic" in message
+
+    # the fix the message names: the file is merged (its freeze list kept), and the job passes
+    assert critic.main(["--merge", str(config), "-o", str(config), "--set", f"save={tmp_path / 'ckpt'}_critic"]) == 0
+    assert role_config.critic_overrides(str(config))["freeze_params_name_list"] == ["self_attention"]
+    critic.validate(sao_args, s)
+    # an actor entry that saves elsewhere also separates them; the same path spelt another way does not
+    role_config.write_megatron_role_config(str(config), force=True)
+    data = yaml.safe_load(config.read_text())
+    data["megatron"].append({"name": "default", "role": "actor", "overrides": {"save": str(tmp_path / "actor")}})
+    config.write_text(yaml.safe_dump(data))
+    critic.validate(sao_args, s)
+    data["megatron"][-1]["overrides"]["save"] = str(tmp_path / "x" / ".." / "ckpt")
+    config.write_text(yaml.safe_dump(data))
+    with pytest.raises(SettingsError, match="over the actor's checkpoint"):
+        critic.validate(sao_args, s)
+    # not checked where slime already applied the role's overrides (a train actor), nor without --save / a critic
+    roles.set_train_role("critic")
+    try:
+        critic.validate(sao_args, s)
+    finally:
+        roles.set_train_role(None)
+    sao_args.save = None
+    critic.validate(sao_args, s)
+    sao_args.save, sao_args.use_critic = str(tmp_path / "ckpt"), False
+    critic.validate(sao_args, s)
