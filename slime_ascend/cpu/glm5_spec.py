@@ -7,7 +7,10 @@ projections and indexer linears as ``TELinear(parallel_mode="duplicated")``. Her
 converters read (TE's):
 
 * :class:`HostDuplicatedLinear` -- ``TELinear`` with ``parallel_mode="duplicated"``: the full weight on every
-  tensor-parallel rank, ``forward`` returns ``(x @ W.T, None)``;
+  tensor-parallel rank, ``forward`` returns ``(x @ W.T, None)``; its parameters carry TE's attributes
+  (``sequence_parallel`` under ``--sequence-parallel``: Megatron's ``finalize_model_grads`` sums their gradients
+  over TP, each rank having seen its sequence shard; without it TP 2 trained ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` on half the tokens, ``tests/glm5/test_glm5_tensor_parallel.py``);
 * :class:`HostSpecProvider` -- ``TESpecProvider``'s five parts the spec uses: that linear, the norm-fused
   column linear (:class:`slime_ascend.cpu.spec.NormColumnParallelLinear`, ``layer_norm_weight``), Megatron's
   ``RowParallelLinear``, :class:`~slime_ascend.cpu.spec.HostNorm` and a core attention the spec never calls;
@@ -52,6 +55,12 @@ class HostDuplicatedLinear(MegatronModule):
             init_method(self.weight)
         self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
         self.skip_bias_add = skip_bias_add
+        for param in self.parameters():
+            # what Megatron's TELinear marks a duplicated weight: reduced over DP, not a TP shard, and under
+            # --sequence-parallel summed over TP by finalize_model_grads (each rank fed its sequence shard)
+            param.allreduce = True
+            param.tensor_model_parallel = False
+            param.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor):
         if self.skip_bias_add:

@@ -1,27 +1,51 @@
 """slime's own ``train.py`` on this CPU with slime's own GLM-5 spec (``slime_plugins.models.glm5.glm5
 get_glm5_spec``: MLA, DSA with IndexShare, MoE with a shared expert) on the tiny GLM-5, and slime's train/rollout
-alignment gate on.
+alignment gate on: at one rank, and at tensor x expert parallelism 2 x 2 (four ranks, sequence parallelism)
+compared with the one-rank run.
 
 The ``cpu`` plugin (its glm5 patches give the spec host linears, torch ops and THD RoPE) with ``dis``,
 ``staleness`` and ``dsa-determinism``; the torch engine serves the checkpoint (transformers' ``GlmMoeDsa``
 aligned to GLM-5's checkpoint semantics: ``slime_ascend.rollout.torch_engine.glm5``); fp32 training; 2 rollouts
 with a weight push after each step (``--update-weight-transport disk``), so the second rollout is generated with
 the trained weights. The prompts and responses are longer than ``index_topk`` (8): the DSA selection decides the
-attention on both sides.
+attention on both sides. The job's architecture flags, spec and fp32 rule are the demo's
+(``slime_ascend.demo.slime_loop.MODEL_JOBS["glm5"]``).
 ``dsa-determinism`` is what makes the two sides select alike: the indexer's ReLU scores have exact ties (zeros),
 which slime's ``torch.topk`` breaks in no fixed order; with the plugin the train side breaks them to the lower
 index, as the torch engine always does (without it this job's first step measured a gap of 7.9e-3).
 
-slime's gate, ``--ci-test --ci-train-rollout-logprob-abs-diff-threshold``, asserts in every train step that the
-mean absolute gap between the train side's log-probs and the rollout's is within :data:`LOGPROB_GATE`, slime's
-own bound for GLM-5 on 8 H100s (``tests/test_glm52_6layer_deterministic_e2e.py``); measured here 1.4e-7 and
-1.1e-7 (steps 0 and 1). The unit test (``tests/glm5/test_glm5_train_rollout_logprobs.py``) holds the per-token
-gap under it; here the job must pass slime's assertion and the logged gap is checked too. One run of slime's
-loop, about a minute.
+slime's gate, ``--ci-test --ci-train-rollout-logprob-abs-diff-threshold``, asserts in every train step of every
+run that the mean absolute gap between the train side's log-probs and the rollout's is within
+:data:`LOGPROB_GATE`, slime's own bound for GLM-5 on 8 H100s (``tests/test_glm52_6layer_deterministic_e2e.py``);
+the logged gap is checked too. The unit test (``tests/glm5/test_glm5_train_rollout_logprobs.py``) holds the
+per-token gap under it.
+
+The layout (:data:`LAYOUTS`; ``Layout(tp=2, ep=2, sp=True).flags()``, what ``slime-ascend config ... --flags --tp 2
+--ep 2 --sp`` prints): the MLA heads, the dense MLP and the vocabulary split over TP 2 and the sequence too (MoE
+with TP needs ``--sequence-parallel``); slime's duplicated down projections and indexer linears whole on each TP
+rank, fed its sequence shard (their gradients summed over TP: ``slime_ascend.cpu.glm5_spec.HostDuplicatedLinear``
+marks them as TE does, ``tests/glm5/test_glm5_tensor_parallel.py``); the experts of the three MoE layers on two EP
+ranks carved out of data parallelism 2, Megatron's all-to-all dispatcher moving the tokens over gloo, each expert
+whole (``--expert-tensor-parallel-size 1``). It must reproduce the one-rank run (made once per module, same seed,
+data and flags; a reward of the response, ``parity_reward.reward``, and per-sample sampling seeds make the two
+comparable) as ``test_slime_moe_cpu`` holds Qwen3-MoE: from slime's own output (``--save-debug-train-data``), the
+tokens of every sample exactly, its train-side log-probs (2e-5 absolute), loss masks and rewards exactly,
+advantages (1e-6 absolute), loss and grad norm of each step (1e-4 relative; loss also 1e-7 absolute), DIS's masked
+count exactly; every expert of every MoE layer in every push (gathered from the EP ranks by slime's weight
+iterator), the first push byte-identical to the one-rank run's, the later (trained) ones within 1e-4 relative,
+1e-6 absolute.
+
+Measured on the 2-core Intel Xeon host (AVX-512), 2026-12-03, shared with other jobs (1-minute load 5): one rank
+0.81 min, gate gaps 1.4e-7 and 1.9e-7 (steps 0, 1); TP 2 x EP 2 1.00 min, gate gaps 1.4e-7 and 1.5e-7, largest gaps
+to one rank: log-probs 9.5e-7, advantages 0, grad norm 1.3e-6 relative, loss 1.5e-8, trained push 3.7e-6
+absolute (the module 2.2 min). EP 2 alone (two ranks, ``Layout(ep=2)``; left out of CI, the four-rank layout runs
+EP 2 too) passed the same checks: log-probs 9.5e-7, grad norm 7.3e-8 relative, loss 0, trained push 8.4e-7.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import subprocess
 import sys
@@ -30,13 +54,30 @@ from pathlib import Path
 import pytest
 
 from slime_ascend.demo.slime_job import TINY_QWEN3_ARGS, make_prompts, run_slime, slime_flags, start_engine, stop
+from slime_ascend.demo.slime_loop import MODEL_JOBS
+from slime_ascend.parallel_layout import Layout
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 PLUGINS = ("cpu", "dis", "staleness", "dsa-determinism")
+HERE = Path(__file__).parent
+GLM5 = MODEL_JOBS["glm5"]  # the tiny GLM-5's flags less --spec, slime's glm5 spec, fp32 (bf16: false)
 LOGPROB_GATE = 1e-6
+LOGPROB_ATOL = 2e-5
+ADVANTAGE_ATOL = 1e-6
+METRIC_RTOL = 1e-4
+LOSS_ATOL = 1e-7
 BATCH, N_SAMPLES, NUM_ROLLOUT, MAX_RESPONSE = 4, 2, 2, 16
-GLM5_SPEC = ["slime_plugins.models.glm5.glm5", "get_glm5_spec"]
+MOE_LAYERS, EXPERTS = (1, 2, 3), 4  # tiny GLM-5: layer 0 dense, layers 1-3 MoE with 4 routed experts
+EXPERT_TENSORS = {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for layer in MOE_LAYERS
+                  for e in range(EXPERTS) for p in ("gate", "up", "down")}
+
+# layout -> (its flags, the values Megatron's argument dump must show). One layout, one slime-loop run: TP 2 x EP 2
+# (four ranks) runs EP 2 too; EP 2 alone (Layout(ep=2), two ranks) passed the same checks (module docstring)
+LAYOUTS = {
+    "tp2-ep2": (Layout(tp=2, ep=2, sp=True), {"tensor_model_parallel_size": "2", "expert_model_parallel_size": "2",
+                                               "expert_tensor_parallel_size": "1", "sequence_parallel": "True"}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,46 +96,162 @@ def _config(work: Path) -> Path:
     subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *PLUGINS, "-o", str(out)], check=True,
                    capture_output=True, text=True)
     with out.open("a") as f:  # applied after the command line (the plugin flags' --spec) and slime's bf16 rule
-        f.write("\nbf16: false  # fp32 training: the gate's bound is an fp32 one\n")
-        f.write(f"spec: {GLM5_SPEC}  # slime's own GLM-5 spec, not the cpu plugin's local one\n")
+        f.write("\n# the glm5 model job's plain slime arguments (bf16: false, fp32 training: the gate's bound is an "
+                "fp32 one) and slime's own GLM-5 spec in place of the cpu plugin's local one\n")
+        for name, value in (*GLM5.slime_args, ("spec", list(GLM5.spec))):
+            f.write(f"{name}: {json.dumps(value)}\n")
     return out
 
 
 def _glm5_flags(flags: list[str]) -> list[str]:
-    """slime_flags' job with the tiny Qwen3's architecture flags replaced by the tiny GLM-5's."""
-    from slime_ascend.glm5.tiny import TINY_GLM5_ARGS
-
+    """slime_flags' job with the tiny Qwen3's architecture flags replaced by the tiny GLM-5's (less its --spec,
+    which the YAML sets) and the glm5 job's dropped flags (--bf16) removed."""
     qwen = TINY_QWEN3_ARGS.split()
     at = next(i for i in range(len(flags)) if flags[i:i + len(qwen)] == qwen)
-    arch = list(TINY_GLM5_ARGS)
-    spec = arch.index("--spec")
-    del arch[spec:spec + 3]  # the spec comes from the YAML (the plugin's --spec is added after these flags)
-    return flags[:at] + arch + flags[at + len(qwen):]
+    flags = flags[:at] + list(GLM5.arch) + flags[at + len(qwen):]
+    return [f for f in flags if f not in GLM5.drop_flags]
 
 
-def test_train_py_trains_slimes_glm5_spec_within_slimes_logprob_gate(glm5_dir, tmp_path):
-    work = tmp_path / "glm5"
-    work.mkdir()
+def _run(model: Path, work: Path, layout: list[str]):
+    work.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(work / "prompts.jsonl")
-    engine = start_engine(glm5_dir, work / "engine.log")
-    flags = [f for f in slime_flags(glm5_dir, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
-                                    n_samples=N_SAMPLES, max_response=MAX_RESPONSE, save=False) if f != "--bf16"]
-    flags = _glm5_flags(flags) + [
-        "--sglang-enable-deterministic-inference", "--update-weight-disk-keep-files",
-        "--ci-test", "--ci-train-rollout-logprob-abs-diff-threshold", str(LOGPROB_GATE)]
+    engine = start_engine(model, work / "engine.log")
+    flags = _glm5_flags(slime_flags(model, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
+                                    n_samples=N_SAMPLES, max_response=MAX_RESPONSE, save=False))
+    at = flags.index("--rm-type")
+    del flags[at:at + 2]
+    # later flags win in slime's argparse: the layout replaces the one-rank sizes of slime_flags
+    flags += ["--custom-rm-path", "parity_reward.reward", "--sglang-enable-deterministic-inference",
+              "--update-weight-disk-keep-files", "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt"),
+              "--ci-test", "--ci-train-rollout-logprob-abs-diff-threshold", str(LOGPROB_GATE), *layout]
     try:
-        run = run_slime("train.py", flags, work, PLUGINS, custom_config=_config(work), timeout=1500)
+        run = run_slime("train.py", flags, work, PLUGINS, custom_config=_config(work), timeout=1500,
+                        extra_env={"PYTHONPATH": str(HERE)})
     finally:
         stop(engine.proc)
-    print(f"\nglm5: rc {run.returncode}, {run.seconds / 60:.2f} min")
+    print(f"\nglm5 {work.name}: {' '.join(layout) or 'one rank'}: rc {run.returncode}, {run.seconds / 60:.2f} min")
     assert run.returncode == 0, run.log[-8000:]
     assert "bf16 " + "." * 44 + " False" in run.log  # Megatron's argument dump: this run trained in fp32
     assert re.search(r"^\s*spec \.+ \['slime_plugins\.models\.glm5\.glm5', 'get_glm5_spec'\]$", run.log, re.MULTILINE)
-    steps = [m for m in run.metrics() if "train/step" in m]
+    steps = _steps(run)
     assert [m["train/step"] for m in steps] == list(range(NUM_ROLLOUT)), steps
-    gaps = [m["train/train_rollout_logprob_abs_diff"] for m in steps]
-    print(f"train/rollout log-prob gap per step: {gaps}")
+    gaps = [m["train/train_rollout_logprob_abs_diff"] for m in steps]  # slime's --ci-test asserted each already
+    print(f"train/rollout log-prob gap per step: {gaps}; grad norm {[m['train/grad_norm'] for m in steps]}")
     assert all(0 <= g <= LOGPROB_GATE for g in gaps), gaps
+    return run
+
+
+def _steps(run) -> list[dict]:
+    return [m for m in run.metrics() if "train/step" in m]
+
+
+def _ranks(run) -> int:
+    """Train actors slime started: one device line per actor (train.validate_at_actor_init)."""
+    return run.log.count("slime accelerator in the actor train actor")
+
+
+def _megatron_args(run, name: str) -> set[str]:
+    """``name``'s values in Megatron's argument dumps (the name, dots to column 48, the value)."""
+    found = set(re.findall(rf"\b{name} \.+ (\S+)$", run.log, re.MULTILINE))
+    assert found, f"{name} not in Megatron's argument dump"
+    return found
+
+
+def _dump(work: Path, rollout_id: int) -> dict:
+    import torch
+
+    return torch.load(work / "dump" / f"train_{rollout_id}.pt", weights_only=False)
+
+
+def _pushes(work: Path) -> list[Path]:
+    return sorted(p for p in (work / "weights").iterdir() if p.is_dir())
+
+
+def _pushed_tensors(push: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in sorted(push.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def glm5_reference(glm5_dir, tmp_path_factory):
+    """The one-rank run, shared by every test of the module: (its work dir, its Run)."""
+    work = tmp_path_factory.mktemp("glm5-one-rank")
+    return work, _run(glm5_dir, work, [])
+
+
+def test_train_py_trains_slimes_glm5_spec_within_slimes_logprob_gate(glm5_dir, glm5_reference):
+    from slime_ascend.rollout.torch_engine.model import load_model, validate_state_dict
+
+    work, run = glm5_reference
+    assert _ranks(run) == 1
+    steps = _steps(run)
     assert any(m["train/grad_norm"] > 0 for m in steps)
-    pushes = sorted(p for p in (work / "weights").iterdir() if p.is_dir())
+    pushes = _pushes(work)
     assert len(pushes) >= NUM_ROLLOUT, pushes  # the initial weights, then a push after the first step
+    first, last = _pushed_tensors(pushes[0]), _pushed_tensors(pushes[-1])
+    assert {n for n in last if ".mlp.experts." in n} == EXPERT_TENSORS
+    validate_state_dict(load_model(glm5_dir), last, source=str(pushes[-1]))  # the engine loads it
+    assert any(not first[n].equal(last[n]) for n in EXPERT_TENSORS)  # the last push carries trained experts
+    # and trained MLA down projections (slime's duplicated TELinears: at TP 2 their gradients are summed over TP)
+    down = [n for n in first if n.endswith(("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"))]
+    assert len(down) == 8 and all(not first[n].equal(last[n]) for n in down), down
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_glm5_layout_matches_the_one_rank_glm5_run(glm5_dir, glm5_reference, tmp_path, layout):
+    import torch
+
+    from parallel_evidence import assert_same_tensors
+
+    shape, megatron_args = LAYOUTS[layout]
+    work = tmp_path / layout
+    run = _run(glm5_dir, work, shape.flags())  # slime's gate asserted in each step of this run too
+    assert _ranks(run) == shape.world, _ranks(run)
+    for name, value in megatron_args.items():  # the layout Megatron built, from its own argument dump
+        assert _megatron_args(run, name) == {value}, (name, _megatron_args(run, name))
+    ref_work, ref_run = glm5_reference
+    worst = {"log_probs": 0.0, "advantages": 0.0, "grad_norm": 0.0, "loss": 0.0, "push": 0.0}
+    for rollout_id in range(NUM_ROLLOUT):
+        ref_dump, dump = _dump(ref_work, rollout_id), _dump(work, rollout_id)
+        assert len(dump["dp_shards"]) == shape.data_parallel
+        ref = {s["sample_index"]: s for s in ref_dump["samples"]}
+        got = {s["sample_index"]: s for s in dump["samples"]}
+        assert sorted(got) == sorted(ref) and len(ref) == BATCH * N_SAMPLES, (rollout_id, sorted(got), sorted(ref))
+        for index, sample in ref.items():
+            for field in ("tokens", "loss_masks"):
+                assert torch.equal(torch.as_tensor(got[index][field]), torch.as_tensor(sample[field])), \
+                    (rollout_id, index, field)
+            assert float(got[index]["rewards"]) == float(sample["rewards"]), (rollout_id, index)
+            for field, atol in (("log_probs", LOGPROB_ATOL), ("advantages", ADVANTAGE_ATOL)):
+                a, b = torch.as_tensor(got[index][field]).float(), torch.as_tensor(sample[field]).float()
+                where = f"rollout {rollout_id} sample {index} {field}"
+                torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=lambda m, w=where: f"{w}: {m}")
+                worst[field] = max(worst[field], float((a - b).abs().max()))
+        assert any(float(abs(torch.as_tensor(s["advantages"])).max()) > 0 for s in ref.values())
+    ref_steps, steps = _steps(ref_run), _steps(run)
+    for ref_m, m in zip(ref_steps, steps):
+        assert math.isclose(m["train/grad_norm"], ref_m["train/grad_norm"], rel_tol=METRIC_RTOL), (m, ref_m)
+        assert math.isclose(m["train/loss"], ref_m["train/loss"], rel_tol=METRIC_RTOL, abs_tol=LOSS_ATOL), (m, ref_m)
+        assert m["train/dis_masked"] == ref_m["train/dis_masked"]
+        worst["grad_norm"] = max(worst["grad_norm"], abs(m["train/grad_norm"] / ref_m["train/grad_norm"] - 1))
+        worst["loss"] = max(worst["loss"], abs(m["train/loss"] - ref_m["train/loss"]))
+    assert any(m["train/grad_norm"] > 0 for m in ref_steps)  # the reward varied: the comparison has gradients
+    # pushes: every expert, gathered over EP; the first (before any step) byte-identical to one rank's
+    ref_pushes, pushes = _pushes(ref_work), _pushes(work)
+    assert [p.name for p in pushes] == [p.name for p in ref_pushes]
+    for ref_push, push in zip(ref_pushes, pushes):
+        ref_state, state = _pushed_tensors(ref_push), _pushed_tensors(push)
+        assert sorted(state) == sorted(ref_state)
+        assert {n for n in state if ".mlp.experts." in n} == EXPERT_TENSORS
+    assert_same_tensors(pushes[0], ref_pushes[0])  # names, dtypes, shapes and bytes
+    for ref_push, push in zip(ref_pushes[1:], pushes[1:]):  # trained weights: fp32 sums in another order
+        ref_state, state = _pushed_tensors(ref_push), _pushed_tensors(push)
+        for name, tensor in ref_state.items():
+            torch.testing.assert_close(state[name].float(), tensor.float(), rtol=METRIC_RTOL, atol=1e-6,
+                                       msg=lambda m, w=f"{push.name} {name}": f"{w}: {m}")
+            worst["push"] = max(worst["push"], float((state[name].float() - tensor.float()).abs().max()))
+    print(f"{layout}: largest gaps to one rank: {worst}")
