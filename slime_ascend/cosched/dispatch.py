@@ -10,8 +10,16 @@ waiter. Placement:
   first), and a session whose owner was full is **moved**: the new engine becomes its owner and the move is counted;
 * a waiter gets the first slot that frees; if it has a session owned elsewhere, that is a move too.
 
+A session's later turn (one whose session already has an owner) is therefore either an *owner turn* (placed on the
+owner, where its prefix is cached) or a *move*: ``session_turns == owner_turns + moves`` in every window.
+:meth:`end_session` forgets a finished session's owner (compaction calls it when its episode ends).
+
+:meth:`record_answer` adds what an engine reported about one answer (its prompt tokens, the tokens it reused from
+its prefix cache, whether that prefix was of another weight version than the answer's), per engine.
+
 Counts since the last :meth:`take_stats`: per engine the requests dispatched, the fraction of the window it had at
-least one request running (busy) and the mean fraction of its slots in use; queue waits; moves.
+least one request running (busy), the mean fraction of its slots in use, and the prompt and reused tokens of its
+answers; queue waits; session turns, owner turns and moves; answers whose reused prefix was of an old version.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ class _Engine:
     slot_s: float = 0.0  # integral of running over the window
     since: float = 0.0  # last time running changed (or the window began)
     listed: bool = True
+    prompt_tokens: int = 0  # of the answers recorded (record_answer), in the window
+    cached_tokens: int = 0  # reused from the engine's prefix cache, as it reported them
 
 
 @dataclass
@@ -55,6 +65,12 @@ class CapacityDispatcher:
         self._window_start = clock()
         self._waits: list[float] = []
         self._moves = 0
+        self._session_turns = 0  # placements of a session that already had an owner
+        self._owner_turns = 0  # ... of which on the owner
+        self._answers = 0
+        self._owner_cached = 0  # tokens reused by owner turns
+        self._stale_prefix = 0  # answers that reused a prefix of another weight version
+        self._unreported = 0  # answers that reused a prefix and did not say of which version
 
     # -- engines -----------------------------------------------------------------------------------------------
     @property
@@ -104,8 +120,12 @@ class CapacityDispatcher:
         engine.dispatched += 1
         if session is not None:
             previous = self._owners.get(session)
-            if previous is not None and previous != engine.url:
-                self._moves += 1
+            if previous is not None:
+                self._session_turns += 1
+                if previous == engine.url:
+                    self._owner_turns += 1
+                else:
+                    self._moves += 1
             self._owners[session] = engine.url
             self._owners.move_to_end(session)
             while len(self._owners) > MAX_SESSIONS:
@@ -154,6 +174,34 @@ class CapacityDispatcher:
             self._waits.append(self._clock() - waiter.since)
             waiter.future.set_result(self._take(engine, waiter.session))
 
+    # -- sessions and answers ------------------------------------------------------------------------------------
+    def owner(self, session: str | None) -> str | None:
+        """The engine that served the session's last turn (where its prefix is cached), or None."""
+        return self._owners.get(session) if session is not None else None
+
+    def end_session(self, session: str | None) -> None:
+        """Forget a finished session's owner (its next request, if any, is placed as a new session's)."""
+        if session is not None:
+            self._owners.pop(session, None)
+
+    def record_answer(self, url: str, prompt_tokens: int, cached_tokens: int, *, owner_turn: bool = False,
+                      stale_prefix: bool | None = False) -> None:
+        """What ``url`` reported of one answer: its prompt tokens and the tokens it reused from its prefix cache
+        (SGLang's ``meta_info["cached_tokens"]``); ``owner_turn``: placed on the session's owner;
+        ``stale_prefix``: the reused prefix was computed by another weight version than the one that answered
+        (None: the engine did not say)."""
+        engine = self._engines.get(url)
+        if engine is not None:
+            engine.prompt_tokens += int(prompt_tokens)
+            engine.cached_tokens += int(cached_tokens)
+        self._answers += 1
+        if owner_turn:
+            self._owner_cached += int(cached_tokens)
+        if stale_prefix is None:
+            self._unreported += 1
+        elif stale_prefix:
+            self._stale_prefix += 1
+
     # -- counts ------------------------------------------------------------------------------------------------
     def take_stats(self) -> dict[str, float]:
         """Counts since the previous call (``rollout/cosched_*`` keys), and a new window."""
@@ -166,13 +214,24 @@ class CapacityDispatcher:
             out[f"rollout/cosched_engine{i}_dispatched"] = float(engine.dispatched)
             out[f"rollout/cosched_engine{i}_busy_fraction"] = engine.busy_s / window
             out[f"rollout/cosched_engine{i}_slot_use"] = engine.slot_s / (window * self.capacity)
+            out[f"rollout/cosched_engine{i}_prompt_tokens"] = float(engine.prompt_tokens)
+            out[f"rollout/cosched_engine{i}_cached_tokens"] = float(engine.cached_tokens)
             busy.append(engine.busy_s / window)
             engine.dispatched, engine.busy_s, engine.slot_s = 0, 0.0, 0.0
+            engine.prompt_tokens = engine.cached_tokens = 0
         waits = self._waits
         out["rollout/cosched_requests"] = float(len(waits))
         out["rollout/cosched_queue_wait_mean_s"] = sum(waits) / len(waits) if waits else 0.0
         out["rollout/cosched_queue_wait_max_s"] = max(waits) if waits else 0.0
         out["rollout/cosched_moves"] = float(self._moves)
+        out["rollout/cosched_session_turns"] = float(self._session_turns)
+        out["rollout/cosched_owner_turns"] = float(self._owner_turns)
         out["rollout/cosched_busy_fraction_min"] = min(busy) if busy else 0.0
+        out["rollout/cosched_answers"] = float(self._answers)
+        out["rollout/cosched_owner_cached_tokens"] = float(self._owner_cached)
+        out["rollout/cosched_stale_prefix_answers"] = float(self._stale_prefix)
+        out["rollout/cosched_prefix_version_unreported"] = float(self._unreported)
         self._waits, self._moves, self._window_start = [], 0, now
+        self._session_turns = self._owner_turns = self._answers = self._owner_cached = 0
+        self._stale_prefix = self._unreported = 0
         return out

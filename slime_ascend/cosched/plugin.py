@@ -8,8 +8,9 @@ from ..plugins.settings import Setting
 PLUGIN = Plugin(
     name="cosched",
     description="Rollout co-scheduling: each request waits in one queue and goes to the engine that has a free slot "
-                "the moment it has one; multi-turn sessions stay on their engine while it has room (moves counted); "
-                "per-engine busy fraction, queue wait and moves in slime's rollout metrics",
+                "the moment it has one; multi-turn sessions (compaction's episodes: every turn) stay on their engine "
+                "while it has room (moves counted); per-engine busy fraction, queue wait, moves and the engines' "
+                "reported prefix reuse in slime's rollout metrics",
     settings=(
         Setting("ascend_cosched_capacity", int, 0, minimum=0,
                 help="requests running at once per engine (0: slime's --sglang-server-concurrency)"),
@@ -20,5 +21,7 @@ PLUGIN = Plugin(
         Contribution("reward_post_process", "slime_ascend.cosched.hooks.report", order=10,
                      note="this rollout's dispatch counts as rollout/cosched_* metrics; rewards unchanged"),
     ),
+    # compaction's turns (its generate calls the engines itself): hooked when slime_ascend.compaction.generate loads
+    process_start=("slime_ascend.cosched.hooks.process_start",),
     patches=(PatchUse("rollout.cosched_generate", "rollout"),),
 )

@@ -163,3 +163,133 @@ def test_never_over_capacity_never_idle_while_requests_wait(engines, capacity, n
         assert d.take_stats()["rollout/cosched_requests"] == n
 
     run(main())
+
+
+def test_a_session_on_a_listed_owner_that_left_the_router_moves():
+    async def main():
+        d = CapacityDispatcher(2)
+        d.set_engines(["a", "b"])
+        d.release(await d.acquire("s"))  # owner a (listed first)
+        d.set_engines(["b"])
+        assert await d.acquire("s") == "b"
+        stats = d.take_stats()
+        assert (stats["rollout/cosched_session_turns"], stats["rollout/cosched_owner_turns"],
+                stats["rollout/cosched_moves"]) == (1, 0, 1)
+
+    run(main())
+
+
+def test_an_ended_session_is_placed_as_a_new_one():
+    async def main():
+        d = CapacityDispatcher(1)
+        d.set_engines(["a", "b"])
+        held = await d.acquire()  # a busy
+        d.release(await d.acquire("s"))  # s owned by b
+        assert d.owner("s") == "b"
+        d.end_session("s")
+        assert d.owner("s") is None
+        d.release(held)
+        assert await d.acquire("s") == "a"  # most free slots, no owner: not a move
+        stats = d.take_stats()
+        assert stats["rollout/cosched_moves"] == 0 and stats["rollout/cosched_session_turns"] == 0
+
+    run(main())
+
+
+def test_answers_are_counted_per_engine_with_owner_reuse_and_stale_prefixes():
+    d = CapacityDispatcher(1)
+    d.set_engines(["a", "b"])
+    d.record_answer("a", 100, 60, owner_turn=True)
+    d.record_answer("b", 50, 0)
+    d.record_answer("b", 50, 40, stale_prefix=True)
+    d.record_answer("a", 10, 5, stale_prefix=None)
+    d.record_answer("gone", 7, 7)  # an engine the router no longer lists: counted overall only
+    s = d.take_stats()
+    assert (s["rollout/cosched_engine0_prompt_tokens"], s["rollout/cosched_engine0_cached_tokens"]) == (110, 65)
+    assert (s["rollout/cosched_engine1_prompt_tokens"], s["rollout/cosched_engine1_cached_tokens"]) == (100, 40)
+    assert s["rollout/cosched_answers"] == 5 and s["rollout/cosched_owner_cached_tokens"] == 60
+    assert s["rollout/cosched_stale_prefix_answers"] == 1 and s["rollout/cosched_prefix_version_unreported"] == 1
+    assert d.take_stats()["rollout/cosched_answers"] == 0  # a new window
+
+
+# -- the placement policy against a reference model, over random interleavings of turns ------------------------
+# An operation is ("start", session or None) or ("finish", k: the k-th running request, modulo their number).
+# The reference: a free slot on the session's owner -> the owner; else the engine with the most free slots (first
+# listed on ties), or the FIFO queue when every engine is full; a request that gets a slot from the queue is placed
+# the same way at that moment. A later turn of a session is an owner turn or a move, never both.
+_ops = st.lists(st.one_of(st.tuples(st.just("start"), st.sampled_from([None, "s0", "s1", "s2", "s3", "s4"])),
+                          st.tuples(st.just("finish"), st.integers(0, 50))), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(engines=st.integers(1, 4), capacity=st.integers(1, 3), ops=_ops)
+def test_placement_matches_the_reference_policy(engines, capacity, ops):
+    urls = [f"e{i}" for i in range(engines)]
+
+    async def main():
+        d = CapacityDispatcher(capacity)
+        d.set_engines(urls)
+        running: list[tuple[str, asyncio.Task]] = []  # (url, task) in start order
+        queue: list[tuple[str | None, asyncio.Task]] = []  # the reference's FIFO
+        load = {u: 0 for u in urls}
+        owners: dict[str, str] = {}
+        want = {"turns": 0, "owner": 0, "moves": 0}
+
+        def place(session):
+            owner = owners.get(session)
+            if owner is not None and load[owner] < capacity:
+                url = owner
+            else:
+                free = [(capacity - load[u], -i, u) for i, u in enumerate(urls)]
+                best = max(free)
+                if best[0] <= 0:
+                    return None
+                url = best[2]
+            if owner is not None:
+                want["turns"] += 1
+                want["owner" if url == owner else "moves"] += 1
+            if session is not None:
+                owners[session] = url
+            load[url] += 1
+            return url
+
+        async def settle():
+            for _ in range(3):
+                await asyncio.sleep(0)
+
+        for op, arg in ops:
+            if op == "start":
+                task = asyncio.create_task(d.acquire(arg))
+                await settle()
+                url = place(arg) if not queue else None
+                if url is None:
+                    queue.append((arg, task))
+                    assert not task.done()
+                else:
+                    assert task.done() and task.result() == url, (arg, url, task)
+                    running.append((url, task))
+            elif running:
+                url, _ = running.pop(arg % len(running))
+                d.release(url)
+                load[url] -= 1
+                await settle()
+                while queue:
+                    session, task = queue[0]
+                    url = place(session)
+                    if url is None:
+                        break
+                    queue.pop(0)
+                    assert task.done() and task.result() == url, (session, url)
+                    running.append((url, task))
+                assert all(not t.done() for _, t in queue)
+        for u, n in load.items():
+            assert d._engines[u].running == n
+        stats = d.take_stats()
+        assert (stats["rollout/cosched_session_turns"], stats["rollout/cosched_owner_turns"],
+                stats["rollout/cosched_moves"]) == (want["turns"], want["owner"], want["moves"])
+        assert stats["rollout/cosched_session_turns"] == stats["rollout/cosched_owner_turns"] + stats[
+            "rollout/cosched_moves"]
+        for _, task in queue:
+            task.cancel()
+
+    run(main())

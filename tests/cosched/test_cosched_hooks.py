@@ -5,6 +5,8 @@ the counts go out as rollout metrics."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -116,3 +118,176 @@ def test_the_patch_wraps_slimes_generate_and_comes_off_again():
     finally:
         p.remove()
     assert sglang_rollout.generate is original
+
+
+# -- compaction: every turn of an episode dispatched as one session -------------------------------------------
+ROUTER = "http://10.0.0.1:8000/generate"
+ENGINES = ("http://127.0.0.1:30001", "http://127.0.0.1:30002")
+
+
+def _fakes():
+    """tests/compaction/compaction_fakes.py (the offline tiny tokenizer and the scripted engine)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).parents[1] / "compaction")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("compaction_fakes")
+
+
+def _compaction_args():
+    return SimpleNamespace(ascend_compaction_context_budget=3000, ascend_compaction_trigger_tokens=1200,
+                           ascend_compaction_env_kwargs={"num_facts": 6}, sglang_router_ip="10.0.0.1",
+                           sglang_router_port=8000, sglang_server_concurrency=4)
+
+
+class _Served:
+    """One engine behind a URL, as one session sees it: compaction_fakes' scripted policy, and the meta a torch
+    engine sends (``cached_tokens``: the prompt's common prefix with the session's earlier prompts on this engine,
+    at most all but its last token; the prefix's version ``cached_version``, default the answer's)."""
+
+    def __init__(self, url, tok, log, version="1", cached_version=None):
+        self.url, self.log, self.version, self.cached_version = url, log, version, cached_version
+        self.fake = _fakes().FakeEngine(tok, _fakes().memory_policy, weight_version=version)
+        self.seen: list[list[int]] = []
+
+    async def generate(self, input_ids, sampling_params):
+        await asyncio.sleep(0.001 * (len(self.log) % 3))  # interleave the sessions
+        result = await self.fake.generate(input_ids, sampling_params)
+        ids = list(input_ids)
+
+        def common(p):
+            return next((i for i, (a, b) in enumerate(zip(p, ids)) if a != b), min(len(p), len(ids)))
+
+        cached = min(max((common(p) for p in self.seen), default=0), len(ids) - 1)
+        self.seen.append(ids)
+        self.log.append(self.url)
+        meta = {"prompt_tokens": len(ids), "cached_tokens": cached, "weight_version": self.version,
+                "cached_weight_version": (self.cached_version or self.version) if cached else None}
+        return dataclasses.replace(result, meta_info=meta)
+
+
+def _routed_compaction(monkeypatch, capacity, sessions, **served_kw):
+    """``sessions`` compaction episodes at once through :func:`hooks.route_compaction` (as compaction's generate
+    calls it, with its client to slime's router), two engines of ``capacity`` slots; returns the episodes'
+    segments, the dispatcher's counts and, per session, the engine of each turn."""
+    import contextvars
+
+    from slime_ascend.compaction import generate as gen_mod
+    from slime_ascend.compaction.generate import CompactionRuntime, CompactionSettings
+    from slime_ascend.compat.sample import get_sample_class
+    from slime_ascend.rollout.engine_client import EngineClient
+
+    monkeypatch.setattr(hooks, "_settings", lambda args: SimpleNamespace(capacity=capacity, refresh_s=30.0))
+
+    async def workers(url):
+        return {"workers": [{"url": u} for u in ENGINES]}
+
+    _router_lists(monkeypatch, workers)
+    tok = _fakes().make_tiny_tokenizer()
+    logs: dict[str, list[str]] = {}
+    current = contextvars.ContextVar("session")
+
+    class PerSession:  # the engine at one URL: a _Served per session, logging into that session's list
+        def __init__(self, url):
+            self.url, self.by_session = url, {}
+
+        async def generate(self, input_ids, params):
+            session = current.get()
+            if session not in self.by_session:
+                self.by_session[session] = _Served(self.url, tok, logs[session], **served_kw)
+            return await self.by_session[session].generate(input_ids, params)
+
+    served = {url: PerSession(url) for url in ENGINES}
+    monkeypatch.setattr(hooks, "_client", served.__getitem__)
+    module = SimpleNamespace(run_compaction_rollout=gen_mod.run_compaction_rollout)
+    hooks.route_compaction(module)
+    hooks.route_compaction(module)  # idempotent
+    assert module.run_compaction_rollout.__wrapped__ is gen_mod.run_compaction_rollout
+    args = _compaction_args()
+
+    async def episode(i):
+        current.set(f"s{i}")
+        logs[f"s{i}"] = []
+        sample = get_sample_class()(index=i, prompt="p", metadata={"seed": i}, session_id=f"s{i}")
+        return await module.run_compaction_rollout(
+            args, sample, {"max_new_tokens": 400, "temperature": 1.0}, settings=CompactionSettings.from_args(args),
+            runtime=CompactionRuntime(tok, EngineClient(ROUTER)))
+
+    async def main():
+        outs = await asyncio.gather(*(episode(i) for i in range(sessions)))
+        return outs, hooks.dispatcher(args).take_stats()
+
+    outs, stats = asyncio.run(main())
+    return outs, stats, logs
+
+
+@pytest.mark.parametrize("capacity, sessions", [(4, 2), (1, 4), (2, 5)])
+def test_compaction_turns_stay_on_their_owner_or_move_counted(monkeypatch, capacity, sessions):
+    outs, stats, logs = _routed_compaction(monkeypatch, capacity, sessions)
+    assert any(len(segments) > 1 for segments in outs)  # episodes compacted: their turns span segments
+    turns = sum(len(urls) for urls in logs.values())
+    later = sum(len(urls) - 1 for urls in logs.values())
+    stayed = sum(a == b for urls in logs.values() for a, b in itertools.pairwise(urls))
+    assert stats["rollout/cosched_requests"] == stats["rollout/cosched_answers"] == turns
+    assert stats["rollout/cosched_session_turns"] == later > 0
+    assert stats["rollout/cosched_owner_turns"] == stayed and stats["rollout/cosched_moves"] == later - stayed
+    assert stats["rollout/cosched_stale_prefix_answers"] == 0 and stats["rollout/cosched_prefix_version_unreported"] == 0
+    cached = stats["rollout/cosched_engine0_cached_tokens"] + stats["rollout/cosched_engine1_cached_tokens"]
+    assert cached >= stats["rollout/cosched_owner_cached_tokens"] > 0  # a later turn on its owner reused its prefix
+    if capacity * len(ENGINES) >= sessions:  # room everywhere: no session ever leaves its engine
+        assert stats["rollout/cosched_moves"] == 0 and all(len(set(urls)) == 1 for urls in logs.values())
+    assert hooks._dispatcher.owner("s0") is None  # the episode's end forgot the session
+
+
+def test_a_prefix_of_another_version_is_counted(monkeypatch):
+    _, stats, _ = _routed_compaction(monkeypatch, 4, 2, version="2", cached_version="1")
+    assert stats["rollout/cosched_stale_prefix_answers"] > 0
+
+
+def test_the_process_start_hook_wraps_compaction_and_leaves_other_engines_alone(monkeypatch):
+    from slime_ascend.compaction import generate as gen_mod
+
+    original = gen_mod.run_compaction_rollout
+    monkeypatch.setattr(gen_mod, "run_compaction_rollout", original)  # restored after the test
+    hooks.process_start()  # compaction.generate is imported: hooked at once
+    assert gen_mod.run_compaction_rollout.__wrapped__ is original and gen_mod.run_compaction_rollout._cosched
+
+    from slime_ascend.compaction.generate import CompactionRuntime, CompactionSettings
+    from slime_ascend.compat.sample import get_sample_class
+
+    args = _compaction_args()
+    tok = _fakes().make_tiny_tokenizer()
+    engine = _fakes().FakeEngine(tok, _fakes().memory_policy)  # a runtime that does not talk to slime's router: untouched
+    out = asyncio.run(gen_mod.run_compaction_rollout(
+        args, get_sample_class()(index=1, prompt="p", session_id="s"), {"max_new_tokens": 400},
+        settings=CompactionSettings.from_args(args), runtime=CompactionRuntime(tok, engine)))
+    assert out and engine.calls and hooks._dispatcher is None
+
+
+def test_the_stale_prefix_check_reads_the_engines_report():
+    assert hooks._stale_prefix({"cached_tokens": 0}) is False
+    assert hooks._stale_prefix({"cached_tokens": 5, "weight_version": "2", "cached_weight_version": "2"}) is False
+    assert hooks._stale_prefix({"cached_tokens": 5, "weight_version": "2", "cached_weight_version": "1"}) is True
+    assert hooks._stale_prefix({"cached_tokens": 5, "weight_version": "2"}) is None  # SGLang: no tag
+
+
+def test_the_torch_engine_reports_the_version_of_the_prefix_it_reused(monkeypatch):
+    """The engine side of the check: ``cached_weight_version`` is the reused entry's own tag, so a prefix kept
+    across a switch (the switch's drop disabled here) shows as another version than the answer's."""
+    from slime_ascend.rollout.torch_engine.engine import TorchEngine
+
+    engine = TorchEngine(return_original_logprob=False, prefix_cache_tokens=4096)
+    payload = {"input_ids": list(range(5, 45)), "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    first = engine.generate(payload)["meta_info"]
+    assert first["cached_tokens"] == 0 and first["cached_weight_version"] is None
+    again = engine.generate({**payload, "input_ids": payload["input_ids"] + [7, 8]})["meta_info"]
+    assert again["cached_tokens"] > 0 and hooks._stale_prefix(again) is False
+    assert again["cached_weight_version"] == again["weight_version"] == "default"
+    monkeypatch.setattr(engine._prefix_cache, "switch", lambda version: (0, 0))  # keeps the old entries
+    engine._switch_to({k: v.clone() for k, v in engine.model.state_dict().items()}, "v1", source="test")
+    stale = engine.generate({**payload, "input_ids": payload["input_ids"] + [7, 8, 9]})["meta_info"]
+    assert stale["cached_tokens"] > 0 and stale["weight_version"] == "v1"
+    assert stale["cached_weight_version"] == "default" and hooks._stale_prefix(stale) is True

@@ -39,7 +39,8 @@ ROLLOUTS_PER_STEP = BATCH * N_SAMPLES
 
 # a short episode (3 facts, one noise line each) in a 1024-token budget that compacts after the first
 # action: the byte-level prompt is ~400 tokens, so C - |h| < 700 right away; one compaction per rollout
-SETTINGS = {
+# (tests/e2e/test_slime_prefix_cache_cpu.py runs the same episode)
+EPISODE = {
     "ascend_compaction_env_reward": "false",
     "ascend_compaction_env_kwargs": json.dumps({"num_facts": 3, "noise_lines": 1, "answer_turns": 1}),
     "ascend_compaction_context_budget": "1024",
@@ -48,6 +49,9 @@ SETTINGS = {
     "ascend_compaction_keep_pairs": "1",
     "ascend_compaction_summary_max_tokens": "8",
     "ascend_compaction_use_chat_template": "false",
+}
+SETTINGS = {
+    **EPISODE,
     # lambda = 1 - 1/(1.5 l) < 1 per rollout, so earlier segments' advantages are visibly decayed (GRPO's
     # default --lambd 1 would make every decay factor exactly 1)
     "ascend_compaction_lambda_mode": "length_adaptive",

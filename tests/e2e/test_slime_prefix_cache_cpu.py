@@ -1,25 +1,37 @@
-"""The torch engine's prefix cache in slime's own ``train.py`` (``cpu``, ``compaction``, ``staleness``).
+"""KV ownership in slime's own ``train.py``: ``cosched`` + the torch engine's prefix cache, with ``compaction``
+(multi-turn) and ``staleness`` (``cpu``).
 
-One torch engine served with ``--prefix-cache-tokens`` behind slime's router; compaction's ``kv_lookup`` episodes are
-multi-turn (each action's prompt extends the last one) and every episode shares the environment's instructions, so
-a later turn, and a later rollout's first turn, would find a cached prefix. slime pushes three weight versions
-(before rollout 0, after step 0, after step 1). Evidence from the engine's own report (``/server_info``'s
-``prefix_cache``) and log, and from slime's metrics:
+Two torch engines served with ``--prefix-cache-tokens`` behind slime's router (external engines: every check below
+reads each engine's own report, ``/server_info``'s ``prefix_cache``, and its log after slime's run has ended, and
+slime stops the engines it starts itself); compaction's ``kv_lookup`` episodes (the episode of
+tests/e2e/test_slime_compaction.py) are multi-turn (each action's prompt extends the last one) and every episode
+shares the environment's instructions, so a later turn, and a later rollout's first turn, would find a cached
+prefix. ``cosched`` dispatches every turn (``ascend_cosched_capacity`` 3 slots per engine, 8 episodes at once): an
+episode is one session, kept on the engine that served its last turn while that engine has a free slot, moved
+(counted) when it has none. slime pushes three weight versions (before rollout 0, after step 0, after step 1).
 
-* reuse happened in the rollouts (``prefill_tokens_saved`` > 0, ``hits`` > 0);
-* slime flushes before every push (``pause_generation``, ``flush_cache``, ``update_weights_from_disk``: the
-  contract its SGLang engines rely on): in the engine's log each push after a rollout is preceded by a flush that
-  dropped that rollout's prefixes (N > 0), and the switch itself then found nothing left to drop (its own drop,
-  the second line of the contract, is exercised by tests/rollout/test_torch_engine_prefix_cache.py); the next
-  rollout started from an empty cache, so none of its tokens came from a prefix of the version before;
-* every push switched the cache's generation (three switches); after the last push the cache holds nothing;
+Evidence, from the engines' own counters and logs and from slime's metrics (``rollout/cosched_*``, per rollout):
+
+* sessions stay on their owner: every later turn of an episode is an owner turn or a counted move
+  (``session_turns == owner_turns + moves``), owner turns happen in every rollout, and the owner reuses their
+  prefixes (``owner_cached_tokens`` > 0); both engines serve every rollout and each reused prefixes itself
+  (its own ``prefill_tokens_saved`` > 0, ``hits`` > 0);
+* slime's metrics and the engines agree: the tokens the answers reported reused (``cached_tokens``), summed over
+  rollouts, equal the engines' own ``prefill_tokens_saved``, and the prompt tokens their ``prompt_tokens``;
+* no token after a weight switch comes from an old-version prefix: every answer that reused a prefix says which
+  version computed it (``cached_weight_version``) and none differs from the answer's own ``weight_version``
+  (``stale_prefix_answers`` 0, none unreported); and the engine side of the contract: slime flushes before every
+  push (``pause_generation``, ``flush_cache``, ``update_weights_from_disk``: the contract its SGLang engines rely
+  on), so in each engine's log each push after a rollout is preceded by a flush that dropped that rollout's
+  prefixes (N > 0), and the switch itself then found nothing left to drop (its own drop, the second line of the
+  contract, is exercised by tests/rollout/test_torch_engine_prefix_cache.py); every push switched each engine's
+  cache generation (three switches); after the last push the caches hold nothing;
 * no request was inserted under a version other than the one that computed it (``stale_inserts_refused`` 0:
   ``train.py`` is synchronous, slime pauses with ``abort``), and the staleness plugin kept every sample.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -30,83 +42,111 @@ import pytest
 from slime_ascend.demo.slime_job import Engine, free_port, make_prompts, run_slime, slime_flags, stop
 from slime_ascend.json_client import JSONRequestError, request_json
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixture)
+from test_slime_compaction import BATCH, EPISODE, N_SAMPLES
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-PLUGINS = ("cpu", "compaction", "staleness")
+PLUGINS = ("cpu", "compaction", "staleness", "cosched")
 NUM_ROLLOUT = 2
-BATCH, N_SAMPLES = 2, 4  # test_slime_compaction.py's: random rewards differ in some group (1 - 1/4096)
+NUM_ENGINES = 2
+CAPACITY = 3  # slots per engine: 6 for the 8 episodes (BATCH x N_SAMPLES) slime runs at once
 SETTINGS = {  # test_slime_compaction.py's episode: 3 facts, a 1024-token budget, one compaction a rollout
-    "ascend_compaction_env_reward": "false",
-    "ascend_compaction_env_kwargs": json.dumps({"num_facts": 3, "noise_lines": 1, "answer_turns": 1}),
-    "ascend_compaction_context_budget": "1024",
-    "ascend_compaction_trigger_tokens": "700",
-    "ascend_compaction_max_compactions": "1",
-    "ascend_compaction_keep_pairs": "1",
-    "ascend_compaction_summary_max_tokens": "8",
-    "ascend_compaction_use_chat_template": "false",
+    **EPISODE,
     "ascend_staleness_tau": "1",
+    "ascend_cosched_capacity": str(CAPACITY),
 }
 
 
-@pytest.fixture
-def cached_engine(model_dir, tmp_path):  # noqa: F811
+def _cached_engine(model_dir, log) -> Engine:  # noqa: F811
     """``slime-ascend serve-torch`` with the prefix cache on (slime_job.start_engine's, plus the flag)."""
     import os
 
-    port, log = free_port(), tmp_path / "engine.log"
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
+    env["OMP_NUM_THREADS"] = "1"  # one core per engine: the two engines do not oversubscribe the host's two
     cmd = [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--prefix-cache-tokens", "65536"]
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path),
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent),
                                 start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    return Engine(f"http://127.0.0.1:{port}", proc, log)
+
+
+@pytest.fixture
+def cached_engines(model_dir, tmp_path):  # noqa: F811
+    engines = [_cached_engine(model_dir, tmp_path / f"engine{i}.log") for i in range(NUM_ENGINES)]
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                request_json(url + "/health", timeout_s=2)
-                break
-            except JSONRequestError:
-                time.sleep(0.3)
-        yield Engine(url, proc, log)
+        for engine in engines:
+            while time.monotonic() < deadline:
+                assert engine.proc.poll() is None, engine.log.read_text()[-3000:]
+                try:
+                    request_json(engine.url + "/health", timeout_s=2)
+                    break
+                except JSONRequestError:
+                    time.sleep(0.3)
+        yield engines
     finally:
-        stop(proc)
+        for engine in engines:
+            stop(engine.proc)
 
 
-def test_train_py_compaction_reuses_prefixes_and_drops_them_at_every_push(model_dir, cached_engine,  # noqa: F811
-                                                                           tmp_path):
+def test_train_py_compaction_sessions_keep_their_kv_owner_across_versions(model_dir, cached_engines,  # noqa: F811
+                                                                          tmp_path):
     config = tmp_path / "ascend.yaml"
     sets = [w for k, v in SETTINGS.items() for w in ("--set", f"{k}={v}")]
     subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *PLUGINS, *sets, "-o", str(config)],
                    check=True, capture_output=True, text=True)
-    flags = slime_flags(model_dir, make_prompts(tmp_path / "prompts.jsonl"), [cached_engine], tmp_path,
+    flags = slime_flags(model_dir, make_prompts(tmp_path / "prompts.jsonl"), cached_engines, tmp_path,
                         num_rollout=NUM_ROLLOUT, batch=BATCH, n_samples=N_SAMPLES, save=False)
     flags += ["--seq-length", "2048"]
     run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config)
     assert run.returncode == 0, run.log[-6000:]
     print(f"train.py ran {run.seconds:.0f} s")
 
-    stats = request_json(cached_engine.url + "/server_info", timeout_s=10)["prefix_cache"]
-    assert stats["enabled"] and stats["max_tokens"] == 65536, stats
-    # reuse in the rollouts: later turns of an episode (and episodes of one rollout) on their engine
-    assert stats["hits"] > 0 and stats["prefill_tokens_saved"] > 0, stats
-    # slime's three pushes each switched the cache generation
-    assert stats["switches"] == stats["generation"] == NUM_ROLLOUT + 1, stats
-    # the engine's log, in order: per push, slime's flush (what it dropped) then the switch (what was left)
-    events = re.findall(r"(flush_cache: dropped|weight version \S+ -> \S+: dropped) (\d+) cached prefixes",
-                        cached_engine.log.read_text())
-    print("engine events:", events, "prefix cache:", stats)
-    switches = [i for i, (what, _) in enumerate(events) if what.startswith("weight version")]
-    assert len(switches) == NUM_ROLLOUT + 1, events
-    for i in switches[1:]:  # the pushes after a rollout: flushed just before, with that rollout's prefixes
-        assert i > 0 and events[i - 1][0] == "flush_cache: dropped" and int(events[i - 1][1]) > 0, events
-    assert all(int(events[i][1]) == 0 for i in switches), events  # nothing left once slime had flushed
-    assert stats["invalidated_entries"] == 0 and stats["flushed_entries"] > 0, stats
-    # after the last push nothing of the version before is held; nothing was cached under a later version
-    assert stats["entries"] == stats["tokens"] == 0 and stats["stale_inserts_refused"] == 0, stats
+    # cosched dispatched compaction's turns (its generate talks to the engines itself)
+    assert "cosched: compaction's turns are dispatched, one session per episode" in run.log
+    cosched = [m for m in run.metrics() if "rollout/cosched_requests" in m]
+    print("cosched:", cosched)
+    assert len(cosched) == NUM_ROLLOUT, cosched
+    for m in cosched:
+        dispatched = [m[f"rollout/cosched_engine{i}_dispatched"] for i in range(NUM_ENGINES)]
+        assert m["rollout/cosched_requests"] == m["rollout/cosched_answers"] == sum(dispatched), m
+        assert min(dispatched) > 0, m  # both engines served the rollout
+        # a later turn is an owner turn or a counted move; sessions stayed on their owner, which reused their prefix
+        assert m["rollout/cosched_session_turns"] == m["rollout/cosched_owner_turns"] + m["rollout/cosched_moves"], m
+        assert m["rollout/cosched_owner_turns"] > 0 and m["rollout/cosched_owner_cached_tokens"] > 0, m
+        # no answer reused a prefix of another weight version than its own (each said which)
+        assert m["rollout/cosched_stale_prefix_answers"] == 0, m
+        assert m["rollout/cosched_prefix_version_unreported"] == 0, m
+
+    stats = [request_json(e.url + "/server_info", timeout_s=10)["prefix_cache"] for e in cached_engines]
+    print("prefix caches:", stats)
+    # slime's metrics and the engines' own counters agree on the reuse and the prompts
+    summed = {key: sum(m[f"rollout/cosched_engine{i}_{key}"] for m in cosched for i in range(NUM_ENGINES))
+              for key in ("cached_tokens", "prompt_tokens")}
+    assert summed["cached_tokens"] == sum(s["prefill_tokens_saved"] for s in stats), (summed, stats)
+    assert summed["prompt_tokens"] == sum(s["prompt_tokens"] for s in stats), (summed, stats)
+    assert sum(m["rollout/cosched_answers"] for m in cosched) == sum(s["lookups"] for s in stats), stats
+
+    for engine, stat in zip(cached_engines, stats, strict=True):
+        assert stat["enabled"] and stat["max_tokens"] == 65536, stat
+        # reuse in the rollouts: later turns of an episode (and episodes of one rollout) on their engine
+        assert stat["hits"] > 0 and stat["prefill_tokens_saved"] > 0, stat
+        # slime's three pushes each switched the cache generation
+        assert stat["switches"] == stat["generation"] == NUM_ROLLOUT + 1, stat
+        # the engine's log, in order: per push, slime's flush (what it dropped) then the switch (what was left)
+        events = re.findall(r"(flush_cache: dropped|weight version \S+ -> \S+: dropped) (\d+) cached prefixes",
+                            engine.log.read_text())
+        print(f"engine {engine.url} events:", events)
+        switches = [i for i, (what, _) in enumerate(events) if what.startswith("weight version")]
+        assert len(switches) == NUM_ROLLOUT + 1, events
+        for i in switches[1:]:  # the pushes after a rollout: flushed just before, with that rollout's prefixes
+            assert i > 0 and events[i - 1][0] == "flush_cache: dropped" and int(events[i - 1][1]) > 0, events
+        assert all(int(events[i][1]) == 0 for i in switches), events  # nothing left once slime had flushed
+        assert stat["invalidated_entries"] == 0 and stat["flushed_entries"] > 0, stat
+        # after the last push nothing of the version before is held; nothing was cached under a later version
+        assert stat["entries"] == stat["tokens"] == 0 and stat["stale_inserts_refused"] == 0, stat
 
     staleness = [m for m in run.metrics() if any(k.startswith("rollout/staleness_") for k in m)]
     assert len(staleness) == NUM_ROLLOUT, staleness

@@ -174,6 +174,8 @@ def test_an_old_prefix_kept_across_the_switch_would_change_the_tokens(monkeypatc
     stale, _ = _turns(engine, history, 1, seed=300)
     fresh, _ = _turns(_fresh_with(state), history, 1, seed=300)
     assert stale[0]["meta_info"]["cached_tokens"] > 0
+    # the answer names the version that computed the reused prefix, so a stale reuse is visible in the answer
+    assert (stale[0]["meta_info"]["cached_weight_version"], stale[0]["meta_info"]["weight_version"]) == ("default", "v1")
     assert max(abs(x - y) for x, y in zip(_lps(stale[0]), _lps(fresh[0]), strict=True)) > 1e-2
 
 

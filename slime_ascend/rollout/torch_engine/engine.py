@@ -826,10 +826,12 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 routes.append(self._routes.take(len(ids)))
         return out.get(self._cache_kwarg), out.logits[0].float()
 
-    def _prefill(self, req: _Request, limit: int, routes: list[torch.Tensor] | None) -> tuple[Any, torch.Tensor, int, int]:
+    def _prefill(self, req: _Request, limit: int, routes: list[torch.Tensor] | None
+                 ) -> tuple[Any, torch.Tensor, int, int, str | None]:
         """The prompt's forward after the longest cached prefix of it (at most ``limit`` tokens) that the serving
         weights computed: lookup and forward under one hold of the compute lock (a weight switch takes it).
-        Returns (cache, logits of the fed positions, tokens reused, the prefix cache's generation)."""
+        Returns (cache, logits of the fed positions, tokens reused, the prefix cache's generation, the version label
+        of the reused prefix or None)."""
         with self._compute_lock:
             generation = self._prefix_cache.generation
             hit = self._prefix_cache.match(req.input_ids, limit, need_routes=routes is not None)
@@ -837,7 +839,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             if routes is not None and hit is not None:
                 routes.append(hit.routes)
             past, logits = self._forward_locked(None if hit is None else hit.kv, req.input_ids[reused:], routes)
-        return past, logits, reused, generation
+        return past, logits, reused, generation, None if hit is None else hit.version
 
     def _entries(self, values: list[Any], ids: list[int], req: _Request) -> list[list[Any]]:
         """SGLang's log-prob entries ``[logprob, token_id, text]`` (text with ``return_text_in_logprobs``)."""
@@ -866,7 +868,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         # an MoE model's routes are kept with its cached prefixes, whether this request asks for them or not
         keep_routes = req.return_routed_experts or (self._prefix_cache.enabled and self._routes is not None)
         routes: list[torch.Tensor] | None = [] if keep_routes else None
-        past, reused, generation = None, 0, None
+        past, reused, generation, cached_version = None, 0, None, None
 
         with self._admitted(req):
             input_logprobs = 0 <= req.logprob_start_len < len(req.input_ids)  # -1 unless return_logprob
@@ -874,7 +876,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             if abort is None and (max_new > 0 or input_logprobs):
                 # reuse leaves the last prompt token to feed, and every scored position (SGLang's radix match)
                 limit = min(len(req.input_ids) - 1, req.logprob_start_len if input_logprobs else len(req.input_ids))
-                past, logits, reused, generation = self._prefill(req, limit, routes)
+                past, logits, reused, generation, cached_version = self._prefill(req, limit, routes)
                 if input_logprobs:
                     start = req.logprob_start_len
                     targets = torch.tensor(req.input_ids[start + 1 :], dtype=torch.long)
@@ -929,6 +931,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(out_ids),
             "cached_tokens": reused,
+            "cached_weight_version": cached_version,  # the reused prefix's version (prefix_cache.py), None: none
             "weight_version": weight_version,
             "e2e_latency": time.perf_counter() - started,
         }

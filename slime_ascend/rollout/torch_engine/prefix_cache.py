@@ -18,6 +18,10 @@ are explicitly invalidated"). KV computed by weight version ``v`` is reused only
   never cached: counted ``stale_inserts_refused``);
 * the lookup and the prefill forward run under the compute lock a switch takes, so no switch falls between them.
 
+Each answer that reused a prefix says which version computed it (``meta_info["cached_weight_version"]``, the entry's
+label, beside the answer's own ``weight_version``): a client can check, answer by answer, that no token came from a
+prefix of another version (``cosched`` counts the answers where they differ, ``rollout/cosched_stale_prefix_answers``).
+
 Tagging by a counter, not the version string: the label is the caller's (``weight_version`` may repeat, or stay
 ``"default"``), the counter cannot repeat. A session moved to another engine finds no entry there and recomputes
 its prefix (``cached_tokens`` 0); its entry on the old engine ages out by LRU.
@@ -92,11 +96,14 @@ class _Entry:
 
 @dataclass
 class PrefixHit:
-    """A reused prefix: ``length`` tokens of ``kv`` (a private copy, safe to extend) and their ``routes``."""
+    """A reused prefix: ``length`` tokens of ``kv`` (a private copy, safe to extend) and their ``routes``;
+    ``version``: the label of the weight version that computed it (the entry's tag; the engine reports it as
+    ``meta_info["cached_weight_version"]``, so a client can check it against the answer's ``weight_version``)."""
 
     length: int
     kv: Any
     routes: torch.Tensor | None
+    version: str = "default"
 
 
 def unsupported(model: Any) -> str | None:
@@ -221,7 +228,8 @@ class PrefixCache:
             self._entries.move_to_end(best_key)
             self._counts["hits"] += 1
             self._counts["prefill_tokens_saved"] += best
-            return PrefixHit(best, _fork(entry.kv, best), None if entry.routes is None else entry.routes[:best])
+            return PrefixHit(best, _fork(entry.kv, best), None if entry.routes is None else entry.routes[:best],
+                             entry.version)
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: list[int], kv: Any, routes: torch.Tensor | None, generation: int) -> bool:
