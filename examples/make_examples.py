@@ -86,8 +86,11 @@ def render(name, title, plugins, m, est, edits):
     pre = ""
     hf_ckpt = "${BASE}/" + m["hf"]
     if "sao" in plugins:
-        pre = ('# [ascend:sao] the critic freeze list slime reads through --megatron-config-path (this script\'s own file)\n'
-               'python -m slime_ascend.sao.critic -o "${HERE}/sao_megatron.yaml" --force\n\n')
+        pre = ('# [ascend:sao] the critic freeze list slime reads through --megatron-config-path (this script\'s own file),\n'
+               '# and the critic\'s own --save: slime saves each role to its args.save, so without it the critic\'s checkpoint\n'
+               '# would land on the actor\'s (the sao plugin refuses that at start)\n'
+               'python -m slime_ascend.sao.critic -o "${HERE}/sao_megatron.yaml" --force --set '
+               f'"save=${{BASE}}/{m["hf"]}_slime_critic/"\n\n')
     if "int8-sync" in plugins:
         hf_ckpt = "${BASE}/" + m["hf"] + "-w8a8"
         pre = ('# [ascend:int8-sync] the engines serve the INT8 (W8A8) checkpoint and every weight update is quantised\n'

@@ -220,6 +220,13 @@ def metrics_enabled(args: Any) -> bool:
     return plugin is not None and bool(runtime.settings(args, plugin).metrics)
 
 
+def distributed_delta_enabled(args: Any) -> bool:
+    """The sync plugin's ``distributed_delta`` setting (False without a sync plugin): the distributed push sends
+    the changed quantised blocks only (:mod:`.distributed_delta`)."""
+    plugin = sync_plugin(args)
+    return plugin is not None and bool(runtime.settings(args, plugin).distributed_delta)
+
+
 def needs_engine_post_process(args: Any, quantization_config: Any) -> bool:
     """True when this sync must open slime's engine post-process gate although slime would not."""
     from .engine_gate import slime_gate_opens

@@ -68,6 +68,10 @@ def _sync_plugin(name: str, label: str, description: str, *extra: Setting) -> Pl
             Setting(prefix + "exact_timing", bool, True,
                     help="synchronise the device around each quantisation so the reported time is real "
                          "(costs one device sync per parameter)"),
+            Setting(prefix + "distributed_delta", bool, False,
+                    help="on the distributed transport, push only the quantised blocks (32 bytes, with their "
+                         "scales) that changed since the version every engine acknowledged; an engine that does "
+                         "not hold it gets the version whole (weight_sync.distributed_delta)"),
             *extra,
         ),
         contributions=(

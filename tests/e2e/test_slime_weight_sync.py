@@ -11,7 +11,8 @@ version in the engine's format.
 * ``fp8-sync``, slime's default transport (``nccl``, which slime's accelerator maps to gloo under the ``cpu``
   plugin: ``update_weights_from_distributed``): two engines started by slime itself (the ``torch-engine`` plugin:
   slime's ``SGLangEngine`` actors launch them, register them with slime's router and join them to the broadcast
-  group), float8 on gloo as its bytes (``train.gloo_float8_broadcast``). Evidence: the same metrics; each
+  group), float8 on gloo as its bytes (``train.gloo_float8_broadcast``), every version after the first as a delta
+  (``ascend_fp8_sync_distributed_delta``: only the fp8 blocks and scales that changed). Evidence: the same metrics; each
   engine's log (it switched to every version, from the broadcast, in fp8-block); the driver's read-back of every
   engine's version after each push (``driver.acknowledged_collective_update``); nothing written to disk; and the
   bytes each engine **holds** after each push, read from it with SGLang's ``/get_weights_by_name`` (``return_raw``:
@@ -247,6 +248,10 @@ def test_fp8_sync_over_slime_distributed_transport_with_managed_engines(model_di
     qdir = quantize(model_dir, tmp_path / f"tiny-qwen3-{fmt}", fmt)
     config = tmp_path / "ascend.yaml"
     _cli("config", *plugins, "-o", str(config))
+    # item 8: after the first push, each version goes as the fp8 blocks that changed (weight_sync.distributed_delta)
+    text = config.read_text()
+    assert "ascend_fp8_sync_distributed_delta: false" in text
+    config.write_text(text.replace("ascend_fp8_sync_distributed_delta: false", "ascend_fp8_sync_distributed_delta: true"))
     prompts = make_prompts(tmp_path / "prompts.jsonl")
     flags = _managed_distributed_flags(slime_flags(model_dir, prompts, [], tmp_path, num_rollout=NUM_ROLLOUT), qdir,
                                        prompts)
@@ -286,12 +291,21 @@ def test_fp8_sync_over_slime_distributed_transport_with_managed_engines(model_di
         assert m["perf/weight_sync_quantized_params"] % 14 == 0 and m["perf/weight_sync_quantized_params"] > 0
         assert 0 < m["perf/weight_sync_bytes"] < m["perf/weight_sync_source_bytes"], m
 
-    # each engine switched to every version from the broadcast, and the driver read every engine's version back
+    # each engine switched to every version from the broadcast (the first whole, each later one as a delta against
+    # the one before: the changed blocks only), and the driver read every engine's version back
     for v in versions:
         switched = f"switched to weight version {v} from "
         lines = [line for line in log.splitlines() if switched in line]
         assert len(lines) == NUM_ENGINES, (v, lines)
-        assert all(line.endswith(f"buckets of update_weights_from_distributed ({fmt})") for line in lines), lines
+        how = fmt if v == 1 else f"{fmt}, a delta against version {v - 1}"
+        assert all(line.endswith(f"buckets of update_weights_from_distributed ({how})") for line in lines), lines
+        # the train side's account of the push: a delta carries a fraction of the version's bytes
+        sent = [line for line in log.splitlines() if f"weight version {v} serving on group slime-pp_0 " in line]
+        assert len(sent) == 1, (v, sent)
+        want = "whole" if v == 1 else f"delta against version {v - 1}"
+        assert f"({NUM_ENGINES} engines): {want}, " in sent[0], sent
+        density = float(sent[0].rsplit("(density ", 1)[1].rstrip(")"))
+        assert (density == 1.0) if v == 1 else (0 < density < 1), sent
         assert f"weight version {v} acknowledged by every engine ({NUM_ENGINES}) after the push" in log, v
 
     # the probe (slime's eval, right after each push) read every engine: the version just pushed, acknowledged,

@@ -207,3 +207,98 @@ def test_quantised_push_carries_the_converters_bytes(tmp_path, fmt):
     want = from_disk.model.state_dict()
     for name, tensor in engine.model.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+DELTA_SENDER = Path(__file__).with_name("delta_weight_sender.py")
+
+
+def test_quantised_delta_push_equals_the_full_push(tmp_path):
+    """Item 8: after a full push, the next version goes as the changed fp8 blocks only (with their scales), is
+    staged and switched to like a full push and holds the converter's bytes; a delta against a version the engine
+    does not serve is refused and the sender pushes that version whole."""
+    from slime_ascend.quant.checkpoint import convert_checkpoint
+
+    fmt = "fp8-block"
+
+    def quantised(step: float, name: str, moved: float = 0.0) -> dict[str, torch.Tensor]:
+        """The tiny model shifted by ``step``, then a fraction ``moved`` of its values moved by 5% (a small
+        training step), converted offline."""
+        src = bf16_dir(tmp_path / f"bf16-{name}", step)
+        gen = torch.Generator().manual_seed(len(name) + int(moved * 1000))
+        for f in sorted(src.glob("*.safetensors")):
+            weights = load_file(str(f))
+            for k, t in weights.items():
+                x = t.float()
+                weights[k] = (x + (torch.rand(x.shape, generator=gen) < moved) * x * 0.05).to(t.dtype)
+            save_file(weights, str(f))
+        out = tmp_path / name
+        convert_checkpoint(src, out, fmt)
+        return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    quantised(0.0, "q0")
+    versions = {v: quantised(0.01, f"q{v}", moved) for v, moved in ((1, 0.0), (2, 0.002), (3, 0.004))}
+    engine = TorchEngine(model_path=str(tmp_path / "q0"), return_original_logprob=False)
+    engine.configure_weight_group(timeout_s=10, keep_dir=str(tmp_path / "kept"))
+    names = sorted(versions[1])
+    size = -(-len(names) // 3)
+    buckets = [names[i:i + size] for i in range(0, len(names), size)]
+    pushes = []
+    for v, tensors in versions.items():
+        path = tmp_path / f"push{v}.safetensors"
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(path))
+        pushes.append({"version": v, "tensors": str(path), "buckets": buckets, "held_as": "7" if v == 3 else None})
+    with engine.start_in_thread() as url:
+        plan = tmp_path / "plan.json"
+        plan.write_text(json.dumps({"url": url, "port": free_port(), "group_name": "slime-pp_0", "pushes": pushes}))
+        proc = subprocess.run([sys.executable, str(DELTA_SENDER), str(plan)], capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        calls = [(c["version"], c["load_format"], c["status"], c["body"].get("success"), c["body"].get("serving"))
+                 for c in lines if "status" in c]
+        delta = "slime_ascend.quant_delta:32:"
+        assert calls == (
+            [("1", None, 200, True, False)] * 2 + [("1", None, 200, True, True)]  # nothing held: whole
+            + [("2", delta + "1", 200, True, False)] * 2 + [("2", delta + "1", 200, True, True)]  # the blocks only
+            # v3 against a base the engine does not serve: refused, then the version whole
+            + [("3", delta + "7", 200, False, False)] + [("3", None, 200, True, False)] * 2
+            + [("3", None, 200, True, True)]), calls
+        refused = next(c["body"] for c in lines if c.get("body", {}).get("success") is False)
+        assert refused["delta_refused"] and "serves weight version 2, not the delta's base 7" in refused["message"]
+        densities = {c["version"]: c["density"] for c in lines if "density" in c}
+        assert densities[1] == [None] * 3 and densities[3] == [None] * 3
+        # 0.2% of the values moved: each bucket of version 2 carries a few % of its full push's bytes (measured
+        # 0.040, 0.040, 0.059 with the block indices)
+        assert all(0 < d < 0.2 for d in densities[2]), densities
+        assert served(url) == "3"
+    engine.weight_group.close()
+    for v, pushed in versions.items():  # every version held the converter's bytes, delta or whole
+        kept = load_file(str(tmp_path / "kept" / f"weight_v{v:06d}" / "model.safetensors"))
+        assert sorted(kept) == sorted(pushed)
+        for name, tensor in pushed.items():
+            assert kept[name].dtype == tensor.dtype and torch.equal(kept[name].view(torch.uint8),
+                                                                    tensor.contiguous().view(torch.uint8)), (v, name)
+    assert any(not torch.equal(versions[2][k], versions[1][k]) for k in versions[1])  # the delta was not empty
+    # and it serves what loading the last version from disk serves
+    want = TorchEngine(model_path=str(tmp_path / "q3"), return_original_logprob=False).model.state_dict()
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_agrees_with_isfinite(dtype):
+    """The pushed version's NaN/inf check (one aminmax pass, weight_group.all_finite) refuses exactly what
+    ``isfinite(t).all()`` refuses: a NaN, +inf or -inf anywhere (first, last, random places, strided views)."""
+    from slime_ascend.rollout.torch_engine.weight_group import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4099, generator=gen) * 0.02).to(dtype)
+    assert all_finite(x) and all_finite(x[:0]) and all_finite(torch.full((7,), torch.finfo(dtype).max, dtype=dtype))
+    places = [0, 4098, *torch.randint(0, 4099, (20,), generator=gen).tolist()]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in places:
+            y = x.clone()
+            y[at] = bad
+            assert all_finite(y) is False and not bool(torch.isfinite(y).all()), (bad, at)
+            view = y.view(-1)[: 4096].view(64, 64).t()[:, ::2]  # strided
+            assert all_finite(view) == bool(torch.isfinite(view).all()), (bad, at)

@@ -8,6 +8,9 @@ change: each tensor is broadcast as :func:`slime_ascend.weight_sync.wire.wire_vi
 the same bytes for float8 over gloo; the tensor itself otherwise), the metadata still naming the real dtype; the
 torch engine receives the same way. Over NCCL/HCCL nothing changes. The module attribute is looked up at each
 call by ``_update_bucket_weights_from_distributed`` (and imported by name into ``update_weight_from_tensor``).
+With a sync plugin's ``distributed_delta`` setting, each bucket goes through
+:func:`slime_ascend.weight_sync.distributed_delta.push_bucket` as the quantised blocks that changed since the
+version every engine acknowledged (the version whole when an engine does not hold it).
 """
 
 from __future__ import annotations
@@ -28,30 +31,14 @@ EXPECTED_SOURCE = ("engine.update_weights_from_distributed.remote(", "names=[nam
                    "dist.broadcast(param.data, 0, group=group, async_op=True)")
 
 
-def _replacement(original):
+def _replacement(original, args: Any = None):
     def update_weights_from_distributed(group_name, group, weight_version, rollout_engines, converted_named_tensors,
                                         load_format=None):
-        import torch.distributed as dist
+        from slime_ascend.weight_sync.distributed_delta import push_bucket
+        from slime_ascend.weight_sync.funnel import distributed_delta_enabled
 
-        from slime_ascend.weight_sync.wire import wire_view
-
-        refs = [
-            engine.update_weights_from_distributed.remote(
-                names=[name for name, _ in converted_named_tensors],
-                dtypes=[param.dtype for _, param in converted_named_tensors],
-                shapes=[param.shape for _, param in converted_named_tensors],
-                group_name=group_name,
-                weight_version=str(weight_version),
-                load_format=load_format,
-            )
-            for engine in rollout_engines
-        ]
-        backend = dist.get_backend(group)
-        handles = [dist.broadcast(wire_view(param.data, backend), 0, group=group, async_op=True)
-                   for _, param in converted_named_tensors]
-        for handle in handles:
-            handle.wait()
-        return refs
+        return push_bucket(group_name, group, weight_version, rollout_engines, converted_named_tensors, load_format,
+                           delta=args is not None and distributed_delta_enabled(args))
 
     update_weights_from_distributed.__slime_ascend_original__ = original
     return update_weights_from_distributed
@@ -71,9 +58,12 @@ class GlooFloat8Broadcast(RuntimePatch):
                                  "UpdateWeightFromDistributed._update_bucket_weights_from_distributed"))
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
-        self.wrap(modules[DISTRIBUTED], ATTR, _replacement)
+        def replacement(original):
+            return _replacement(original, args)
+
+        self.wrap(modules[DISTRIBUTED], ATTR, replacement)
         if getattr(modules[TENSOR], ATTR, None) is not None:
-            self.wrap(modules[TENSOR], ATTR, _replacement)
+            self.wrap(modules[TENSOR], ATTR, replacement)
 
 
 PATCH = GlooFloat8Broadcast(

@@ -362,7 +362,7 @@ def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     own = model.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
-            own[name].copy_(tensor.to(own[name].dtype))
+            own[name].copy_(tensor)  # copy_ converts the dtype itself (same rounding), without a temporary
 
 
 def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = torch.float32, seed: int = 0,

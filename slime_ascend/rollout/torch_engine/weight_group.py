@@ -22,6 +22,13 @@ been checked, with the same checks and the same switch as ``update_weights_from_
   keeps serving, and the next ``init_weights_update_group`` and update work;
 * gloo carries no float8: a float8 tensor travels as its bytes (``uint8``, same count), as the train side
   sends it (:mod:`slime_ascend.weight_sync.wire`; runtime patch ``train.gloo_float8_broadcast``);
+* a **delta** bucket (``load_format`` ``slime_ascend.quant_delta:<block_bytes>:<base>``, sent with a sync plugin's
+  ``distributed_delta`` setting: :mod:`slime_ascend.weight_sync.distributed_delta`) carries only the changed
+  blocks of a quantised version; they are applied into copies of the served version's tensors and the result is
+  staged, checked and switched to as a full bucket would be (byte-identical). A delta against a version this
+  engine does not serve is answered ``{"success": false, "delta_refused": true}`` (its bytes taken, nothing
+  staged) and the sender pushes the version whole; a full bucket of a version staged from deltas restarts it.
+  Every answer names ``weight_version`` and whether it now ``serving`` (the sender keeps its base by it);
 * ``keep_dir`` (``serve-torch --keep-received-weights DIR``): each version that served is also written, as
   received (the bytes on the wire), to ``DIR/weight_v{version:06d}/model.safetensors``.
 
@@ -50,6 +57,7 @@ from typing import Any
 import torch
 
 from slime_ascend.rollout.sglang_protocol import RequestError, check_weight_version
+from slime_ascend.weight_sync.distributed_delta import WIRE_NAMES, decode_delta, parse_delta_format
 from slime_ascend.weight_sync.wire import wire_view
 
 __all__ = ["DEFAULT_TIMEOUT_S", "WIRE_DTYPES", "WeightGroup", "WeightGroupReceiver", "join_group", "wire_view"]
@@ -82,6 +90,33 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     return group
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN/inf: its min and max are finite (both propagate NaN, an inf is
+    the max or the min). One reduction pass, about 10x faster on this host than ``isfinite(t).all()``, which
+    materialises a bool tensor (measured on 64 MiB: bf16 0.055 vs 0.52 s, fp32 0.028 vs 0.26 s)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """ValueError naming the first floating tensor of ``state`` with NaN/inf values (the words of
+    ``model.validate_state_dict``'s check, which this replaces for a pushed version)."""
+    for k, tensor in state.items():
+        if tensor.is_floating_point() and not all_finite(tensor):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"weights in {source}: tensor {k!r} has {bad} non-finite (NaN/inf) values in "
+                             f"{str(tensor.dtype).replace('torch.', '')}; refusing to load them")
+
+
+def _keeps_finite(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every finite ``src`` value is finite in ``dst`` (bf16/fp16 -> fp32, fp16 -> bf16): the check can run on the
+    received tensor, and the model's copy converts it."""
+    return src == dst or (src.is_floating_point and dst.is_floating_point
+                          and torch.finfo(src).max <= torch.finfo(dst).max)
+
+
 def _leave(group: Any) -> None:
     import torch.distributed as dist
 
@@ -112,6 +147,7 @@ class _Staged:
     version: str
     required: set[str]
     allowed: set[str]
+    base: str | None = None  # a delta push: the version its blocks are applied to
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     nbytes: int = 0
     buckets: int = 0
@@ -198,20 +234,37 @@ class WeightGroupReceiver:
             if entry is None:
                 raise RequestError(f"no weight-update group {group_name!r}; call /init_weights_update_group first")
             group, backend = entry
-            if load_format is not None:
+            try:
+                delta = parse_delta_format(load_format)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
+            if load_format is not None and delta is None:
                 raise RequestError(f"load_format={load_format!r} is not supported (slime's bucketed broadcast "
-                                   "sends none)")
+                                   "sends none; a quantised delta sends 'slime_ascend.quant_delta:...')")
             if not isinstance(flush_cache, bool):
                 raise RequestError("flush_cache must be true or false")
             version = check_weight_version(weight_version)
             if version is None:
                 raise RequestError("weight_version is required: the buckets of one version are staged under it and "
                                    "it serves when all have arrived (slime sends str(version))")
-            buffers = self._buffers(names, dtypes, shapes)
-            try:
-                staged, refusal = self._stage_for(version), None
-            except RequestError as exc:  # still take the bytes, so the sender's broadcast completes and it hears why
-                staged, refusal = None, exc
+            specs = self._specs(names, dtypes, shapes)
+            if delta is None:
+                buffers = [(name, torch.empty(shape, dtype=dtype)) for name, dtype, shape in specs]
+                wire = buffers
+            else:
+                entries, buffers = self._delta_specs(specs)
+                if buffers[2][1].shape[1] != delta[0]:
+                    raise RequestError(f"{WIRE_NAMES[2]} has blocks of {buffers[2][1].shape[1]} bytes, load_format "
+                                       f"says {delta[0]}")
+                wire = [(n, t) for n, t in buffers if t.numel()]  # the sender skips empty ones too
+            staged, refusal, delta_refusal, base_tensors = None, None, None, None
+            if delta is not None:
+                delta_refusal, base_tensors = self._delta_base(delta[1])
+            if delta_refusal is None:
+                try:
+                    staged = self._stage_for(version, None if delta is None else delta[1])
+                except RequestError as exc:  # still take the bytes, so the sender's broadcast completes and it hears why
+                    refusal = exc
             received = 0
             try:
                 from torch.distributed import BroadcastOptions
@@ -219,12 +272,12 @@ class WeightGroupReceiver:
                 opts = BroadcastOptions()
                 opts.rootRank = 0
                 opts.timeout = timedelta(seconds=self.timeout_s)
-                works = [group.broadcast([wire_view(t, backend)], opts) for _, t in buffers]
+                works = [group.broadcast([wire_view(t, backend)], opts) for _, t in wire]
                 for work in works:
                     work.wait()
                     received += 1
             except Exception as exc:  # noqa: BLE001 - the sender died, the group broke, a timeout
-                self._drop_staged(f"its broadcast broke off after {received} of {len(buffers)} tensors of a bucket")
+                self._drop_staged(f"its broadcast broke off after {received} of {len(wire)} tensors of a bucket")
                 self._groups.pop(group_name, None)
                 _leave(group)
                 raise RequestError(
@@ -234,15 +287,59 @@ class WeightGroupReceiver:
                     status=503) from None
             if refusal is not None:
                 raise refusal
+            if delta_refusal is not None:  # the sender pushes this version whole instead
+                if self._staged is not None and self._staged.version == version:
+                    self._drop_staged("a delta bucket of it was refused")
+                logger.info("weight version %s: delta refused (%s)", version, delta_refusal)
+                return {"success": False, "delta_refused": True, "weight_version": version, "serving": False,
+                        "message": f"delta refused: {delta_refusal}; push version {version} whole"}
             try:
-                return self._add(staged, buffers)
+                if delta is not None:
+                    try:
+                        bucket = decode_delta(base_tensors, entries, *(t for _, t in buffers), block_bytes=delta[0])
+                    except ValueError as exc:
+                        raise RequestError(f"weight version {version}: the delta bucket does not apply: {exc}; the "
+                                           f"version is dropped and version {self.engine.weight_version} keeps "
+                                           "serving") from None
+                else:
+                    bucket = buffers
+                return self._add(staged, bucket)
             except RequestError:
                 self._drop_staged("it was refused")
                 raise
 
-    def _buffers(self, names: Any, dtypes: Any, shapes: Any) -> list[tuple[str, torch.Tensor]]:
-        """Empty tensors for one bucket's metadata, refused (before any byte is received) when it is malformed
-        or larger than a checkpoint of this architecture."""
+    def _delta_base(self, base: str) -> tuple[str | None, dict[str, torch.Tensor] | None]:
+        """``(why a delta against base cannot be applied here, None)`` or ``(None, the tensors of base)``: the
+        engine must serve ``base`` as quantised tensors (``_served_checkpoint``), read under its update lock."""
+        engine = self.engine
+        with engine._update_lock:
+            served, version = getattr(engine, "_served_checkpoint", None), engine.weight_version
+        if engine.quantization is None:
+            return "this engine serves an unquantised checkpoint (deltas are of quantised versions)", None
+        if served is None:
+            return "this engine holds no quantised version now (its weights are released)", None
+        if str(version) != base:
+            return f"this engine serves weight version {version}, not the delta's base {base}", None
+        return None, served
+
+    @staticmethod
+    def _delta_specs(specs: list[tuple[str, torch.dtype, list[int]]]
+                     ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], list[tuple[str, torch.Tensor]]]:
+        """A delta bucket's metadata: its tensors' entries (not broadcast) and the three wire tensors' buffers."""
+        entries, wire = specs[:-3], specs[-3:]
+        want = [(WIRE_NAMES[0], torch.int64, 1), (WIRE_NAMES[1], torch.int64, 1), (WIRE_NAMES[2], torch.uint8, 2)]
+        if not entries or [(n, d, len(s)) for n, d, s in wire] != want or wire[0][2] != [len(entries)]:
+            raise RequestError(f"a delta bucket lists its tensors, then {', '.join(WIRE_NAMES)} (int64 "
+                               f"[{len(entries)}], int64 [n], uint8 [m, block_bytes]); got "
+                               f"{[(n, str(d)[6:], s) for n, d, s in wire]}")
+        if any(n in WIRE_NAMES for n, _, _ in entries):
+            raise RequestError(f"{WIRE_NAMES} name the delta's wire tensors, not weights")
+        return ([(n, d, tuple(s)) for n, d, s in entries],
+                [(n, torch.empty(s, dtype=d)) for n, d, s in wire])
+
+    def _specs(self, names: Any, dtypes: Any, shapes: Any) -> list[tuple[str, torch.dtype, list[int]]]:
+        """One bucket's metadata, refused (before any byte is received) when it is malformed or larger than a
+        checkpoint of this architecture."""
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             raise RequestError("names, dtypes and shapes must be lists")
         if not names or not len(names) == len(dtypes) == len(shapes):
@@ -262,11 +359,15 @@ class WeightGroupReceiver:
             if total > self.engine._max_checkpoint_bytes:
                 raise RequestError(f"bucket of {len(names)} tensors holds more than {self.engine._max_checkpoint_bytes} "
                                    "bytes, more than a checkpoint of the loaded architecture", status=413)
-            out.append((name, torch.empty(shape, dtype=WIRE_DTYPES[dtype])))
+            out.append((name, WIRE_DTYPES[dtype], shape))
         return out
 
-    def _stage_for(self, version: str) -> _Staged:
+    def _stage_for(self, version: str, base: str | None = None) -> _Staged:
         staged = self._staged
+        if staged is not None and staged.version == version and staged.base != base:
+            kinds = ("full" if staged.base is None else "delta", "full" if base is None else "delta")
+            self._drop_staged(f"a {kinds[1]} bucket of it arrived after {kinds[0]} ones (the sender fell back)")
+            staged = None
         if staged is not None and staged.version == version and time.monotonic() - staged.last > self.timeout_s:
             self._drop_staged(f"no bucket arrived for {self.timeout_s:g}s")
             staged = None
@@ -279,7 +380,7 @@ class WeightGroupReceiver:
             required = _checkpoint_names(self.engine.model_path, self.engine.model)
             tied = set(getattr(self.engine.model, "_tied_weights_keys", None) or ()) if getattr(
                 self.engine.model.config, "tie_word_embeddings", False) else set()
-            staged = self._staged = _Staged(version, required - tied, required | tied)
+            staged = self._staged = _Staged(version, required - tied, required | tied, base)
         return staged
 
     def _add(self, staged: _Staged, buffers: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
@@ -298,12 +399,14 @@ class WeightGroupReceiver:
                                "bytes, more than a checkpoint of the loaded architecture", status=413)
         missing = staged.missing()
         if missing:
-            return {"success": True, "message": f"staged bucket {staged.buckets} of weight version {staged.version} "
-                                                f"({len(staged.tensors)} tensors, {missing} to come)"}
+            return {"success": True, "weight_version": staged.version, "serving": False,
+                    "message": f"staged bucket {staged.buckets} of weight version {staged.version} "
+                               f"({len(staged.tensors)} tensors, {missing} to come)"}
         self._staged = None
         self._commit(staged)
-        return {"success": True, "message": f"weight version {staged.version} complete ({staged.buckets} buckets, "
-                                            f"{len(staged.tensors)} tensors) and serving"}
+        return {"success": True, "weight_version": staged.version, "serving": True,
+                "message": f"weight version {staged.version} complete ({staged.buckets} buckets, "
+                           f"{len(staged.tensors)} tensors) and serving"}
 
     def _commit(self, staged: _Staged) -> None:
         """Check the complete version like a checkpoint on disk and switch to it."""
@@ -316,11 +419,13 @@ class WeightGroupReceiver:
                 from slime_ascend.quant.params import dequantize_named_params
 
                 state = dequantize_named_params(state, spec_from_checkpoint(engine.model_path), engine.dtype)
-            else:
-                state = {k: v.to(engine.dtype) if v.is_floating_point() else v for k, v in state.items()}
+            else:  # converted where the model's dtype is narrower (checked as it will hold them), else as received
+                state = {k: v.to(engine.dtype) if v.is_floating_point() and not _keeps_finite(v.dtype, engine.dtype)
+                         else v for k, v in state.items()}
             from . import model as reference_model
 
-            reference_model.validate_state_dict(engine.model, state, source=source)
+            reference_model.validate_state_dict(engine.model, state, source=source, check_finite=False)
+            check_finite(state, source)
             with engine._update_lock:
                 check_released = getattr(engine, "_check_weights_present", None)
                 if check_released is not None:  # the weights were released (--colocate offload): no swap into them
@@ -331,8 +436,9 @@ class WeightGroupReceiver:
                                   _served_checkpoint=served)
         except (ValueError, TypeError, KeyError) as exc:
             raise RequestError(f"{source} refused: {exc}; version {engine.weight_version} keeps serving") from None
-        logger.info("switched to weight version %s from %d buckets of update_weights_from_distributed (%s)",
-                    staged.version, staged.buckets, engine.quantization or "unquantised")
+        logger.info("switched to weight version %s from %d buckets of update_weights_from_distributed (%s%s)",
+                    staged.version, staged.buckets, engine.quantization or "unquantised",
+                    "" if staged.base is None else f", a delta against version {staged.base}")
         if self.keep_dir is not None:
             self._keep(staged)
 
