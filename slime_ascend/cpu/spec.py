@@ -216,6 +216,15 @@ class LocalGroupedLinear(MegatronModule):
     ``SequentialMLP``'s ``local_experts.{i}``. Megatron's ``TEGroupedMLP`` drives it (its forward has no TE
     call without FP8); like TE's, it does no communication: the token dispatcher moves tokens over EP and
     expert TP. ``parallel_mode`` ``"column"`` shards the output dimension over expert TP, ``"row"`` the input.
+
+    Initialisation draws every global expert's whole weight, in global order, and keeps this rank's ones (its
+    shard of each): the host generator then advances the same way in every expert-parallel layout, as
+    Megatron's CPU initialisation (``--use-cpu-initialization``, which the ``cpu`` plugin sets) makes the
+    tensor-parallel shards of one master weight. What the generator draws after the model is therefore the
+    same at EP 1 and EP 2: slime's PPO critic initialises its value head (``LinearForLastLayer``, not in the HF
+    checkpoint) right after building the model, so with local draws its value head, and its values, would differ
+    between layouts (``tests/cpu/test_spec_moe_init.py``; ``tests/e2e/test_slime_moe_cpu.py`` compares the values).
+    At EP 1 and expert TP 1 the weights are the ones a local draw gives.
     """
 
     parallel_mode = "column"
@@ -227,13 +236,18 @@ class LocalGroupedLinear(MegatronModule):
             raise ValueError("slime_ascend.cpu.spec: expert linears with bias are not supported (drop "
                              "--add-bias-linear)")
         self._pg = pg_collection  # ep, expt_tp, expt_dp: MoELayer always passes it
-        tp = pg_collection.expt_tp.size()
+        tp, tp_rank = pg_collection.expt_tp.size(), pg_collection.expt_tp.rank()
+        ep_rank = pg_collection.ep.rank()
         column = self.parallel_mode == "column"
-        shape = (output_size // tp, input_size) if column else (output_size, input_size // tp)
+        masters = []
+        with torch.no_grad():  # every global expert's whole weight, in global order (see the class doc)
+            for expert in range(pg_collection.ep.size() * num_gemms):
+                master = torch.empty(output_size, input_size, dtype=config.params_dtype)
+                init_method(master)
+                if expert // num_gemms == ep_rank:
+                    masters.append(master.chunk(tp, dim=0 if column else 1)[tp_rank])
         for i in range(num_gemms):
-            weight = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
-            with torch.no_grad():
-                init_method(weight)
+            weight = torch.nn.Parameter(masters[i].contiguous())
             # what Megatron's expert ColumnParallelLinear / RowParallelLinear mark: sharded over expert TP,
             # gradients reduced over the expert data-parallel group (allreduce=False)
             for attr, value in (("tensor_model_parallel", True), ("partition_dim", 0 if column else 1),

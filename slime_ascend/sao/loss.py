@@ -9,6 +9,10 @@ Critic (slime sets ``loss_type = "value_loss"``; the ``train.critic_advantage_fu
 that call here): :func:`slime_ascend.algorithms.value_loss.clipped_value_loss` against the returns of
 the skip-observation GAE, clipped relative to the pre-update values with ``--value-clip``.
 
+The actor's train-side log-probs are handed to slime's dump (``--save-debug-train-data``) as slime's own policy
+loss hands them (:func:`capture_train_log_probs`): with ``use_rollout_logprobs`` slime skips their separate
+forward and snapshots them in the loss, which sao's takes the place of.
+
 Both are reduced with slime's ``sum_of_sample_mean`` argument. The sao YAML sets
 ``calculate_per_token_loss: true``, which makes that a token sum and makes slime/Megatron divide by
 the step's trainable-token count: the loss is the mean over all trainable tokens of the step
@@ -27,7 +31,7 @@ from slime_ascend.algorithms.masks import DISBand, dis_policy_loss, dis_ratio, r
 from slime_ascend.algorithms.value_loss import clipped_value_loss
 from slime_ascend.megatron_state import cp_state
 
-__all__ = ["dis_band", "dis_loss", "local_loss_masks", "sao_loss", "value_loss"]
+__all__ = ["capture_train_log_probs", "dis_band", "dis_loss", "local_loss_masks", "sao_loss", "value_loss"]
 
 PLUGIN_NAME = "sao"
 Reducer = Callable[[torch.Tensor], torch.Tensor]
@@ -81,6 +85,18 @@ def value_loss(
     return loss, {"value_loss": loss.detach(), "value_clipfrac": reducer(clipped).detach()}
 
 
+def capture_train_log_probs(batch: dict, log_probs: Sequence[torch.Tensor]) -> None:
+    """This micro-batch's per-sample (CP-local) train-side log-probs into slime's dump capture, as slime's
+    ``policy_loss_function`` puts them (``loss._maybe_capture_log_probs``: a no-op unless slime dumps train data
+    and skipped their separate forward; the first value of each sample wins, i.e. the pre-update one). A slime
+    without that capture is left alone: its dump then has no train-side log-probs with sao."""
+    from slime.backends.megatron_utils import loss as slime_loss
+
+    capture = getattr(slime_loss, "_maybe_capture_log_probs", None)
+    if capture is not None:
+        capture(batch, list(log_probs))
+
+
 def sao_loss(args: Any, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Reducer) -> tuple[torch.Tensor, dict]:
     """slime custom loss: value loss in the critic (``loss_type == "value_loss"``), DIS in the actor."""
     from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, get_values
@@ -105,6 +121,7 @@ def sao_loss(args: Any, batch: dict, logits: torch.Tensor, sum_of_sample_mean: R
             "that records Sample.rollout_log_probs (slime's sglang rollout does)"
         )
     _, out = get_log_probs_and_entropy(logits, with_entropy=False, **common)
+    capture_train_log_probs(batch, out["log_probs"])
     train_lp = torch.cat(out["log_probs"], dim=0)
     rollout_lp = torch.cat(batch["rollout_log_probs"], dim=0).to(train_lp.device)
     advantages = torch.cat(batch["advantages"], dim=0).to(train_lp.device)

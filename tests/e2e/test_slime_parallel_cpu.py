@@ -6,9 +6,9 @@ contracts lives in by ``test_slime_parallel_families_cpu.py``.)
 
 Why one job carries five families: CI time (each slime-loop run costs 1.5-3 min on 2 cores) does not allow a
 cross product of families and layouts, and the evidence of each family stays separable here: DIS's masked
-fraction (``train/dis_masked``), staleness's and tito's per-rollout reports, reward-mix's per-sample record
-and its failed samples (the judge ``reward_terms.judge`` fails every fourth sample: loss mask 0, the
-staleness group rule pads it), and int8-sync's pushed bytes. ``icepop`` cannot join (``dis`` in ratio mode and
+fraction (``train/dis_masked``) and its decision for every token, staleness's and tito's per-rollout reports,
+reward-mix's per-sample record and its failed samples (the judge ``reward_terms.judge`` fails every fourth sample:
+loss mask 0, the staleness group rule pads it), and int8-sync's pushed bytes. ``icepop`` cannot join (``dis`` in ratio mode and
 IcePop apply the same ratio twice), nor ``opd`` (it owns slime's reward model as reward-mix does, and its
 custom loss bypasses the TIS hook DIS acts in).
 
@@ -26,6 +26,11 @@ run is made once per module; each layout must then reproduce, from slime's own o
   reward-mix's record (components, penalties, failure);
 * per train step (slime's step metrics): loss, grad norm, DIS's masked fraction; per rollout: staleness's
   kept/padded/dropped counts and tito's checked samples;
+* DIS's decision for every token (``parallel_evidence.dis_decisions``: the plugin's band test on the dumped
+  train-side and engine log-probs). DIS's band (``DIS_EPS``) is set so that it masks real tokens: the engine serves
+  W8A8 weights, the trainer fp32 ones, and |log w| ~ 1e-3 straddles the band's edges; some tokens are masked and
+  some kept in every rollout (asserted). The same check refuses, on each run's own dump, the decisions a DIS mask
+  computed on one CP shard only would give (CP rank 1's tokens of a CP 2 split all kept): the comparison has teeth;
 * the first weights slime pushed (``weight_v000001``, gathered from the layout's shards and quantised in the
   train actor): byte-identical to the one-rank run's, and to ``slime-ascend quantize --format int8-w8a8`` of the
   checkpoint slime loaded, upcast to the fp32 it trains and pushes in (``parallel_evidence.fp32_copy``).
@@ -36,8 +41,9 @@ the optimizer step of each layout.
 Tolerances are for fp32 summed in another order (TP splits the matmuls, DP all-reduces the gradients, PP
 sends activations, CP attends over gathered keys): log-probs to 2e-5 absolute; advantages to 1e-6 absolute
 (GRPO's are computed from the same rewards: only the sum order of the group mean and std can differ); grad norm
-and loss to 1e-4 relative (loss also 1e-7 absolute; GRPO's loss here is ~1e-5); masks, tokens, rewards, counts
-and bytes exactly.
+and loss to 1e-4 relative (loss also 1e-7 absolute; GRPO's loss here is ~1e-5); DIS's masked fraction to 1e-6
+relative (the same decisions averaged in another order); masks, DIS's decisions, tokens, rewards, counts and bytes
+exactly.
 
 The refusal of an unsupported layout at slime's ``parse_args`` is unit-tested flag by flag in
 ``tests/cpu/test_cpu_layouts*.py``; its slime-loop run (about a minute) was dropped from this module to pay for
@@ -68,6 +74,14 @@ LOSS_ATOL = 1e-7
 BATCH, N_SAMPLES, NUM_ROLLOUT = 4, 2, 2
 FAILED = BATCH * N_SAMPLES // 4  # reward_terms.judge fails every fourth sample
 TRAINED = BATCH * N_SAMPLES - FAILED
+# DIS's band (ascend_dis_preset custom): keep 1 - eps < w < 1 + eps. The engine serves W8A8 weights (int8-sync),
+# so |log w| = |train-side fp32 log-prob - engine log-prob| is ~1e-3 (IcePop's CP 2 run measured median 1.1e-3, max
+# 2.8e-3 on the tiny model): this band masks a part of the tokens and keeps the rest, in every layout the same ones
+# Measured (one rank, TP 2 the same): 10 of rollout 0's 48 trainable tokens masked, 15 of rollout 1's (4 and 9 of them
+# on CP rank 1 of a CP 2 split); the closest log w lies 2.3e-5 from an edge, while TP 2's log-probs differ from one
+# rank's by 4.8e-7 at most
+DIS_EPS = 1.5e-3
+DIS_RTOL = 1e-6  # train/dis_masked: the same decisions, averaged per sample and over samples in another order
 
 
 # reward-mix: the parity reward, a judge that fails every fourth sample (an environment failure: loss mask 0)
@@ -87,6 +101,7 @@ def _config(work: Path) -> Path:
     cfg = yaml.safe_load(out.read_text())
     cfg["ascend_reward_components"] = REWARD_COMPONENTS
     cfg["ascend_reward_penalties"] = REWARD_PENALTIES
+    cfg.update(ascend_dis_preset="custom", ascend_dis_eps_low=DIS_EPS, ascend_dis_eps_high=DIS_EPS)
     # fp32 training (the layouts are compared to 2e-5): applied after slime forces bf16 and before Megatron's
     # validate_args picks the dtype
     cfg["bf16"] = False
@@ -199,8 +214,10 @@ def _assert_like_reference(reference, quantized: Path, first_push: Path, work: P
     for ref_m, m in zip(ref_steps, steps):
         assert math.isclose(m["train/grad_norm"], ref_m["train/grad_norm"], rel_tol=METRIC_RTOL), (m, ref_m)
         assert math.isclose(m["train/loss"], ref_m["train/loss"], rel_tol=METRIC_RTOL, abs_tol=LOSS_ATOL), (m, ref_m)
-        assert m["train/dis_masked"] == ref_m["train/dis_masked"]
+        assert math.isclose(m["train/dis_masked"], ref_m["train/dis_masked"], rel_tol=DIS_RTOL), (m, ref_m)
+        assert 0 < ref_m["train/dis_masked"] < 1, ref_m  # DIS masked real tokens and kept others
     assert any(m["train/grad_norm"] > 0 for m in ref_steps)  # the reward varied: the comparison has gradients
+    _assert_dis_decisions_alike(ref_work, work)
     # the plugins ran in every train rank and judged every rollout, as the one-rank run did
     assert run.log.count("slime-ascend plugins active: " + ", ".join(PLUGINS)) >= 2
     for key in ("rollout/staleness_kept", "rollout/staleness_padded", "rollout/staleness_dropped",
@@ -217,6 +234,29 @@ def _assert_like_reference(reference, quantized: Path, first_push: Path, work: P
     assert_same_tensors(work / "weights" / "weight_v000001", ref_work / "weights" / "weight_v000001")
     versions = sorted(p.name for p in (work / "weights").iterdir())
     assert versions == [f"weight_v{v:06d}" for v in range(1, NUM_ROLLOUT + 2)], versions
+
+
+def _assert_dis_decisions_alike(ref_work: Path, work: Path) -> None:
+    """DIS's decision for every token of every rollout (from slime's dumped train-side and engine log-probs, with the
+    plugin's own band test): the same in the layout as at one rank, some tokens masked and some kept. And the
+    comparison's teeth, on this run's own evidence: the decisions a DIS mask computed on one CP shard only would
+    leave (the tokens slime's zig-zag split gives CP rank 1 all kept) are refused."""
+    from parallel_evidence import assert_same_decisions, band_margin, dis_decisions, one_cp_shard_only
+
+    for rollout_id in range(NUM_ROLLOUT):
+        ref, got = _samples(ref_work, rollout_id), _samples(work, rollout_id)
+        want, have = dis_decisions(ref, DIS_EPS, DIS_EPS), dis_decisions(got, DIS_EPS, DIS_EPS)
+        assert_same_decisions(have, want)
+        trainable = sum(int(s["loss_masks"].sum()) for s in ref.values())
+        masked = sum(int((~keep).sum()) for keep in want.values())
+        broken = one_cp_shard_only(have, got)
+        lost = masked - sum(int((~keep).sum()) for keep in broken.values())  # masked tokens on CP rank 1
+        print(f"dis rollout {rollout_id}: {masked} of {trainable} trainable tokens masked ({lost} of them on CP "
+              f"rank 1 of a CP 2 split); closest log w to the band's edges {band_margin(ref, DIS_EPS, DIS_EPS):.2e}")
+        assert 0 < masked < trainable, (rollout_id, masked, trainable)
+        assert lost > 0, rollout_id
+        with pytest.raises(AssertionError):
+            assert_same_decisions(broken, want)
 
 
 def _reports(run, key: str) -> list:

@@ -334,8 +334,8 @@ def test_sao_with_compaction_at_cp2_matches_the_one_rank_run(model_dir, tmp_path
         assert f"applied runtime patch {patch_id}" in run.log, patch_id
     # compaction's evidence: the same segments (two per rollout), rollout totals, N_after and decay factors; then
     # SAO's: the engine's log-probs, the critic's values, the length-adaptive lambdas, advantages and returns.
-    # (slime's dump has no train-side log-probs here: it snapshots them only in its own policy loss, and sao's
-    # loss takes slime's place; they are checked through slime's train_rollout_logprob_abs_diff below)
+    # (the train-side log-probs are checked through slime's train_rollout_logprob_abs_diff below; sao's loss also
+    # hands them to slime's dump, sao.loss.capture_train_log_probs, which test_slime_moe_cpu compares per token)
     ref = _assert_samples_alike(ref_work, work, {
         "round_number": None, "rollout_ids": None, "rollout_trainable_tokens": None,
         "trainable_tokens_after": None, "compaction_decay": None,
