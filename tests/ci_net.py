@@ -43,8 +43,6 @@ INSTALL_HINT = "bash scripts/install-slime-cpu.sh installs them"
 
 # (node id prefix, text of the skip reason, why CI lets it skip)
 ALLOWED_SKIPS = (
-    ("tests/quant/test_quant_native_targets.py::test_e4m3_rounding_on_every_fp32_value_in_range[x86-64-v",
-     "swept by test_quant_native", "test_quant_native sweeps the host's -march=native build (AVX2 / AVX-512)"),
     ("tests/quant/test_quant_native_targets.py::", "(Debian: apt-get install gcc-aarch64-linux-gnu",
      "the aarch64 toolchain is optional (.ci/run installs it where apt-get runs as root; "
      "SLIME_ASCEND_REQUIRE_AARCH64=1 requires it)"),

@@ -123,35 +123,97 @@ class Engine:
         return self.url.removeprefix("http://")
 
 
-def start_engine(model_dir: Path, log: Path, timeout: float = 120) -> Engine:
-    """``slime-ascend serve-torch`` on 127.0.0.1, waited for until /health answers."""
-    from slime_ascend.json_client import JSONRequestError, request_json
-
+def _spawn_engine(model_dir: Path, log: Path) -> Engine:
+    """``slime-ascend serve-torch`` on 127.0.0.1 started (not waited for)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
     cmd = [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port)]
-    fh = log.open("w")
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent),
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
+    with log.open("w") as fh:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent),
+                                start_new_session=True)
+    return Engine(f"http://127.0.0.1:{port}", proc, log)
+
+
+def _wait_healthy(eng: Engine, deadline: float, timeout: float) -> None:
+    """Until ``eng`` answers /health; stopped, with its log in the error, when it exits or ``deadline`` passes."""
+    from slime_ascend.json_client import JSONRequestError, request_json
+
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"torch engine exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        if eng.proc.poll() is not None:
+            raise RuntimeError(f"torch engine exited ({eng.proc.returncode}):\n{eng.log.read_text()[-3000:]}")
         with contextlib.suppress(JSONRequestError):
-            request_json(url + "/health", timeout_s=2)
-            return Engine(url, proc, log)
-        time.sleep(0.3)
-    stop(proc)
-    raise RuntimeError(f"torch engine did not answer /health within {timeout}s:\n{log.read_text()[-3000:]}")
+            request_json(eng.url + "/health", timeout_s=2)
+            return
+        time.sleep(0.1)
+    stop(eng.proc)
+    raise RuntimeError(f"torch engine did not answer /health within {timeout}s:\n{eng.log.read_text()[-3000:]}")
+
+
+def _wait_listening(eng: Engine, deadline: float, timeout: float) -> None:
+    """Until ``eng``'s port accepts a connection (serve-torch listens before it loads the model)."""
+    port = int(eng.url.rsplit(":", 1)[1])
+    while time.monotonic() < deadline:
+        if eng.proc.poll() is not None:
+            raise RuntimeError(f"torch engine exited ({eng.proc.returncode}):\n{eng.log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        time.sleep(0.05)
+    stop(eng.proc)
+    raise RuntimeError(f"torch engine did not listen within {timeout}s:\n{eng.log.read_text()[-3000:]}")
+
+
+def start_engine(model_dir: Path, log: Path, timeout: float = 120, *, ready: bool = True) -> Engine:
+    """``slime-ascend serve-torch`` on 127.0.0.1, waited for until /health answers.
+
+    ``ready=False``: returned as soon as its port accepts connections, while it still imports torch and loads the
+    model (3-5 s on a 2-core host); a request sent meanwhile waits in its accept queue and is answered once the
+    model is loaded. For a caller that starts slime next: slime's own start (imports, Ray) overlaps the load,
+    and slime's first request to the engine (its server-info query, 30 s timeout) waits for it."""
+    eng = _spawn_engine(model_dir, log)
+    (_wait_healthy if ready else _wait_listening)(eng, time.monotonic() + timeout, timeout)
+    return eng
+
+
+def start_engines(model_dirs: list[Path], logs: list[Path], timeout: float = 120, *, ready: bool = True
+                  ) -> list[Engine]:
+    """:func:`start_engine` (with ``ready``) for each (model dir, log) pair, all started at once and then each
+    waited for, so that their imports and model loads overlap. If one fails to come up, every one is stopped and
+    the error is raised."""
+    if len(model_dirs) != len(logs):
+        raise ValueError(f"start_engines: {len(model_dirs)} model dirs but {len(logs)} logs; give one log per engine")
+    engines: list[Engine] = []
+    try:
+        for model_dir, log in zip(model_dirs, logs):
+            engines.append(_spawn_engine(model_dir, log))
+        deadline = time.monotonic() + timeout
+        for eng in engines:
+            (_wait_healthy if ready else _wait_listening)(eng, deadline, timeout)
+    except BaseException:
+        for eng in engines:
+            stop(eng.proc)
+        raise
+    return engines
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether ``pid`` ignores SIGINT (Linux's /proc; False where it cannot be read). A process started from a
+    background job of a non-interactive shell inherits SIGINT ignored, and Python then installs no handler."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(ln.split()[1], 16) for ln in f if ln.startswith("SigIgn:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    return bool(mask >> (signal.SIGINT - 1) & 1)
 
 
 def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGINT to ``proc``'s process group (SIGTERM when it ignores SIGINT), SIGKILL after ``timeout`` seconds."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGTERM if _ignores_sigint(proc.pid) else signal.SIGINT)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

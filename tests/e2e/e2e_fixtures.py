@@ -23,6 +23,8 @@ def moe_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def engine(model_dir, tmp_path):
-    eng = start_engine(model_dir, tmp_path / "engine.log")
+    """Listening, still loading its model when the test starts (``start_engine(ready=False)``): the slime job a
+    test starts next overlaps the load; slime's first request to it (or the test's) waits until it answers."""
+    eng = start_engine(model_dir, tmp_path / "engine.log", ready=False)
     yield eng
     stop(eng.proc)

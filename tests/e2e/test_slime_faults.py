@@ -24,7 +24,7 @@ import pytest
 
 from fault_proxy import FaultProxy
 from slime_ascend.demo.slime_job import (make_prompts, parse_rollout_metrics, run_slime, slime_flags,
-                                     start_engine, stop)
+                                     start_engines, stop)
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixture)
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -62,7 +62,7 @@ def test_an_engine_killed_mid_rollout_an_engine_silent_on_a_weight_update_and_th
     * engine 1 is killed by its proxy at its first ``/generate`` (during rollout 0): the rollout completes on
       engines 0 and 2 (slime's router and its generate retries), every sample once, none trained twice;
     * engine 2 never answers the second weight update (version 2, after train step 0 and its save): the switch
-      waits ``ascend_weight_update_deadline_s`` (20 s here) for it, sends engine 0 back to version 1 and resumes
+      waits ``ascend_weight_update_deadline_s`` (10 s here) for it, sends engine 0 back to version 1 and resumes
       it, leaves engines 1 and 2 unacknowledged, and slime stops with one line naming both;
     * the stopped job is started again as it was, on engine 0 alone, with ``--load`` of its ``--save``
       directory: it resumes at rollout 1 (the saved step 0's Megatron checkpoint, optimizer included, and
@@ -70,8 +70,9 @@ def test_an_engine_killed_mid_rollout_an_engine_silent_on_a_weight_update_and_th
       versions the uninterrupted job gave them), trains rollout 1's new samples once, and keeps the saved
       step's checkpoint."""
     plugins = ("cpu", "staleness")
-    deadline_s = 20
-    engines = [start_engine(model_dir, tmp_path / f"engine{i}.log") for i in range(3)]
+    deadline_s = 10
+    # started together, still loading while slime starts (slime's server-info query through the proxies waits)
+    engines = start_engines([model_dir] * 3, [tmp_path / f"engine{i}.log" for i in range(3)], ready=False)
     proxies = [FaultProxy(engines[0].url),
                FaultProxy(engines[1].url, engines[1].proc.pid, kill_at=("/generate", 1)),
                FaultProxy(engines[2].url, hold_at=("/update_weights_from_disk", 2))]
@@ -155,8 +156,8 @@ def test_a_teacher_engine_dying_mid_opd_fails_its_samples_as_environment_failure
     plugins = ("cpu", "opd")
     batch, n_samples = 2, 2
     teacher_dir = make_model(tmp_path / "teacher", seed=1)
-    rollout = start_engine(model_dir, tmp_path / "engine-rollout.log")
-    teacher = start_engine(teacher_dir, tmp_path / "engine-teacher.log")
+    rollout, teacher = start_engines([model_dir, teacher_dir], [tmp_path / "engine-rollout.log",
+                                                                tmp_path / "engine-teacher.log"], ready=False)
     proxy = FaultProxy(teacher.url, teacher.proc.pid, kill_at=("/generate", 3))
     try:
         config = tmp_path / "ascend.yaml"

@@ -115,7 +115,7 @@ def _glm5_flags(flags: list[str]) -> list[str]:
 def _run(model: Path, work: Path, layout: list[str]):
     work.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(work / "prompts.jsonl")
-    engine = start_engine(model, work / "engine.log")
+    engine = start_engine(model, work / "engine.log", ready=False)
     flags = _glm5_flags(slime_flags(model, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
                                     n_samples=N_SAMPLES, max_response=MAX_RESPONSE, save=False))
     at = flags.index("--rm-type")

@@ -391,7 +391,7 @@ def test_train_py_refuses_a_teacher_with_another_vocabulary(models, tmp_path):
     prompts = make_prompts(tmp_path / "prompts.jsonl", domains=("math", "code"))
     # slime's parse_args asks the rollout engine for its server info (external engine discovery) before it
     # returns, so the student's engine runs; the teachers' are never asked
-    rollout = start_engine(models["student"], tmp_path / "engine-rollout.log")
+    rollout = start_engine(models["student"], tmp_path / "engine-rollout.log", ready=False)
     try:
         flags = slime_flags(models["student"], prompts, [rollout], tmp_path, num_rollout=1)
         run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config, timeout=300)

@@ -128,7 +128,7 @@ def _flags(model: Path, engine_checkpoint: Path, prompts: Path, engines, work: P
 def _run(model: Path, engine_checkpoint: Path, work: Path, layout: list[str]):
     work.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(work / "prompts.jsonl")
-    engine = start_engine(engine_checkpoint, work / "engine.log")
+    engine = start_engine(engine_checkpoint, work / "engine.log", ready=False)
     try:
         run = run_slime("train.py", _flags(model, engine_checkpoint, prompts, [engine], work, layout), work,
                         PLUGINS, custom_config=_config(work), extra_env={"PYTHONPATH": str(HERE)})

@@ -92,10 +92,10 @@ def _run(work: Path, *, model: Path, engine_checkpoint: Path, plugins: tuple[str
     URL goes to every teacher of ``ascend_opd_teachers``); slime's train dumps under ``work/dump``. ``save``:
     slime's ``--save`` of the last rollout (``slime_flags``)."""
     work.mkdir(parents=True, exist_ok=True)
-    engines = {"rollout": start_engine(engine_checkpoint, work / "engine.log")}
+    engines = {"rollout": start_engine(engine_checkpoint, work / "engine.log", ready=False)}
     try:
         if teacher is not None:
-            engines["teacher"] = start_engine(teacher, work / "engine-teacher.log")
+            engines["teacher"] = start_engine(teacher, work / "engine-teacher.log")  # opd asks it at parse_args (10 s)
             settings = {**settings, "ascend_opd_teachers": [{**t, "url": engines["teacher"].url}
                                                             for t in settings["ascend_opd_teachers"]]}
         prompts = make_prompts(work / "prompts.jsonl", domains=domains)

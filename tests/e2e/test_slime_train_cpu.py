@@ -182,7 +182,7 @@ def test_a_weight_update_one_engine_refuses_leaves_every_engine_on_the_old_versi
     config.intermediate_size = 96  # another shape: version 1 cannot load into it
     other = tmp_path / "other-shape"
     save_model(AutoModelForCausalLM.from_config(config).eval(), other, build_byte_tokenizer())
-    second = start_engine(other, tmp_path / "engine-other.log")
+    second = start_engine(other, tmp_path / "engine-other.log", ready=False)
     try:
         plugins = ("cpu", "staleness")
         prompts = make_prompts(tmp_path / "prompts.jsonl")

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import logging
+import socket
+from typing import Any
 
 from ...command import ArgumentParser
-from ..http_server import add_server_flags, make_server, positive_int, serve_until_interrupted, server_options
+from ..http_server import (BoundedThreadingHTTPServer, add_server_flags, make_server, positive_int, serve_until_interrupted,
+                           server_options)
 from . import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOP_LOGPROBS,
                DEFAULT_MAX_WEIGHT_VALUES)
 
@@ -26,6 +29,28 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
+
+
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A TCP socket listening on (host, port) with the server's accept-queue depth (as socketserver binds it)."""
+    sock = socket.socket(BoundedThreadingHTTPServer.address_family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # http.server's allow_reuse_address
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _adopt(server: Any, listener: socket.socket) -> None:
+    """``server`` (bound by :func:`make_server` to a port of its own) serves on ``listener`` instead, with the
+    connections already queued there."""
+    server.socket.close()
+    server.socket = listener
+    server.server_address = listener.getsockname()
+    server.server_port = server.server_address[1]
 
 
 def build_parser() -> ArgumentParser:
@@ -72,6 +97,9 @@ def serve_torch(argv: list[str] | None = None) -> int:
     """CLI entry: ``slime-ascend serve-torch --model DIR --host 127.0.0.1 --port PORT``: load the
     torch engine and serve it until interrupted."""
     args = build_parser().parse_args(argv)  # before torch is imported: --help answers at once
+    # listening before torch is imported and the model loads: a client that connects meanwhile waits in the
+    # accept queue for its answer instead of being refused (a launcher need not poll until the load is done)
+    listener = _listen(args.host, args.port, args.backlog)
     from .engine import TorchEngine
 
     if not logging.getLogger().handlers:  # the engine's own events (weight updates) on stderr
@@ -84,7 +112,8 @@ def serve_torch(argv: list[str] | None = None) -> int:
                              prefix_cache_entries=args.prefix_cache_entries)
     if args.weight_group_timeout is not None or args.keep_received_weights is not None:
         engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
-    server = make_server(engine, host=args.host, port=args.port, **server_options(args))
+    server = make_server(engine, host=args.host, port=0, **server_options(args))
+    _adopt(server, listener)
     bound_host, bound_port = server.server_address[:2]
     print(f"torch engine serving {engine.server_info()['model_path']} at http://{bound_host}:{bound_port}",
           flush=True)
