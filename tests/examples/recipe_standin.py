@@ -8,13 +8,16 @@ three things standing in for what this host lacks:
   (unless ``STANDIN_RAY_RUNNING=1``), ``ray start``/``ray stop`` do nothing, and ``ray job submit ... --
   python3 $SLIME_DIR/<script>.py FLAGS`` runs real slime's ``<script>.py`` (``SLIME_SRC``) on this host
   with the flags rewritten by :func:`rewrite_flags` and the YAML by :func:`rewrite_config`;
-* ``$SLIME_DIR`` holds only ``scripts/models/*.sh``, each defining the tiny Qwen3's ``MODEL_ARGS``;
-* ``$BASE`` holds the recipe's checkpoints and data as the tiny model and a few prompts.
+* ``$SLIME_DIR`` holds only ``scripts/models/*.sh``, each defining a tiny model's ``MODEL_ARGS``;
+* ``$BASE`` holds the recipe's checkpoints and data as the tiny models and a few prompts.
 
 What changes for the host, and nothing else: ``npu`` runs as ``cpu,npu`` (npu on the host: the npu
-plugin's own code with the cpu accelerator's device operations), ``sglang-npu`` gives way to the
-package's torch engine (SGLang's HTTP surface; slime reaches it as an external engine, and weights
-travel by disk), every device count and parallel size is 1, and the sizes are one small rollout.
+plugin's own code with the cpu accelerator's device operations), ``sglang-npu`` gives way to
+``torch-engine`` (slime's own engine actors start the package's torch engine in place of SGLang's server;
+slime's placement, ``--colocate`` offload/onload and weight transport are its own), the device counts and
+parallel sizes are capped at what one host with ``NUM_NPUS`` devices holds (:func:`host_layout`), and the
+sizes are one small rollout. What was rewritten is recorded in ``$STANDIN_WORK/standin.json`` (the recipe's
+flags and plugins, and slime's) for the test to check against its list.
 """
 from __future__ import annotations
 
@@ -23,84 +26,80 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 # the plugins that need what this host lacks, and what runs in their place
-PLUGIN_STANDINS = {"npu": ("cpu", "npu"), "sglang-npu": ()}
-ONE = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus", "--rollout-num-gpus-per-engine",
-       "--critic-num-nodes", "--critic-num-gpus-per-node", "--tensor-model-parallel-size",
-       "--pipeline-model-parallel-size", "--context-parallel-size", "--expert-model-parallel-size",
-       "--expert-tensor-parallel-size")
-# --sequence-parallel needs tensor parallelism; --colocate shares accelerator memory between the train actors
-# and engines slime starts, and the stand-in's engine is an external one (slime asks an external engine
-# for SGLang's memory saver when colocated)
-DROPPED_SWITCHES = ("--sequence-parallel", "--colocate")
-DROPPED_WITH_VALUE = ("--sglang-mem-fraction-static",)  # an SGLang engine option; the torch engine has none
+PLUGIN_STANDINS = {"npu": ("cpu", "npu"), "sglang-npu": ("torch-engine",)}
 ROLLOUT_BATCH, MAX_SAMPLES, MAX_RESPONSE = 2, 2, 8
+# the most train ranks one job role runs with on this 2-core host (TP 2, or EP 2)
+MAX_RANKS = 2
 
 
 def _takes_value(argv: list[str], i: int) -> bool:
     return i + 1 < len(argv) and not argv[i + 1].startswith("--")
 
 
-def rewrite_flags(argv: list[str], engine_addrs: list[str], disk: Path, config: Path | None) -> list[str]:
-    """The recipe's slime flags for this host: sizes of one small rollout, every count and parallel size 1,
-    the external torch engine(s) and disk weight transport, the cpu plugin's Megatron flags."""
+def _values(argv: list[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    i = 0
+    while i < len(argv):
+        has_value = _takes_value(argv, i)
+        out[argv[i]] = argv[i + 1] if has_value else None
+        i += 2 if has_value else 1
+    return out
+
+
+def host_layout(values: dict[str, str | None]) -> dict[str, str]:
+    """The recipe's device counts and parallel sizes capped at one host: one node; tensor and expert
+    parallelism at most the actor's devices (and :data:`MAX_RANKS`); an engine at most the devices slime
+    gives the engines (the actor's under ``--colocate``, else ``--rollout-num-gpus``). Only what changes."""
+    out: dict[str, str] = {}
+    if values.get("--actor-num-nodes") not in (None, "1"):
+        out["--actor-num-nodes"] = "1"
+    devices = int(values.get("--actor-num-gpus-per-node") or 1)
+    for flag in ("--tensor-model-parallel-size", "--expert-model-parallel-size"):
+        if values.get(flag) is not None and int(values[flag]) > min(devices, MAX_RANKS):
+            out[flag] = str(min(devices, MAX_RANKS))
+    engine_devices = devices if "--colocate" in values else int(values.get("--rollout-num-gpus") or devices)
+    per_engine = values.get("--rollout-num-gpus-per-engine")
+    if per_engine is not None and int(per_engine) > engine_devices:
+        out["--rollout-num-gpus-per-engine"] = str(engine_devices)
+    return out
+
+
+def rewrite_flags(argv: list[str], config: Path | None, cpu_flags: list[str]) -> list[str]:
+    """The recipe's slime flags for this host: the sizes of one small rollout, :func:`host_layout`, the
+    stand-in YAML, and the cpu plugin's Megatron flags (``cpu_flags``). Every other flag as written."""
+    values = _values(argv)
+    layout = host_layout(values)
+    n = min(int(values.get("--n-samples-per-prompt") or 1), MAX_SAMPLES)
+    sizes = {"--num-rollout": "1", "--rollout-batch-size": str(ROLLOUT_BATCH), "--n-samples-per-prompt": str(n),
+             "--rollout-max-response-len": str(MAX_RESPONSE), "--global-batch-size": str(ROLLOUT_BATCH * n)}
     out: list[str] = []
-    values: dict[str, str] = {}
     i = 0
     while i < len(argv):
         flag = argv[i]
         has_value = _takes_value(argv, i)
         value = argv[i + 1] if has_value else None
         i += 2 if has_value else 1
-        if flag in DROPPED_SWITCHES or flag in DROPPED_WITH_VALUE:
-            continue
-        if flag in ONE:
-            value = "1"
-        elif flag == "--num-rollout":
-            value = "1"
-        elif flag == "--rollout-batch-size":
-            value = str(ROLLOUT_BATCH)
-        elif flag == "--n-samples-per-prompt":
-            value = str(min(int(value), MAX_SAMPLES))
-        elif flag == "--rollout-max-response-len":
-            value = str(MAX_RESPONSE)
+        if flag in layout:
+            value = layout[flag]
+        elif flag in sizes:
+            value = sizes[flag]
         elif flag == "--custom-config-path" and config is not None:
             value = str(config)
-        values[flag] = value
         out += [flag] + ([value] if value is not None else [])
-    n = int(values.get("--n-samples-per-prompt") or 1)
-    if "--global-batch-size" in values:
-        out[out.index("--global-batch-size") + 1] = str(ROLLOUT_BATCH * n)
-    added = ["--rollout-external", "--rollout-external-engine-addrs", *engine_addrs,
-             "--update-weight-mode", "full", "--update-weight-transport", "disk", "--update-weight-disk-dir", str(disk)]
-    for flag, value in (("--seq-length", "256"), ("--max-position-embeddings", "4096"), ("--bf16", None),
-                        ("--seed", "1234")):
-        if flag not in values:
-            added += [flag] + ([value] if value else [])
-    if "--rollout-num-gpus" not in values:  # a colocated recipe's engines shared the train actors' devices
-        added += ["--rollout-num-gpus", "1"]
-    if "--use-dynamic-batch-size" not in values and "--micro-batch-size" not in values:
-        added += ["--micro-batch-size", "1"]
-    return out + added + _cpu_flags()
-
-
-def _cpu_flags() -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", "cpu", "--flags"],
-                         capture_output=True, text=True, check=True).stdout
-    return shlex.split(out)
+    return out + cpu_flags
 
 
 def _config_of(*plugins: str) -> dict:
+    """The settings ``slime-ascend config PLUGIN...`` writes (in this process: a CLI run per call costs a torch
+    import)."""
     import yaml
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "c.yaml"
-        subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *plugins, "-o", str(path)],
-                       capture_output=True, text=True, check=True)
-        cfg = yaml.safe_load(path.read_text())
+    from slime_ascend import config
+
+    cfg = yaml.safe_load(config.build(list(plugins)).yaml_text)
     cfg.pop("ascend_plugins", None)
     return cfg
 
@@ -115,20 +114,22 @@ def standin_plugins(plugins: list[str]) -> list[str]:
 
 
 def rewrite_config(src: Path, dst: Path, plugins: list[str], base: Path, start) -> list:
-    """The recipe's YAML for this host: the stand-in plugins, the cpu plugin's settings, no sglang-npu
-    settings, and OPD teachers served by torch engines (``start(model_dir)`` starts one and returns
-    it). Returns the engines it started."""
+    """The recipe's YAML for this host: the stand-in plugins, their settings (defaults) in place of the replaced
+    plugins' (sglang-npu's), and OPD teachers served by torch engines (``start(model_dir)`` starts one and
+    returns it). Returns the engines it started."""
     import yaml
 
     cfg = yaml.safe_load(src.read_text())
-    dropped = [p for p in cfg["ascend_plugins"] if p in PLUGIN_STANDINS]
-    for p in dropped:
-        if p not in ("npu",):  # npu still runs (on the host); its stand-in plugins' settings are added below
+    recipe_plugins = list(cfg["ascend_plugins"])
+    for p in recipe_plugins:
+        if p in PLUGIN_STANDINS and p not in plugins:  # npu still runs (on the host)
             for key in _config_of(p):
                 cfg.pop(key, None)
     cfg["ascend_plugins"] = plugins
-    for key, value in _config_of("cpu").items():
-        cfg.setdefault(key, value)
+    for p in plugins:
+        if p not in recipe_plugins:
+            for key, value in _config_of(p).items():
+                cfg.setdefault(key, value)
     engines = []
     for teacher in cfg.get("ascend_opd_teachers") or []:
         teacher["checkpoint_dir"] = str(base / "teachers" / teacher["name"])
@@ -145,23 +146,33 @@ def rewrite_config(src: Path, dst: Path, plugins: list[str], base: Path, start) 
 
 def submit(argv: list[str]) -> int:
     """``ray job submit [--address A] [--runtime-env-json J] -- python3 $SLIME_DIR/<script>.py FLAGS``."""
-    from slime_ascend.demo.slime_job import job_env, slime_src, start_engine, stop
+    from slime_ascend.demo.slime_job import (
+        job_env,
+        plugin_flags,
+        slime_src,
+        start_engine,
+        stop,
+    )
 
     sep = argv.index("--")
     opts, cmd = argv[:sep], argv[sep + 1:]
     runtime_env = {}
-    if "--runtime-env-json" in opts:
-        runtime_env = json.loads(opts[opts.index("--runtime-env-json") + 1])
-    env_vars = {k: v for k, v in runtime_env.get("env_vars", {}).items() if k != "PYTHONPATH"}
-    plugins = standin_plugins(env_vars.get("SLIME_ASCEND_PLUGINS", os.environ["SLIME_ASCEND_PLUGINS"]).split(","))
+    for i, opt in enumerate(opts):  # --runtime-env-json J or --runtime-env-json=J (what the recipes write)
+        if opt == "--runtime-env-json":
+            runtime_env = json.loads(opts[i + 1])
+        elif opt.startswith("--runtime-env-json="):
+            runtime_env = json.loads(opt.split("=", 1)[1])
+    env_vars = dict(runtime_env.get("env_vars", {}))
+    recipe_plugins = env_vars.pop("SLIME_ASCEND_PLUGINS", os.environ["SLIME_ASCEND_PLUGINS"]).split(",")
+    env_vars.pop("PYTHONPATH", None)  # the recipe's Megatron-LM checkout: job_env puts slime's tree and this package
+    plugins = standin_plugins(recipe_plugins)
     script, flags = Path(cmd[1]).name, cmd[2:]
     work = Path(os.environ["STANDIN_WORK"])
     base = Path(os.environ["BASE"])
-    engines: list = []
     started: list = []
 
     def start(model_dir: Path):
-        return start_engine(model_dir, work / f"engine-{len(engines) + len(started)}.log")
+        return start_engine(model_dir, work / f"engine-{len(started)}.log")
 
     try:
         config = None
@@ -169,16 +180,15 @@ def submit(argv: list[str]) -> int:
             config = work / "ascend.standin.yaml"
             started += rewrite_config(Path(flags[flags.index("--custom-config-path") + 1]), config, plugins, base,
                                       start)
-        rollout = start(Path(flags[flags.index("--hf-checkpoint") + 1]))
-        engines.append(rollout)
-        disk = work / "weights"
-        disk.mkdir(exist_ok=True)
-        full = [sys.executable, str(slime_src() / script), *rewrite_flags(flags, [rollout.addr], disk, config)]
+        full = [sys.executable, str(slime_src() / script), *rewrite_flags(flags, config, plugin_flags(("cpu",)))]
+        (work / "standin.json").write_text(json.dumps({
+            "script": script, "recipe_flags": flags, "flags": full[2:], "recipe_plugins": recipe_plugins,
+            "plugins": plugins}))
         print("stand-in: " + shlex.join(full), flush=True)
         env = job_env(tuple(plugins), env_vars)
-        return subprocess.run(full, env=env, cwd=str(work)).returncode
+        return subprocess.run(full, env=env, cwd=str(work), check=False).returncode
     finally:
-        for eng in engines + started:
+        for eng in started:
             stop(eng.proc)
 
 
