@@ -42,6 +42,7 @@ __all__ = [
     "CompactionSettings",
     "generate",
     "run_compaction_rollout",
+    "set_episode_router",
     "set_runtime_override",
 ]
 
@@ -146,11 +147,24 @@ def _resolve_runtime(args: Any) -> CompactionRuntime:
     return CompactionRuntime(tokenizer=_load_tokenizer(str(path)), engine=_engine_for_url(generate_url_from_args(args)))
 
 
+_episode_router: Callable[..., Any] | None = None
+
+
+def set_episode_router(router: Callable[..., Any] | None) -> None:
+    """Another plugin's placement of each episode (``cosched``'s sessions: every turn of an episode on the engine
+    that owns its prefix): ``await router(run, args, sample, sampling_params, settings=..., runtime=...)`` runs the
+    episode through ``run`` (:func:`run_compaction_rollout`), e.g. with another engine in ``runtime``. None: none."""
+    global _episode_router
+    _episode_router = router
+
+
 async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], evaluation: bool = False) -> list[Any]:
     """slime custom generate: one compaction episode -> one Sample per segment (shared ``rollout_id``)."""
-    return await run_compaction_rollout(
-        args, sample, sampling_params, settings=CompactionSettings.from_args(args), runtime=_resolve_runtime(args)
-    )
+    settings, runtime = CompactionSettings.from_args(args), _resolve_runtime(args)
+    if _episode_router is not None:
+        return await _episode_router(run_compaction_rollout, args, sample, sampling_params, settings=settings,
+                                     runtime=runtime)
+    return await run_compaction_rollout(args, sample, sampling_params, settings=settings, runtime=runtime)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

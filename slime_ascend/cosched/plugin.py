@@ -22,6 +22,6 @@ PLUGIN = Plugin(
                      note="this rollout's dispatch counts as rollout/cosched_* metrics; rewards unchanged"),
     ),
     # compaction's turns (its generate calls the engines itself): hooked when slime_ascend.compaction.generate loads
-    process_start=("slime_ascend.cosched.hooks.process_start",),
+    process_start=("slime_ascend.cosched.sessions.process_start",),
     patches=(PatchUse("rollout.cosched_generate", "rollout"),),
 )

@@ -38,7 +38,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "are importable or --slime-src is given, else the miniature")
     p.add_argument("--no-check", action="store_true", help="skip the contract report at the end")
     p.add_argument("--no-progress", action="store_true", help="plain per-step lines, no progress bar")
+    from ..parallel_layout import add_arguments
+
+    add_arguments(p)  # the actor's (and SAO's critic's) layout in slime's loop
     return p
+
+
+def _layout(ns: argparse.Namespace, plugins: tuple[str, ...]):
+    """The layout the flags ask for (None: one rank), checked as ``slime-ascend config ... --flags`` checks it
+    (Megatron's rules, the cpu plugin's refusals); raises UserError (one line naming the flag)."""
+    from ..command import UserError
+    from ..parallel_layout import from_namespace
+
+    layout = from_namespace(ns)
+    if layout.is_default:
+        return None
+    if ns.loop == "mini":
+        raise UserError("a layout (--tp/--pp/--cp/--ep/--dp/--sp/--allgather-cp) runs in slime's own loop only; "
+                        "--loop mini asks for the miniature. Fix: drop --loop mini and pass --slime-src DIR")
+    if layout.ep > 1 and ns.model == "qwen3":
+        raise UserError(f"--ep {layout.ep} splits the experts of an MoE model; --model qwen3 is dense. Fix: --model "
+                        "glm5, or drop --ep")
+    from .. import config
+
+    config.build(["cpu", *plugins], layout=layout)  # the same checks as `slime-ascend config ... --flags`
+    return layout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,8 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     plugins = (default_plugins(ns.model) if ns.plugins is None
                else tuple(p.strip() for p in ns.plugins.split(",") if p.strip()))
+    from ..command import UserError
+
+    try:
+        layout = _layout(ns, plugins)
+    except (UserError, ValueError) as exc:  # a layout Megatron or a plugin's start-up check refuses
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     cfg = DemoConfig(steps=ns.steps, plugins=plugins, model=ns.model, seed=ns.seed, out=ns.out, batch=ns.batch,
-                     lr=ns.lr, contract_check=not ns.no_check, progress=not ns.no_progress)
+                     lr=ns.lr, contract_check=not ns.no_check, progress=not ns.no_progress, layout=layout)
     if ns.slime_src is not None and ns.loop == "mini":
         print("error: --slime-src runs slime's own loop but --loop mini asks for the miniature. Fix: drop --loop mini "
               "(or --slime-src)", file=sys.stderr)
@@ -68,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             mini = ", or --loop mini" if ns.model == "qwen3" else f" (--model {ns.model} runs in slime's loop only)"
             print(f"error: {why}" if "Fix:" in why else f"error: {why.rstrip('.')}. Fix: pass --slime-src DIR (a clone "
                   f"of github.com/THUDM/slime){mini}", file=sys.stderr)
+            return 2
+        if src is None and layout is not None:
+            print(f"error: {why.rstrip('.')}; a layout runs in slime's own loop only. Fix: pass --slime-src DIR (a "
+                  "clone of github.com/THUDM/slime), or drop the layout flags", file=sys.stderr)
             return 2
         if src is None:
             print(f"note: running the miniature loop ({why})", file=sys.stderr)

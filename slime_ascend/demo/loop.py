@@ -71,6 +71,7 @@ class DemoConfig:
     concurrency: int = 4
     contract_check: bool = True
     progress: bool = True
+    layout: Any = None  # a slime_ascend.parallel_layout.Layout, in slime's loop only (the actor's and the critic's)
 
 
 def available_plugins(requested: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:

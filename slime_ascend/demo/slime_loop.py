@@ -308,13 +308,15 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     plugins = ("cpu", *[p for p in cfg.plugins if p != "cpu"])
     log(f"slime-ascend demo in slime's own loop ({src / 'train_async.py'}): model {cfg.model}"
         + (f" (spec {' '.join(model.spec)})" if model.spec else "") + f"; plugins {', '.join(plugins)}; "
-        f"seed {cfg.seed}; {cfg.steps} rollouts; output {out}")
+        f"seed {cfg.seed}; {cfg.steps} rollouts; output {out}"
+        + (f"; layout {' '.join(summary_layout)}" if (summary_layout := _layout_words(cfg)) else ""))
     paths, start, seconds = prepare_task(cfg, out)
     log(f"prepared the initial policy and two teachers in {seconds:.1f}s")
     (out / "weights").mkdir(exist_ok=True)
     paths["prompts"] = str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps)))
     job = _Job(out, paths)
     summary: dict[str, Any] = {"loop": "slime", "slime_src": str(src), "model": cfg.model, "plugins": list(plugins),
+                               "layout": _layout_words(cfg),
                                "seed": cfg.seed, "steps_requested": cfg.steps,
                                "interrupted": False, "start_answer_probs": start}
     run_log = out / "train_async.log"
@@ -334,11 +336,13 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
         log(f"torch engine for the rollouts at {engine.addr} in {time.perf_counter() - t0:.1f}s")
         job.engines.append(engine)
         generated = write_yaml(plugins, job.yaml, out / "ascend.yaml", dict(model.slime_args))
-        own = {**_base_flags(cfg, job, engine), **job.flags}  # the demo's values, then the plugins' other flags
+        # the demo's values, its parallel layout, then the plugins' other flags
+        own = {**_base_flags(cfg, job, engine), **layout_flags(cfg), **job.flags}
         cmd = slime_command(src, cfg.model, own, generated.flags, out / "ascend.yaml")
         (out / "command.txt").write_text(shlex.join(cmd) + "\n")
         log(f"running slime's train_async.py (log: {run_log}); one line per rollout as slime logs it")
-        rc = _run_streaming(cmd, job_env(plugins, src=src), out, run_log, metrics_path, cfg.steps, log)
+        rc = _run_streaming(cmd, job_env(plugins, ray_resources(cfg, plugins), src=src), out, run_log, metrics_path,
+                            cfg.steps, log)
     except KeyboardInterrupt:
         summary["interrupted"] = True
         log("interrupted: slime stopped; metrics written so far are kept")
@@ -376,6 +380,35 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
             + f"\nwrote {metrics_path}, {out / 'summary.json'}" + (f", {summary['plot']}" if "plot" in summary else "")
             + f" in {summary['elapsed_s']}s")
     return summary
+
+
+def layout_flags(cfg: DemoConfig) -> dict[str, str | tuple[str, ...] | None]:
+    """The demo's parallel layout (``--tp --pp --cp --ep --dp --sp --allgather-cp``) as slime's flags, what
+    ``slime-ascend config ... --flags --tp N ...`` prints (flag -> value, None: a switch); {} for one rank. slime
+    gives SAO's critic the actor's rank count and parallel sizes."""
+    if cfg.layout is None or cfg.layout.is_default:
+        return {}
+    return {option: None if not values else values[0] if len(values) == 1 else tuple(values)
+            for option, *values in option_groups(cfg.layout.flags())}
+
+
+def _layout_words(cfg: DemoConfig) -> list[str]:
+    return [] if cfg.layout is None or cfg.layout.is_default else cfg.layout.flags()
+
+
+def ray_resources(cfg: DemoConfig, plugins: tuple[str, ...]) -> dict[str, str]:
+    """``RAY_OVERRIDE_RESOURCES`` for the demo's job when its layout needs more logical CPUs than the default
+    (every train rank of the actor, and of SAO's critic, one each; slime's RolloutManager and its lock; the
+    engine handles): the cpu plugin's Ray check would refuse the job otherwise. {}: the default suffices."""
+    import math
+
+    from .slime_job import RAY_LOGICAL_CPUS
+
+    world = 1 if cfg.layout is None else cfg.layout.world
+    needed = math.ceil(world * (2 if "sao" in plugins else 1) + 2.6)
+    if needed <= RAY_LOGICAL_CPUS:
+        return {}
+    return {"RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": needed, **({"NPU": needed} if "npu" in plugins else {})})}
 
 
 def slime_command(src: Path, model: str, own: dict[str, str | None], plugin_flags: list[str], config_path: Path

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from slime_ascend.cosched import hooks
+from slime_ascend.cosched import sessions as cosched_sessions
 
 
 @pytest.fixture(autouse=True)
@@ -170,8 +171,8 @@ class _Served:
 
 
 def _routed_compaction(monkeypatch, capacity, sessions, **served_kw):
-    """``sessions`` compaction episodes at once through :func:`hooks.route_compaction` (as compaction's generate
-    calls it, with its client to slime's router), two engines of ``capacity`` slots; returns the episodes'
+    """``sessions`` compaction episodes at once through :func:`sessions.route_episode` (as compaction's generate
+    calls its episode router, with its client to slime's router), two engines of ``capacity`` slots; returns the episodes'
     segments, the dispatcher's counts and, per session, the engine of each turn."""
     import contextvars
 
@@ -201,20 +202,16 @@ def _routed_compaction(monkeypatch, capacity, sessions, **served_kw):
             return await self.by_session[session].generate(input_ids, params)
 
     served = {url: PerSession(url) for url in ENGINES}
-    monkeypatch.setattr(hooks, "_client", served.__getitem__)
-    module = SimpleNamespace(run_compaction_rollout=gen_mod.run_compaction_rollout)
-    hooks.route_compaction(module)
-    hooks.route_compaction(module)  # idempotent
-    assert module.run_compaction_rollout.__wrapped__ is gen_mod.run_compaction_rollout
+    monkeypatch.setattr(cosched_sessions, "_client", served.__getitem__)
     args = _compaction_args()
 
     async def episode(i):
         current.set(f"s{i}")
         logs[f"s{i}"] = []
         sample = get_sample_class()(index=i, prompt="p", metadata={"seed": i}, session_id=f"s{i}")
-        return await module.run_compaction_rollout(
-            args, sample, {"max_new_tokens": 400, "temperature": 1.0}, settings=CompactionSettings.from_args(args),
-            runtime=CompactionRuntime(tok, EngineClient(ROUTER)))
+        return await cosched_sessions.route_episode(
+            gen_mod.run_compaction_rollout, args, sample, {"max_new_tokens": 400, "temperature": 1.0},
+            settings=CompactionSettings.from_args(args), runtime=CompactionRuntime(tok, EngineClient(ROUTER)))
 
     async def main():
         outs = await asyncio.gather(*(episode(i) for i in range(sessions)))
@@ -247,13 +244,12 @@ def test_a_prefix_of_another_version_is_counted(monkeypatch):
     assert stats["rollout/cosched_stale_prefix_answers"] > 0
 
 
-def test_the_process_start_hook_wraps_compaction_and_leaves_other_engines_alone(monkeypatch):
+def test_the_process_start_hook_routes_compaction_and_leaves_other_engines_alone(monkeypatch):
     from slime_ascend.compaction import generate as gen_mod
 
-    original = gen_mod.run_compaction_rollout
-    monkeypatch.setattr(gen_mod, "run_compaction_rollout", original)  # restored after the test
-    hooks.process_start()  # compaction.generate is imported: hooked at once
-    assert gen_mod.run_compaction_rollout.__wrapped__ is original and gen_mod.run_compaction_rollout._cosched
+    monkeypatch.setattr(gen_mod, "_episode_router", None)  # restored after the test
+    cosched_sessions.process_start()  # compaction.generate is imported: routed at once
+    assert gen_mod._episode_router is cosched_sessions.route_episode
 
     from slime_ascend.compaction.generate import CompactionRuntime, CompactionSettings
     from slime_ascend.compat.sample import get_sample_class
@@ -261,17 +257,17 @@ def test_the_process_start_hook_wraps_compaction_and_leaves_other_engines_alone(
     args = _compaction_args()
     tok = _fakes().make_tiny_tokenizer()
     engine = _fakes().FakeEngine(tok, _fakes().memory_policy)  # a runtime that does not talk to slime's router: untouched
-    out = asyncio.run(gen_mod.run_compaction_rollout(
-        args, get_sample_class()(index=1, prompt="p", session_id="s"), {"max_new_tokens": 400},
-        settings=CompactionSettings.from_args(args), runtime=CompactionRuntime(tok, engine)))
+    out = asyncio.run(cosched_sessions.route_episode(
+        gen_mod.run_compaction_rollout, args, get_sample_class()(index=1, prompt="p", session_id="s"),
+        {"max_new_tokens": 400}, settings=CompactionSettings.from_args(args), runtime=CompactionRuntime(tok, engine)))
     assert out and engine.calls and hooks._dispatcher is None
 
 
 def test_the_stale_prefix_check_reads_the_engines_report():
-    assert hooks._stale_prefix({"cached_tokens": 0}) is False
-    assert hooks._stale_prefix({"cached_tokens": 5, "weight_version": "2", "cached_weight_version": "2"}) is False
-    assert hooks._stale_prefix({"cached_tokens": 5, "weight_version": "2", "cached_weight_version": "1"}) is True
-    assert hooks._stale_prefix({"cached_tokens": 5, "weight_version": "2"}) is None  # SGLang: no tag
+    assert cosched_sessions.stale_prefix({"cached_tokens": 0}) is False
+    assert cosched_sessions.stale_prefix({"cached_tokens": 5, "weight_version": "2", "cached_weight_version": "2"}) is False
+    assert cosched_sessions.stale_prefix({"cached_tokens": 5, "weight_version": "2", "cached_weight_version": "1"}) is True
+    assert cosched_sessions.stale_prefix({"cached_tokens": 5, "weight_version": "2"}) is None  # SGLang: no tag
 
 
 def test_the_torch_engine_reports_the_version_of_the_prefix_it_reused(monkeypatch):
@@ -284,10 +280,10 @@ def test_the_torch_engine_reports_the_version_of_the_prefix_it_reused(monkeypatc
     first = engine.generate(payload)["meta_info"]
     assert first["cached_tokens"] == 0 and first["cached_weight_version"] is None
     again = engine.generate({**payload, "input_ids": payload["input_ids"] + [7, 8]})["meta_info"]
-    assert again["cached_tokens"] > 0 and hooks._stale_prefix(again) is False
+    assert again["cached_tokens"] > 0 and cosched_sessions.stale_prefix(again) is False
     assert again["cached_weight_version"] == again["weight_version"] == "default"
     monkeypatch.setattr(engine._prefix_cache, "switch", lambda version: (0, 0))  # keeps the old entries
     engine._switch_to({k: v.clone() for k, v in engine.model.state_dict().items()}, "v1", source="test")
     stale = engine.generate({**payload, "input_ids": payload["input_ids"] + [7, 8, 9]})["meta_info"]
     assert stale["cached_tokens"] > 0 and stale["weight_version"] == "v1"
-    assert stale["cached_weight_version"] == "default" and hooks._stale_prefix(stale) is True
+    assert stale["cached_weight_version"] == "default" and cosched_sessions.stale_prefix(stale) is True

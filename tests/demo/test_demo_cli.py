@@ -77,3 +77,51 @@ def test_plugins_default_follows_the_model(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(slime_loop, "run_slime_demo", lambda cfg, src: {
         "returncode": 0, "plugins_without_evidence": [], "model_evidence": {"spec_in_log": False}})
     assert _main(capsys, "--model", "glm5", "--out", str(tmp_path / "d"))[0] == 1
+
+
+def test_a_layout_goes_to_slimes_loop_as_the_flags_config_prints(capsys, tmp_path, monkeypatch):
+    """``--tp/--ep/--sp ...``: the layout reaches slime's loop as ``slime-ascend config ... --flags`` prints it, in
+    place of the demo's one-rank sizes, with the logical CPUs Ray needs for the actor's and SAO's critic's ranks."""
+    import json
+    from pathlib import Path
+
+    from slime_ascend.parallel_layout import Layout
+
+    seen = []
+    monkeypatch.setattr(slime_loop, "resolve_slime", lambda explicit: (tmp_path, ""))
+    monkeypatch.setattr(slime_loop, "run_slime_demo", lambda cfg, src: seen.append(cfg) or {
+        "returncode": 0, "plugins_without_evidence": [], "model_evidence": {"spec_in_log": True}})
+    assert _main(capsys, "--model", "glm5", "--tp", "2", "--ep", "2", "--sp", "--out", str(tmp_path / "a"))[0] == 0
+    assert _main(capsys, "--out", str(tmp_path / "b"))[0] == 0
+    (four, one) = seen
+    assert four.layout == Layout(tp=2, ep=2, sp=True) and one.layout is None
+    flags = slime_loop.layout_flags(four)
+    assert flags == {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1",
+                     "--context-parallel-size": "1", "--expert-model-parallel-size": "2",
+                     "--expert-tensor-parallel-size": "1", "--sequence-parallel": None, "--actor-num-nodes": "1",
+                     "--actor-num-gpus-per-node": "4"}
+    assert slime_loop.layout_flags(one) == {} and slime_loop.ray_resources(one, DEFAULT_PLUGINS) == {}
+    # 4 actor + 4 critic ranks, the RolloutManager and its lock, the engine handles: more than the default 8
+    assert json.loads(slime_loop.ray_resources(four, DEFAULT_PLUGINS)["RAY_OVERRIDE_RESOURCES"]) == {"CPU": 11}
+    assert slime_loop.ray_resources(four, ("compaction",)) == {}  # 4 ranks, no critic: the default suffices
+    # the command: the layout's sizes in place of the demo's one-rank ones, each flag once
+    own = {"--tensor-model-parallel-size": "1", "--actor-num-gpus-per-node": "1", "--lr": "1e-3", **flags}
+    cmd = slime_loop.slime_command(Path("/slime"), "glm5", own, [], Path("a.yaml"))
+    assert cmd.count("--tensor-model-parallel-size") == 1
+    assert cmd[cmd.index("--tensor-model-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--actor-num-gpus-per-node") + 1] == "4" and "--sequence-parallel" in cmd
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--loop", "mini", "--tp", "2"), "runs in slime's own loop only"),
+    (("--ep", "2"), "--ep 2 splits the experts of an MoE model; --model qwen3 is dense"),
+    (("--sp",), "--sp with --tp 1"),
+    (("--tp", "2", "--cp", "2"), "--context-parallel-size"),  # the cpu plugin: CP with another layout
+])
+def test_a_layout_slime_would_refuse_is_refused_in_one_line(capsys, tmp_path, monkeypatch, argv, words):
+    monkeypatch.setattr(slime_loop, "resolve_slime", lambda explicit: (tmp_path, ""))
+    monkeypatch.setattr(slime_loop, "run_slime_demo", lambda cfg, src: pytest.fail("the demo ran"))
+    rc, err = _main(capsys, *argv, "--out", str(tmp_path / "out"))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert words in err and "Fix:" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -8,6 +8,11 @@ itself for the model it built. The int8 weight sync serves the rollouts int8 wei
 ones, so slime's train/rollout log-prob gate is not on here (``tests/e2e/test_slime_glm5_cpu.py`` holds the
 same spec to it with an fp32 sync; here the logged gap was 0.050 and 0.23 in the two steps).
 
+SAO's frozen critic is read from slime's saved critic checkpoint (the critic's own ``--save``, beside the actor's):
+its MLA and DSA-indexer tensors are bit for bit what slime's converter loaded from the initial policy, its routed
+and shared experts trained (:func:`saved_critic_froze_its_attention`; on the run before the critic had its own
+directory, 38 frozen and 30 trained tensors, read from the checkpoint the critic had written over the actor's).
+
 Every default plugin runs on GLM-5: the one that did not, SAO's frozen-critic check, read Megatron's
 ``ChainedOptimizer`` (an MoE model's dense and expert optimizers) through its ``optimizer`` property, which asserts
 that it chains one (fixed in ``slime_ascend.sao.freeze``). One run of slime's loop, 2.5 min on the 2-core host
@@ -20,6 +25,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -31,6 +37,45 @@ pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 STEPS = 2
 GLM5_SPEC = ["slime_plugins.models.glm5.glm5", "get_glm5_spec"]
+
+
+def saved_critic_froze_its_attention(critic_dir: Path, policy_hf: Path) -> dict[str, int]:
+    """SAO's frozen critic, read from slime's own saved critic checkpoint (the critic's ``--save``): every tensor
+    of its attention (MLA's down and up projections and latent norms, the output projection, the DSA indexer's
+    ``wq_b`` / ``wk`` / ``k_norm`` / ``weights_proj`` where a layer has one) is bit for bit what slime's converter
+    loaded from the initial policy (``deepseek_hf_tensor``: the indexer's RoPE halves reordered), while every
+    routed expert of every MoE layer and each shared expert trained; the value head is slime's (one output).
+    Returns the counts of frozen and trained tensors checked."""
+    import torch
+    from slime.backends.megatron_utils.hf_to_megatron.common import SafetensorReader
+    from slime.backends.megatron_utils.hf_to_megatron.deepseek import deepseek_hf_tensor
+    from transformers import AutoConfig
+
+    from parallel_evidence import read_dist_checkpoint
+
+    critic = read_dist_checkpoint(critic_dir)
+    reader, config = SafetensorReader(policy_hf), AutoConfig.from_pretrained(str(policy_hf))
+    assert critic["output_layer.weight"].shape == (1, config.hidden_size)  # the value head, not the LM head
+    frozen = [k for k in critic if ".self_attention." in k]
+    for name in frozen:
+        want = deepseek_hf_tensor(name, reader, config).float()
+        assert torch.equal(critic[name], want), f"the critic's {name} changed: SAO freezes its attention"
+    assert {k.rsplit(".", 2)[-2] for k in frozen} >= {"linear_q_down_proj", "linear_kv_down_proj", "linear_q_up_proj",
+                                                     "linear_kv_up_proj", "linear_proj", "wq_b", "wk",
+                                                     "weights_proj", "k_norm"}
+    trained = 0
+    for name, tensor in critic.items():
+        match = re.fullmatch(r"(decoder\.layers\.\d+\.mlp)\.experts\.experts\.(linear_fc[12])\.weight", name)
+        if match:
+            for e in range(tensor.shape[0]):
+                start = deepseek_hf_tensor(f"{match[1]}.experts.{match[2]}.weight{e}", reader, config).float()
+                assert not torch.equal(tensor[e], start), f"the critic's expert {e} of {name} did not train"
+                trained += 1
+        elif ".mlp.shared_experts." in name:
+            assert not torch.equal(tensor, deepseek_hf_tensor(name, reader, config).float()), name
+            trained += 1
+    assert trained >= 2 * config.n_routed_experts * (config.num_hidden_layers - config.first_k_dense_replace)
+    return {"frozen": len(frozen), "trained": trained}
 
 
 def test_demo_runs_its_plugins_on_slimes_glm5_spec(tmp_path):
@@ -59,6 +104,17 @@ def test_demo_runs_its_plugins_on_slimes_glm5_spec(tmp_path):
     assert {"train.glm5_host_spec", "train.glm5_thd_rope", "train.glm5_index_topk"} <= set(model["glm5_patches"])
     command = (out / "command.txt").read_text()
     assert "--multi-latent-attention" in command and "slime_ascend.cpu.spec" not in command
+
+    # SAO's critic, from slime's own checkpoints: the critic saved in its own directory (not over the actor's:
+    # the actor's holds the LM head), its MLA and indexer frozen, its experts trained
+    from parallel_evidence import read_dist_checkpoint
+
+    words = command.split()
+    policy = Path(words[words.index("--load") + 1])
+    actor = read_dist_checkpoint(out / "slime_ckpt")
+    assert actor["output_layer.weight"].shape[0] > 1  # the policy's LM head, not the critic's value head
+    counts = saved_critic_froze_its_attention(out / "slime_ckpt_critic", policy)
+    print(f"saved critic: {counts['frozen']} attention tensors frozen, {counts['trained']} expert tensors trained")
 
     evidence = summary["evidence"]
     k = yaml.safe_load((out / "ascend.yaml").read_text())["ascend_sao_critic_iters"]

@@ -30,8 +30,8 @@ checks. Each response lies across both CP ranks (IcePop's are 16 tokens long for
 Why one layout per family: CI time (each slime-loop run costs 1.5-4 min on 2 cores) does not allow a cross
 product of families and layouts; a family runs at the layout its contract is about (``opd`` top-k: TP, where
 the vocabulary is split), and families that compose share a pair of runs where their evidence stays separable
-(``test_slime_parallel_cpu.py``). ``opd`` in sampled mode is not run above one rank here: its advantage is
-per-token arithmetic on the train-side log-probs, which every layout of ``test_slime_parallel_cpu.py`` compares.
+(``test_slime_parallel_cpu.py``). ``opd`` in sampled mode runs at TP 2 too: its per-token teacher term reads
+the student's log-probs, reduced over the vocabulary-parallel logits.
 
 Every run trains in fp32 (``bf16: false``: see ``test_slime_parallel_cpu.py``), samples with per-sample seeds
 (``--sglang-enable-deterministic-inference``) and rewards with ``parity_reward.reward`` (a function of the
@@ -177,23 +177,29 @@ TOPK = 4
 OPD_COEFS = {"math": 1.0, "code": 0.5}
 
 
-def test_opd_topk_at_tp2_matches_the_one_rank_run(model_dir, tmp_path_factory):
-    """Two teachers on one teacher engine (coefficients 1.0 and 0.5, routed by the prompt's domain); the top-k KL
-    of every step is reduced over the vocabulary-parallel logits of the TP group."""
-    teacher = make_model(tmp_path_factory.mktemp("teacher") / "teacher-math", seed=1)
+def _opd_pair(model_dir: Path, tmp_path_factory, mode: str, settings: dict | None = None):
+    """The one-rank and the TP 2 run of one opd job in ``mode``: two teachers (coefficients :data:`OPD_COEFS`,
+    routed by the prompt's domain) on one teacher engine; ``((work, run) one rank, (work, run) TP 2)``."""
+    teacher = make_model(tmp_path_factory.mktemp(f"teacher-{mode}") / "teacher-math", seed=1)
     settings = {
         "ascend_opd_teachers": [{"name": name, "checkpoint_dir": str(teacher), "domains": [name], "coef": coef}
                                 for name, coef in OPD_COEFS.items()],
         "ascend_opd_domain_key": "domain", "ascend_opd_switch_engine_urls": [],
-        "ascend_opd_task_rm_path": "parity_reward.reward", "ascend_opd_mode": "topk", "ascend_opd_topk": TOPK,
+        "ascend_opd_task_rm_path": "parity_reward.reward", "ascend_opd_mode": mode, **(settings or {}),
     }
     kwargs = dict(model=model_dir, engine_checkpoint=model_dir, plugins=("cpu", "opd"), settings=settings,
                   batch=4, n_samples=2, teacher=teacher, domains=("math", "code"))
-    runs = {}
+    runs = []
     for name, layout in (("one-rank", []), ("tp2", TP2)):
-        work = tmp_path_factory.mktemp(f"opd-topk-{name}")
-        runs[name] = (work, _run(work, layout=layout, **kwargs))
-    (ref_work, ref_run), (work, run) = runs["one-rank"], runs["tp2"]
+        work = tmp_path_factory.mktemp(f"opd-{mode}-{name}")
+        runs.append((work, _run(work, layout=layout, **kwargs)))
+    return runs
+
+
+def test_opd_topk_at_tp2_matches_the_one_rank_run(model_dir, tmp_path_factory):
+    """Two teachers on one teacher engine (coefficients 1.0 and 0.5, routed by the prompt's domain); the top-k KL
+    of every step is reduced over the vocabulary-parallel logits of the TP group."""
+    (ref_work, ref_run), (work, run) = _opd_pair(model_dir, tmp_path_factory, "topk", {"ascend_opd_topk": TOPK})
     assert _ranks(run) == 2
     for patch_id in ("rollout.forward_metadata", "train.loss_batch_metadata"):
         assert f"applied runtime patch {patch_id}" in run.log, patch_id
@@ -215,6 +221,31 @@ def test_opd_topk_at_tp2_matches_the_one_rank_run(model_dir, tmp_path_factory):
     # the top-k term acts: positive, coefficient-weighted (mean coef 0.75), with gradients
     for m in ref_steps:
         assert 0 < m["train/opd_topk_loss"] < m["train/opd_topk_kl"] and m["train/grad_norm"] > 0, m
+
+
+def test_opd_sampled_at_tp2_matches_the_one_rank_run(model_dir, tmp_path_factory):
+    """``opd`` in sampled mode (the default): the same two teachers; each response token's advantage carries the
+    routed teacher's coefficient times (teacher - student) log-prob of the sampled token, the student's taken from
+    the vocabulary-parallel log-probs of the TP group. Compared: the teacher's per-token log-probs (exactly: the
+    same tokens scored by the same engine), the student's, the advantages (within the log-probs' own tolerance:
+    the term moves with them), slime's loss and grad norm per step; the term acts (advantages vary within a
+    response, where GRPO's alone are one value per sample)."""
+    import torch
+
+    (ref_work, ref_run), (work, run) = _opd_pair(model_dir, tmp_path_factory, "sampled")
+    assert _ranks(run) == 2
+    assert "applied runtime patch rollout.forward_metadata" in run.log
+    # slime's train dump: the routed teacher's log-probs of the response (``teacher_log_probs``), exactly; the
+    # per-token reverse KL the term is made of and the advantages, within the student log-probs' tolerance
+    ref = _assert_samples_alike(ref_work, work, {"log_probs": LOGPROB_ATOL, "loss_masks": None, "rewards": None,
+                                                 "teacher_log_probs": None, "opd_coef": None,
+                                                 "opd_reverse_kl": LOGPROB_ATOL, "advantages": LOGPROB_ATOL})
+    for rollout_id in range(NUM_ROLLOUT):
+        for position, sample in _samples(ref_work, rollout_id).items():
+            assert _samples(work, rollout_id)[position]["metadata"]["opd_teacher"] == sample["metadata"]["opd_teacher"]
+    # the teacher term acts: within a response the advantages vary (GRPO's own are one value per sample)
+    assert any(float(torch.as_tensor(s["advantages"]).float().std()) > 0 for s in ref.values())
+    _assert_steps_alike(ref_run, run, "train/grad_norm", close=("train/loss", "train/grad_norm"))
 
 
 # ---- icepop and sao at CP 2 --------------------------------------------------------------------------------

@@ -180,42 +180,14 @@ def test_check_verifiers_cli_reports_each_verifier(tmp_path):
 def test_slimes_parse_args_refuses_a_verifier_that_rewards_an_empty_answer(tmp_path):
     """In slime's own driver: the bootstrap's driver.validate_at_parse_args runs the gate on slime's parsed args,
     so the job stops before Ray starts, in one line naming the verifier and the check."""
-    import os
-    import textwrap
     from pathlib import Path
 
-    from conftest import need
-    from transformers import Qwen3Config
+    from slime_parse_args import error_lines, parse_args
 
-    from slime_ascend import config
-
-    need("slime.utils.arguments")
-    Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                tie_word_embeddings=False).save_pretrained(tmp_path / "hf")
-    (tmp_path / "ascend.yaml").write_text(config.build(["verifier-gate"]).yaml_text)
-    flags = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
-             "--num-query-groups 2 --kv-channels 16 --seq-length 256 --max-position-embeddings 256 "
-             "--normalization RMSNorm --norm-epsilon 1e-6 --qk-layernorm --swiglu --disable-bias-linear "
-             "--untie-embeddings-and-output-weights --position-embedding-type rope "
-             "--vocab-size 1024 --micro-batch-size 1 --rollout-batch-size 4 --n-samples-per-prompt 1 "
-             "--global-batch-size 4 --actor-num-nodes 1 --actor-num-gpus-per-node 1 --colocate --num-rollout 2").split()
-    script = textwrap.dedent(f"""
-        import sys, typing, typing_extensions
-        typing.override = getattr(typing, "override", typing_extensions.override)
-        sys.argv = ["train.py", "--hf-checkpoint", {str(tmp_path / 'hf')!r}, *{flags!r},
-                    "--custom-rm-path", "test_verifier_job.contains_reward",
-                    "--custom-config-path", {str(tmp_path / 'ascend.yaml')!r}]
-        from slime.utils.arguments import parse_args
-        parse_args()
-        print("PARSED")
-    """)
-    env = {**os.environ, "SLIME_ASCEND_PLUGINS": "verifier-gate", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=300)
+    proc = parse_args(tmp_path, ["verifier-gate"], "--custom-rm-path", "test_verifier_job.contains_reward",
+                      pythonpath=(str(Path(__file__).parent),))
     assert proc.returncode == 2 and "PARSED" not in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("slime-ascend: error:")]
+    lines = error_lines(proc)
     assert len(lines) == 1 and "verifier 'test_verifier_job.contains_reward' fails the no_action check" in lines[0], \
         proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
