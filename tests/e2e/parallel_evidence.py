@@ -3,6 +3,8 @@ tensors of a weight version slime pushed, compared byte for byte."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -44,6 +46,39 @@ def fp32_copy(src: Path, out: Path) -> Path:
     for path in out.glob("*.safetensors"):
         save_file({k: v.float() for k, v in load_file(str(path)).items()}, str(path), metadata={"format": "pt"})
     return out
+
+
+def quantize(src: Path, out: Path, fmt: str) -> Path:
+    """``slime-ascend quantize SRC OUT --format FMT``, the command a user runs; returns ``out``."""
+    done = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(src), str(out), "--format", fmt],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def first_push_reference(model_dir: Path, root: Path, fmt: str) -> Path:
+    """What a job's first quantised push must equal: ``slime-ascend quantize`` of the loaded weights in the fp32 the
+    job trains and pushes them in (:func:`fp32_copy`), under ``root``."""
+    return quantize(fp32_copy(model_dir, root / "fp32"), root / f"fp32-{fmt}", fmt)
+
+
+def assert_samples_alike(ref: dict, got: dict, tolerances: dict, rollout_id: int) -> None:
+    """One rollout's samples of slime's train dump (``{position: sample}``) in a layout (``got``) against the
+    one-rank run's (``ref``): the same samples, the same tokens, and each field of ``tolerances`` equal (None:
+    exactly) or within its absolute tolerance."""
+    import torch
+
+    assert sorted(got) == sorted(ref) and ref, (rollout_id, sorted(got), sorted(ref))
+    for position, sample in ref.items():
+        assert torch.equal(torch.as_tensor(got[position]["tokens"]), torch.as_tensor(sample["tokens"])), \
+            (rollout_id, position)  # the same rollout: the engine served the same weights
+        for key, atol in tolerances.items():
+            want, have = torch.as_tensor(sample[key]).float(), torch.as_tensor(got[position][key]).float()
+            if atol is None:
+                assert torch.equal(have, want), (rollout_id, position, key, have, want)
+            else:
+                torch.testing.assert_close(have, want, rtol=0, atol=atol, msg=lambda m: f"{key} "
+                                           f"(rollout {rollout_id}, sample {position}): {m}")
 
 
 def hf_weights(model_dir: Path) -> dict:

@@ -168,25 +168,21 @@ def _ranks(run, role: str = "actor") -> int:
     return run.log.count(f"slime accelerator in the {role} train actor")
 
 
-def _quantize(src: Path, out: Path) -> Path:
-    _cli("quantize", str(src), str(out), "--format", QUANT_FORMAT)
-    return out
-
-
 @pytest.fixture(scope="module")
 def quantized(moe_model_dir, tmp_path_factory) -> Path:
     """``slime-ascend quantize --format fp8-block`` of the MoE checkpoint: the engine's."""
-    return _quantize(moe_model_dir, tmp_path_factory.mktemp("quantized") / f"tiny-qwen3-moe-{QUANT_FORMAT}")
+    from parallel_evidence import quantize
+
+    return quantize(moe_model_dir, tmp_path_factory.mktemp("quantized") / f"tiny-qwen3-moe-{QUANT_FORMAT}",
+                    QUANT_FORMAT)
 
 
 @pytest.fixture(scope="module")
 def first_push(moe_model_dir, tmp_path_factory) -> Path:
-    """What the first push must equal: ``slime-ascend quantize`` of the loaded weights in the fp32 the job trains
-    and pushes in."""
-    from parallel_evidence import fp32_copy
+    """What the first push must equal (``parallel_evidence.first_push_reference``)."""
+    from parallel_evidence import first_push_reference
 
-    root = tmp_path_factory.mktemp("first-push")
-    return _quantize(fp32_copy(moe_model_dir, root / "tiny-qwen3-moe-fp32"), root / f"fp32-{QUANT_FORMAT}")
+    return first_push_reference(moe_model_dir, tmp_path_factory.mktemp("first-push"), QUANT_FORMAT)
 
 
 @pytest.fixture(scope="module")
@@ -293,23 +289,16 @@ def _largest_gap(ref_work: Path, work: Path, key: str) -> float:
 def _assert_like_reference(reference, hf: dict, work: Path, run, dp: int) -> dict:
     import torch
 
+    from parallel_evidence import assert_samples_alike
+
     ref_work, ref_run = reference
     tolerances = {"log_probs": LOGPROB_ATOL, "rollout_log_probs": LOGPROB_ATOL, "loss_masks": None, "rewards": None,
                   "values": VALUE_ATOL, "gae_lambdas": None, "advantages": GAE_ATOL, "returns": GAE_ATOL}
     for rollout_id in range(NUM_ROLLOUT):
         assert len(_dump(work, rollout_id)["dp_shards"]) == dp
-        ref, got = _samples(ref_work, rollout_id), _samples(work, rollout_id)
-        assert sorted(got) == sorted(ref) and len(ref) == BATCH * N_SAMPLES, (rollout_id, sorted(got))
-        for index, sample in ref.items():
-            assert torch.equal(torch.as_tensor(got[index]["tokens"]), torch.as_tensor(sample["tokens"])), \
-                (rollout_id, index)
-            for key, atol in tolerances.items():
-                want, have = torch.as_tensor(sample[key]).float(), torch.as_tensor(got[index][key]).float()
-                if atol is None:
-                    assert torch.equal(have, want), (rollout_id, index, key, have, want)
-                else:
-                    torch.testing.assert_close(have, want, rtol=0, atol=atol, msg=lambda m: f"{key} "
-                                               f"(rollout {rollout_id}, sample {index}): {m}")
+        ref = _samples(ref_work, rollout_id)
+        assert len(ref) == BATCH * N_SAMPLES, (rollout_id, sorted(ref))
+        assert_samples_alike(ref, _samples(work, rollout_id), tolerances, rollout_id)
         assert any(float(abs(torch.as_tensor(s["advantages"])).max()) > 0 for s in ref.values())
     steps, ref_steps = _steps(run), _steps(ref_run)
     assert [m["train/step"] for m in steps] == [m["train/step"] for m in ref_steps] == list(range(NUM_ROLLOUT))

@@ -154,26 +154,21 @@ def _steps(run) -> list[dict]:
     return [m for m in run.metrics() if "train/step" in m]
 
 
-def _quantize(src: Path, out: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(src), str(out), "--format",
-                    QUANT_FORMAT], check=True, capture_output=True, text=True)
-    return out
-
-
 @pytest.fixture(scope="module")
 def quantized(model_dir, tmp_path_factory) -> Path:
     """``slime-ascend quantize`` of the tiny model: the engine's checkpoint."""
-    return _quantize(model_dir, tmp_path_factory.mktemp("quantized") / f"tiny-qwen3-{QUANT_FORMAT}")
+    from parallel_evidence import quantize
+
+    return quantize(model_dir, tmp_path_factory.mktemp("quantized") / f"tiny-qwen3-{QUANT_FORMAT}", QUANT_FORMAT)
 
 
 @pytest.fixture(scope="module")
 def first_push(model_dir, tmp_path_factory) -> Path:
-    """What the first push must equal: ``slime-ascend quantize`` of the loaded weights in the dtype the job
-    trains and pushes them in (fp32: ``parallel_evidence.fp32_copy``)."""
-    from parallel_evidence import fp32_copy
+    """What the first push must equal (``parallel_evidence.first_push_reference``: the loaded weights in the fp32
+    the job trains and pushes them in, quantised)."""
+    from parallel_evidence import first_push_reference
 
-    root = tmp_path_factory.mktemp("first-push")
-    return _quantize(fp32_copy(model_dir, root / "tiny-qwen3-fp32"), root / f"tiny-qwen3-fp32-{QUANT_FORMAT}")
+    return first_push_reference(model_dir, tmp_path_factory.mktemp("first-push"), QUANT_FORMAT)
 
 
 @pytest.fixture(scope="module")

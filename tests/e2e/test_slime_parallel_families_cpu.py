@@ -130,21 +130,11 @@ def _samples(work: Path, rollout_id: int) -> dict[int, dict]:
 def _assert_samples_alike(ref_work: Path, work: Path, tolerances: dict[str, float | None]) -> dict[int, dict]:
     """Every sample of every rollout: the same tokens, and each field of ``tolerances`` equal (None: exactly) or
     within its absolute tolerance. Returns the one-rank run's samples of the last rollout."""
-    import torch
+    from parallel_evidence import assert_samples_alike
 
     for rollout_id in range(NUM_ROLLOUT):
-        ref, got = _samples(ref_work, rollout_id), _samples(work, rollout_id)
-        assert sorted(got) == sorted(ref) and ref, (rollout_id, sorted(got), sorted(ref))
-        for position, sample in ref.items():
-            assert torch.equal(torch.as_tensor(got[position]["tokens"]), torch.as_tensor(sample["tokens"])), \
-                (rollout_id, position)  # the same rollout: the engine served the same weights
-            for key, atol in tolerances.items():
-                want, have = torch.as_tensor(sample[key]).float(), torch.as_tensor(got[position][key]).float()
-                if atol is None:
-                    assert torch.equal(have, want), (rollout_id, position, key, have, want)
-                else:
-                    torch.testing.assert_close(have, want, rtol=0, atol=atol, msg=lambda m: f"{key} "
-                                               f"(rollout {rollout_id}, sample {position}): {m}")
+        ref = _samples(ref_work, rollout_id)
+        assert_samples_alike(ref, _samples(work, rollout_id), tolerances, rollout_id)
     return ref
 
 
