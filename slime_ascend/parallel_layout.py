@@ -15,10 +15,7 @@ import dataclasses
 import math
 
 from .command import UserError
-
-# the cpu plugin: logical CPUs Ray needs beside the train ranks with one external engine
-# (slime_ascend.cpu.ray_capacity: the RolloutManager and its lock, one CPU each, and 0.2 per engine handle)
-_RAY_OUTSIDE_GROUP = 2.2
+from .cpu.ray_capacity import EXTERNAL_ENGINE, OUTSIDE_GROUP  # what Ray needs beside the train ranks
 
 
 class LayoutError(UserError):
@@ -93,10 +90,16 @@ class Layout:
                 "sequence_parallel": self.sp, "allgather_cp": self.allgather_cp,
                 "actor_num_gpus_per_node": self.world}
 
+    def ray_cpus(self, roles: int = 1, engines: int = 1) -> int:
+        """Logical CPUs Ray needs for this layout: one per train rank of each of ``roles`` (the actor, and SAO's
+        critic, which slime gives the actor's layout), slime's RolloutManager and its lock, and ``engines``
+        external engine handles."""
+        return math.ceil(self.world * roles + OUTSIDE_GROUP + EXTERNAL_ENGINE * engines)
+
     def ray_hint(self) -> str:
         """The cpu plugin's Ray note: logical CPUs for the train ranks, the RolloutManager, its lock and one
         external engine (a 2-core host advertises 2)."""
-        cpus = math.ceil(self.world + _RAY_OUTSIDE_GROUP)
+        cpus = self.ray_cpus()
         return (f"{self.world} train rank(s): on a host with fewer cores than {cpus}, export "
                 f"RAY_OVERRIDE_RESOURCES='{{\"CPU\": {cpus}}}' (logical CPUs for the train ranks, slime's "
                 "RolloutManager and its lock, one external engine; add one per rollout device without "

@@ -398,14 +398,13 @@ def _layout_words(cfg: DemoConfig) -> list[str]:
 
 def ray_resources(cfg: DemoConfig, plugins: tuple[str, ...]) -> dict[str, str]:
     """``RAY_OVERRIDE_RESOURCES`` for the demo's job when its layout needs more logical CPUs than the default
-    (every train rank of the actor, and of SAO's critic, one each; slime's RolloutManager and its lock; the
-    engine handles): the cpu plugin's Ray check would refuse the job otherwise. {}: the default suffices."""
-    import math
-
+    (``Layout.ray_cpus``: the actor's ranks and SAO's critic's, slime's RolloutManager and its lock, the rollout
+    and teacher engine handles): the cpu plugin's Ray check would refuse the job otherwise. {}: the default
+    suffices."""
+    from ..parallel_layout import Layout
     from .slime_job import RAY_LOGICAL_CPUS
 
-    world = 1 if cfg.layout is None else cfg.layout.world
-    needed = math.ceil(world * (2 if "sao" in plugins else 1) + 2.6)
+    needed = (cfg.layout or Layout()).ray_cpus(roles=2 if "sao" in plugins else 1, engines=2)
     if needed <= RAY_LOGICAL_CPUS:
         return {}
     return {"RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": needed, **({"NPU": needed} if "npu" in plugins else {})})}
