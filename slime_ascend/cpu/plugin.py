@@ -94,16 +94,23 @@ def validate(args, settings) -> None:
                                 "pipeline, data and expert parallelism run")
     _check_context_parallel(args, SettingsError)
     _check_expert_tensor_parallel(args, SettingsError)
-    if getattr(args, "use_rollout_routing_replay", False):
-        # the train side replays (train.routing_replay); the routes never reach it: slime's sglang router
-        # (sglang-router 0.3.2) re-serialises each /generate body without return_routed_experts
-        raise SettingsError("cpu: --use-rollout-routing-replay is not supported on the host (slime's sglang router, "
-                            "sglang-router 0.3.2, drops return_routed_experts from each request, so no engine returns "
-                            "routes). Fix: drop --use-rollout-routing-replay; --use-routing-replay (the train side "
-                            "replays its own routes) runs")
+    _check_replay_routes(args, SettingsError)
     from . import ray_capacity
 
     ray_capacity.check(args)  # Ray can place every actor slime will ask for (the driver), or one line
+
+
+def _check_replay_routes(args, error) -> None:
+    """--use-rollout-routing-replay: the train side replays (train.routing_replay); the engines' routes must reach
+    it past slime's router (rollout.replay_routes): slime-managed engines on the host are torch engines, which
+    slime's flag makes add them to every answer."""
+    from ..plugins import runtime
+    from ..rollout import replay_routes
+
+    managed_torch = "torch-engine" in runtime.enabled_names(args)
+    refusal = replay_routes.refusal(args, managed_engines_add_routes=managed_torch)
+    if refusal:
+        raise error(f"cpu: {refusal}")
 
 
 # context parallelism (zig-zag and --allgather-cp) runs, and matches one rank, alone (every train rank one CP rank);

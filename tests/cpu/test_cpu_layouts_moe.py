@@ -1,6 +1,7 @@
 """The cpu plugin's layout check for MoE models: MoE and expert parallelism pass; the TransformerEngine kernels
 slime's MoE scripts pass are refused with one line;
-routing replay passes (train.routing_replay wires it into a Megatron-core without slime's Megatron patch)."""
+routing replay passes (train.routing_replay wires it into a Megatron-core without slime's Megatron patch), and
+rollout routing replay where the engines' routes reach slime (rollout.replay_routes)."""
 
 import types
 
@@ -42,12 +43,19 @@ def test_transformer_engine_moe_kernels_are_refused(overrides, expected):
         in message, message
 
 
-def test_rollout_routing_replay_is_refused_in_one_line():
+def test_rollout_routing_replay_behind_the_pypi_router_is_refused_in_one_line(monkeypatch):
+    """slime-managed engines that are not torch engines (SGLang) get no routes past sglang-router from PyPI; the
+    torch engines the torch-engine plugin starts add them to every answer (rollout.replay_routes)."""
+    monkeypatch.setattr("slime_ascend.rollout.replay_routes.router_version", lambda: "0.3.2")
+    args = _args(use_rollout_routing_replay=True, use_routing_replay=True, rollout_external_engine_addrs=None)
+    monkeypatch.setenv("SLIME_ASCEND_PLUGINS", "cpu")
     with pytest.raises(SettingsError) as info:
-        plugin.validate(_args(use_rollout_routing_replay=True, use_routing_replay=True), None)
+        plugin.validate(args, None)
     message = str(info.value)
-    assert message.startswith("cpu: --use-rollout-routing-replay is not supported on the host (slime's sglang router") \
-        and "Fix: drop --use-rollout-routing-replay" in message and "\n" not in message, message
+    assert message.startswith("cpu: --use-rollout-routing-replay: slime's router (sglang-router 0.3.2") \
+        and "Fix: install slime's router" in message and "\n" not in message, message
+    monkeypatch.setenv("SLIME_ASCEND_PLUGINS", "cpu,torch-engine")
+    plugin.validate(args, None)
 
 
 @pytest.mark.parametrize("flag", ["use_routing_replay"])

@@ -130,3 +130,10 @@ def test_engine_command_from_slime_server_args():
     cached = BACKEND.command({"model_path": "/m", "host": "h", "port": 1},
                              BACKEND.options({"torch_prefix_cache_tokens": 4096}))
     assert cached[-2:] == ["--prefix-cache-tokens", "4096"]
+    assert "--enable-return-routed-experts" not in cmd  # slime sets the field only under routing replay
+    routed = BACKEND.command({"model_path": "/m", "host": "h", "port": 1, "enable_return_routed_experts": True},
+                             BACKEND.options())
+    assert routed[-1] == "--enable-return-routed-experts"
+    from slime_ascend.rollout.torch_engine.cli import build_parser
+
+    assert build_parser().parse_args(routed[routed.index("serve-torch") + 1:]).enable_return_routed_experts is True

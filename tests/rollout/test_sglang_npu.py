@@ -191,3 +191,18 @@ def test_bootstrap_installs_the_bridge_in_a_fresh_process():
     env = {"SLIME_ASCEND_PLUGINS": "sglang-npu", "PYTHONPATH": os.pathsep.join([str(slime_src()), str(REPO)])}
     done = run_python(code, env=env, timeout=300)
     assert "WRAPPED True" in done.stdout, done.stdout + done.stderr
+
+
+def test_rollout_routing_replay_behind_the_pypi_router_is_refused_at_validation(monkeypatch):
+    """SGLang on Ascend adds the routes only when the request asks, and sglang-router from PyPI drops the field:
+    refused in one line (rollout.replay_routes); slime's fork of the router passes."""
+    from slime_ascend.plugins.settings import SettingsError
+
+    args = argparse.Namespace(use_rollout_routing_replay=True, rollout_external_engine_addrs=None)
+    monkeypatch.setattr("slime_ascend.rollout.replay_routes.router_version", lambda: "0.3.2")
+    with pytest.raises(SettingsError) as info:
+        sglang_npu.validate_plugin(args, None)
+    assert str(info.value).startswith("sglang-npu: --use-rollout-routing-replay: slime's router (sglang-router "
+                                      "0.3.2") and "\n" not in str(info.value), str(info.value)
+    monkeypatch.setattr("slime_ascend.rollout.replay_routes.router_version", lambda: "0.3.2+slime")
+    sglang_npu.validate_plugin(args, None)

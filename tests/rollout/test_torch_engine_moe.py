@@ -108,3 +108,23 @@ def test_an_incomplete_expert_set_is_refused_and_the_model_kept(engine, moe_dir,
                                            r"\['model.layers.1.mlp.experts.2.up_proj.weight'\]"):
         engine.update_weights_from_disk(str(broken))
     assert torch.equal(engine.model.model.layers[1].mlp.experts.gate_up_proj, before)
+
+
+def test_enable_return_routed_experts_adds_the_routes_to_every_answer(engine, moe_dir):
+    """Behind slime's router from PyPI no request asks for the routes (it drops the field); an engine started
+    with SGLang's server flag adds them anyway, the same routes a request that asks gets."""
+    every = TorchEngine(str(moe_dir), enable_return_routed_experts=True)
+    request = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "sampling_seed": 5, "ignore_eos": True}}
+    got = every.generate(dict(request))
+    asked = engine.generate(dict(request, return_routed_experts=True))
+    assert got["output_ids"] == asked["output_ids"]
+    assert torch.equal(_routes(got["meta_info"]), _routes(asked["meta_info"]))
+    info, plain = every.server_info(), engine.server_info()
+    assert info["enable_return_routed_experts"] is info["routed_experts_in_every_answer"] is True
+    assert plain["enable_return_routed_experts"] is plain["routed_experts_in_every_answer"] is False
+
+
+def test_enable_return_routed_experts_refused_for_a_dense_model():
+    with pytest.raises(ValueError, match="enable_return_routed_experts needs an MoE model") as info:
+        TorchEngine(None, enable_return_routed_experts=True)
+    assert "\n" not in str(info.value) and "--enable-return-routed-experts" in str(info.value)

@@ -306,5 +306,10 @@ def validate_plugin(args: Any, settings: Any) -> None:
     device = getattr(args, "sglang_device", None)
     if device not in (None, "npu"):
         problems.append(f"--sglang-device {device!r} conflicts with sglang-npu (drop the flag)")
+    from ..replay_routes import refusal
+
+    routes = refusal(args, managed_engines_add_routes=False)  # SGLang adds them only when the request asks
+    if routes:
+        problems.append(routes)
     if problems:
         raise SettingsError("sglang-npu: " + "; ".join(problems))

@@ -43,7 +43,8 @@ class TorchEngineBackend(RolloutBackend):
         """``slime-ascend serve-torch`` for one engine from the ``ServerArgs`` fields slime computed
         (``_compute_server_args``): its model, host, port and seed; the dtype is slime's (``--fp16``:
         ``float16``, ``--sglang-dtype``) when it names one, else the plugin's ``ascend_rollout_torch_dtype``;
-        ``ascend_rollout_torch_prefix_cache_tokens`` above 0 turns the engine's prefix cache on."""
+        ``ascend_rollout_torch_prefix_cache_tokens`` above 0 turns the engine's prefix cache on; slime's
+        ``enable_return_routed_experts`` (routing replay) makes every answer carry its routes."""
         nnodes = int(server_args.get("nnodes", 1) or 1)
         if nnodes != 1:
             raise BackendError(f"torch-engine: an engine spanning {nnodes} nodes (--rollout-num-gpus-per-engine above "
@@ -55,10 +56,12 @@ class TorchEngineBackend(RolloutBackend):
         host = str(server_args["host"]).strip("[]")
         tokens = int(options.get("torch_prefix_cache_tokens") or 0)
         prefix_cache = ["--prefix-cache-tokens", str(tokens)] if tokens > 0 else []
+        # slime sets it under --use-rollout-routing-replay (_compute_server_args)
+        routes = ["--enable-return-routed-experts"] if server_args.get("enable_return_routed_experts") else []
         return [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(server_args["model_path"]),
                 "--host", host, "--port", str(int(server_args["port"])),
                 "--seed", str(int(server_args.get("random_seed", 0) or 0)), "--dtype", dtype,
-                *prefix_cache]
+                *prefix_cache, *routes]
 
 
 BACKEND = TorchEngineBackend()

@@ -83,6 +83,9 @@ def build_parser() -> ArgumentParser:
                        "(default %(default)s)")
     cache.add_argument("--prefix-cache-entries", type=positive_int, default=DEFAULT_PREFIX_CACHE_ENTRIES,
                        metavar="N", help="most cached prefixes (default %(default)s)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="every /generate answer carries each fed token's routed experts (an MoE model; SGLang's "
+                        "flag, for slime's --use-rollout-routing-replay: slime's router drops the request's own)")
     sync = parser.add_argument_group("weight sync over a process group (/update_weights_from_distributed)")
     sync.add_argument("--weight-group-timeout", type=float, default=None, metavar="S",
                       help="seconds to join a weight-update group, and for one bucket's tensors to arrive "
@@ -109,7 +112,8 @@ def serve_torch(argv: list[str] | None = None) -> int:
                              max_new_tokens=args.max_new_tokens, max_top_logprobs=args.max_top_logprobs,
                              max_weight_values=args.max_weight_values,
                              prefix_cache_tokens=args.prefix_cache_tokens,
-                             prefix_cache_entries=args.prefix_cache_entries)
+                             prefix_cache_entries=args.prefix_cache_entries,
+                             enable_return_routed_experts=args.enable_return_routed_experts)
     if args.weight_group_timeout is not None or args.keep_received_weights is not None:
         engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
     server = make_server(engine, host=args.host, port=0, **server_options(args))

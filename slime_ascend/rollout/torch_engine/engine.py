@@ -29,6 +29,11 @@ Semantics mirrored from SGLang (checked against the installed ``sglang`` sources
 * ``return_routed_experts: true`` (an MoE model only) adds ``meta_info["routed_experts"]``: SGLang's
   base64 of int32 ``[len(input_ids) + completion_tokens - 1, num_layers, top_k]``, each fed token's experts
   in each layer (zeros in dense layers; :class:`~slime_ascend.rollout.torch_engine.model.RouteRecorder`).
+  An engine started with ``enable_return_routed_experts`` (SGLang's server flag, which slime passes to the
+  engines it starts under ``--use-rollout-routing-replay``; ``serve-torch --enable-return-routed-experts``)
+  adds them to every answer, asked or not. Deviation: SGLang returns them only when the request asks too, and
+  slime's router as PyPI ships it (sglang-router 0.3.2) re-serialises each body without that field (slime's
+  Dockerfile installs a fork of it that keeps it), so behind that router no request asks.
 * ``meta_info["cached_tokens"]``: the prompt tokens reused from the cross-request prefix cache
   (:mod:`.prefix_cache`: off unless ``prefix_cache_tokens``; reused only under the weight version that computed
   them, dropped at every switch; ``/server_info``'s ``prefix_cache`` counts what reuse saved and switches dropped).
@@ -333,6 +338,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         max_weight_values: int = DEFAULT_MAX_WEIGHT_VALUES,
         prefix_cache_tokens: int = DEFAULT_MAX_TOKENS,
         prefix_cache_entries: int = DEFAULT_MAX_ENTRIES,
+        enable_return_routed_experts: bool = False,
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
                             max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs,
@@ -366,6 +372,12 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self._routes = reference_model.RouteRecorder.for_model(self.model)  # None: a dense model
+        if enable_return_routed_experts and self._routes is None:
+            raise ValueError("enable_return_routed_experts needs an MoE model; this checkpoint is a dense one (drop "
+                             "--enable-return-routed-experts, or drop --use-rollout-routing-replay)")
+        # every answer carries its routes (see the module docstring: slime's router from PyPI drops the request's
+        # return_routed_experts, so the server's setting decides, as slime sets it under routing replay)
+        self.enable_return_routed_experts = bool(enable_return_routed_experts)
 
         # a checkpoint of this architecture holds at most 8 bytes a parameter (float64), plus headers
         numel = sum(t.numel() for t in self.model.state_dict().values())
@@ -422,7 +434,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "max_new_tokens": self.max_new_tokens,
             "max_top_logprobs": self.max_top_logprobs,
             "max_weight_values": self.max_weight_values,
-            "enable_return_routed_experts": self._routes is not None,  # slime checks it under routing replay
+            "enable_return_routed_experts": self.enable_return_routed_experts,  # slime checks it under replay
+            "routed_experts_in_every_answer": self.enable_return_routed_experts,  # rollout.replay_routes reads it
             "disable_radix_cache": not self._prefix_cache.enabled,  # SGLang's field
             "prefix_cache": self._prefix_cache.stats(),  # prefix_cache.py: tokens saved, entries invalidated
         }
@@ -656,6 +669,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         routed = payload.get("return_routed_experts", False) if isinstance(payload, dict) else False
         if not isinstance(routed, bool):
             raise RequestError(f"return_routed_experts must be true or false, got {routed!r}")
+        routed = routed or self.enable_return_routed_experts
         if routed and self._routes is None:
             raise RequestError("return_routed_experts needs an MoE model; this engine serves a dense one (leave "
                                "it out, or drop --use-rollout-routing-replay)")
