@@ -4,7 +4,11 @@ alignment gate on: at one rank, and at tensor x expert parallelism 2 x 2 (four r
 compared with the one-rank run.
 
 The ``cpu`` plugin (its glm5 patches give the spec host linears, torch ops and THD RoPE) with ``dis``,
-``staleness`` and ``dsa-determinism``; the torch engine serves the checkpoint (transformers' ``GlmMoeDsa``
+``staleness`` and ``dsa-determinism``, and slime's rollout routing replay (``--use-rollout-routing-replay``: the
+engine, started with ``--enable-return-routed-experts``, returns each token's experts in the three MoE layers,
+slime's rollout dump carries them, and the train side routes by them; that replay changes the train side's routes is
+shown on an engine that routes differently, in ``test_slime_routing_replay_cpu.py``: here the fp32 engine routes as
+the trainer does, so the gate and the layout comparison hold with replay on); the torch engine serves the checkpoint (transformers' ``GlmMoeDsa``
 aligned to GLM-5's checkpoint semantics: ``slime_ascend.rollout.torch_engine.glm5``); fp32 training; 2 rollouts
 with a weight push after each step (``--update-weight-transport disk``), so the second rollout is generated with
 the trained weights. The prompts and responses are longer than ``index_topk`` (8): the DSA selection decides the
@@ -115,7 +119,7 @@ def _glm5_flags(flags: list[str]) -> list[str]:
 def _run(model: Path, work: Path, layout: list[str]):
     work.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(work / "prompts.jsonl")
-    engine = start_engine(model, work / "engine.log", ready=False)
+    engine = start_engine(model, work / "engine.log", ready=False, engine_args=("--enable-return-routed-experts",))
     flags = _glm5_flags(slime_flags(model, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
                                     n_samples=N_SAMPLES, max_response=MAX_RESPONSE, save=False))
     at = flags.index("--rm-type")
@@ -123,6 +127,7 @@ def _run(model: Path, work: Path, layout: list[str]):
     # later flags win in slime's argparse: the layout replaces the one-rank sizes of slime_flags
     flags += ["--custom-rm-path", "parity_reward.reward", "--sglang-enable-deterministic-inference",
               "--update-weight-disk-keep-files", "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt"),
+              "--use-rollout-routing-replay", "--save-debug-rollout-data", str(work / "dump" / "rollout_{rollout_id}.pt"),
               "--ci-test", "--ci-train-rollout-logprob-abs-diff-threshold", str(LOGPROB_GATE), *layout]
     try:
         run = run_slime("train.py", flags, work, PLUGINS, custom_config=_config(work), timeout=1500,
@@ -138,7 +143,25 @@ def _run(model: Path, work: Path, layout: list[str]):
     gaps = [m["train/train_rollout_logprob_abs_diff"] for m in steps]  # slime's --ci-test asserted each already
     print(f"train/rollout log-prob gap per step: {gaps}; grad norm {[m['train/grad_norm'] for m in steps]}")
     assert all(0 <= g <= LOGPROB_GATE for g in gaps), gaps
+    _assert_routes_replayed(work, run)
     return run
+
+
+def _assert_routes_replayed(work: Path, run) -> None:
+    """Routing replay: every sample of every rollout carried the engine's routed experts ([fed tokens, layers,
+    top_k]: zeros in the dense layer 0, two distinct experts in each MoE layer), and every train rank wired slime's
+    replay into Megatron (train.routing_replay)."""
+    import torch
+
+    for rollout_id in range(NUM_ROLLOUT):
+        samples = torch.load(work / "dump" / f"rollout_{rollout_id}.pt", weights_only=False)["samples"]
+        assert len(samples) == BATCH * N_SAMPLES
+        for sample in samples:
+            routes = torch.as_tensor(sample["rollout_routed_experts"])
+            assert routes.shape == (len(sample["tokens"]) - 1, 1 + len(MOE_LAYERS), 2), routes.shape
+            moe = routes[:, list(MOE_LAYERS)]
+            assert not routes[:, 0].any() and (moe[..., 0] != moe[..., 1]).all() and (moe < EXPERTS).all()
+    assert run.log.count("applied runtime patch train.routing_replay") >= _ranks(run)
 
 
 def _steps(run) -> list[dict]:
