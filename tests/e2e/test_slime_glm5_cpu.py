@@ -39,6 +39,12 @@ count exactly; every expert of every MoE layer in every push (gathered from the 
 iterator), the first push byte-identical to the one-rank run's, the later (trained) ones within 1e-4 relative,
 1e-6 absolute.
 
+``opd`` in top-k mode (MOPD's reverse KL over the teacher's top-k ids, a loss term) runs on the same spec at one
+rank in a job of its own (``dis`` acts inside slime's policy loss, which opd's top-k custom loss replaces): the
+teacher payload of every sample equals a forward of the teacher checkpoint (ids exactly, log-probs within 2e-5),
+the top-k KL and its loss term act in every step, and the train/rollout gap stays within the same 1e-6 (read from
+slime's metric: :data:`CI_GATE`). Measured 2026-12-03: 0.80 min, gaps 1.5e-7, KL 5.6e-4.
+
 Measured on the 2-core Intel Xeon host (AVX-512), 2026-12-03, shared with other jobs (1-minute load 5): one rank
 0.81 min, gate gaps 1.4e-7 and 1.9e-7 (steps 0, 1); TP 2 x EP 2 1.00 min, gate gaps 1.4e-7 and 1.5e-7, largest gaps
 to one rank: log-probs 9.5e-7, advantages 0, grad norm 1.3e-6 relative, loss 1.5e-8, trained push 3.7e-6
@@ -64,14 +70,21 @@ from slime_ascend.parallel_layout import Layout
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 PLUGINS = ("cpu", "dis", "staleness", "dsa-determinism")
+# opd's top-k loss is a custom loss, which dis (inside slime's policy loss) cannot share a job with: its own run
+OPD_PLUGINS = ("cpu", "staleness", "dsa-determinism", "opd")
 HERE = Path(__file__).parent
 GLM5 = MODEL_JOBS["glm5"]  # the tiny GLM-5's flags less --spec, slime's glm5 spec, fp32 (bf16: false)
 LOGPROB_GATE = 1e-6
+# slime's gate. The opd run reads the gate's metric instead (the same bound, asserted by the test): with opd slime also
+# logs the rollout's mean train-side log-prob, which --ci-test bounds to (-1, 0), a sanity bound for a trained
+# checkpoint that the random tiny GLM-5 (mean log-prob -6.9 over its 1024-token vocabulary) cannot meet
+CI_GATE = ["--ci-test", "--ci-train-rollout-logprob-abs-diff-threshold", str(LOGPROB_GATE)]
 LOGPROB_ATOL = 2e-5
 ADVANTAGE_ATOL = 1e-6
 METRIC_RTOL = 1e-4
 LOSS_ATOL = 1e-7
 BATCH, N_SAMPLES, NUM_ROLLOUT, MAX_RESPONSE = 4, 2, 2, 16
+OPD_TOPK, OPD_COEFS = 4, {"math": 1.0, "code": 0.5}  # two teachers on one teacher engine, routed by domain
 MOE_LAYERS, EXPERTS = (1, 2, 3), 4  # tiny GLM-5: layer 0 dense, layers 1-3 MoE with 4 routed experts
 EXPERT_TENSORS = {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for layer in MOE_LAYERS
                   for e in range(EXPERTS) for p in ("gate", "up", "down")}
@@ -95,14 +108,34 @@ def glm5_dir(tmp_path_factory) -> Path:
     return save_model(model, tmp_path_factory.mktemp("model") / "tiny-glm5", build_byte_tokenizer())
 
 
-def _config(work: Path) -> Path:
+@pytest.fixture(scope="module")
+def glm5_teacher_dir(tmp_path_factory) -> Path:
+    """opd's teacher: the tiny GLM-5 drawn from another seed (fp32)."""
+    import torch
+
+    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
+
+    model = load_model(None, dtype=torch.float32, seed=1, glm5=True)
+    return save_model(model, tmp_path_factory.mktemp("teacher") / "tiny-glm5-teacher", build_byte_tokenizer())
+
+
+def _opd_settings(teacher: Path, url: str) -> dict:
+    """opd in top-k mode (the MOPD loss term): two teachers on one engine, coefficients 1.0 and 0.5, routed by the
+    prompt's domain; the reward (``parity_reward.reward``) through opd's task reward path."""
+    return {"ascend_opd_teachers": [{"name": name, "checkpoint_dir": str(teacher), "domains": [name], "coef": coef,
+                                     "url": url} for name, coef in OPD_COEFS.items()],
+            "ascend_opd_domain_key": "domain", "ascend_opd_switch_engine_urls": [],
+            "ascend_opd_task_rm_path": "parity_reward.reward", "ascend_opd_mode": "topk", "ascend_opd_topk": OPD_TOPK}
+
+
+def _config(work: Path, plugins: tuple[str, ...], opd: dict) -> Path:
     out = work / "ascend.yaml"
-    subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *PLUGINS, "-o", str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "slime_ascend.cli", "config", *plugins, "-o", str(out)], check=True,
                    capture_output=True, text=True)
     with out.open("a") as f:  # applied after the command line (the plugin flags' --spec) and slime's bf16 rule
         f.write("\n# the glm5 model job's plain slime arguments (bf16: false, fp32 training: the gate's bound is an "
                 "fp32 one) and slime's own GLM-5 spec in place of the cpu plugin's local one\n")
-        for name, value in (*GLM5.slime_args, ("spec", list(GLM5.spec))):
+        for name, value in (*GLM5.slime_args, ("spec", list(GLM5.spec)), *opd.items()):
             f.write(f"{name}: {json.dumps(value)}\n")
     return out
 
@@ -116,24 +149,33 @@ def _glm5_flags(flags: list[str]) -> list[str]:
     return [f for f in flags if f not in GLM5.drop_flags]
 
 
-def _run(model: Path, work: Path, layout: list[str]):
+def _run(model: Path, work: Path, layout: list[str], plugins: tuple[str, ...] = PLUGINS, teacher: Path | None = None):
+    """slime's train.py on the tiny GLM-5 with ``plugins`` and slime's gate (:data:`CI_GATE`); with ``teacher``,
+    opd's teacher engine serves it (:func:`_opd_settings`), the reward goes through opd's task reward path, and the
+    gate's bound is asserted here on slime's logged metric."""
     work.mkdir(parents=True, exist_ok=True)
-    prompts = make_prompts(work / "prompts.jsonl")
+    prompts = make_prompts(work / "prompts.jsonl", domains=tuple(OPD_COEFS) if teacher else ())
     engine = start_engine(model, work / "engine.log", ready=False, engine_args=("--enable-return-routed-experts",))
+    engines = [engine]
+    opd = {}
+    if teacher is not None:
+        engines.append(start_engine(teacher, work / "engine-teacher.log"))  # opd asks it at parse_args
+        opd = _opd_settings(teacher, engines[-1].url)
     flags = _glm5_flags(slime_flags(model, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
                                     n_samples=N_SAMPLES, max_response=MAX_RESPONSE, save=False))
     at = flags.index("--rm-type")
-    del flags[at:at + 2]
+    del flags[at:at + 2]  # the reward is parity_reward.reward
     # later flags win in slime's argparse: the layout replaces the one-rank sizes of slime_flags
-    flags += ["--custom-rm-path", "parity_reward.reward", "--sglang-enable-deterministic-inference",
+    flags += [*([] if teacher else ["--custom-rm-path", "parity_reward.reward"]), "--sglang-enable-deterministic-inference",
               "--update-weight-disk-keep-files", "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt"),
               "--use-rollout-routing-replay", "--save-debug-rollout-data", str(work / "dump" / "rollout_{rollout_id}.pt"),
-              "--ci-test", "--ci-train-rollout-logprob-abs-diff-threshold", str(LOGPROB_GATE), *layout]
+              *(CI_GATE if teacher is None else []), *layout]
     try:
-        run = run_slime("train.py", flags, work, PLUGINS, custom_config=_config(work), timeout=1500,
+        run = run_slime("train.py", flags, work, plugins, custom_config=_config(work, plugins, opd), timeout=1500,
                         extra_env={"PYTHONPATH": str(HERE)})
     finally:
-        stop(engine.proc)
+        for each in engines:
+            stop(each.proc)
     print(f"\nglm5 {work.name}: {' '.join(layout) or 'one rank'}: rc {run.returncode}, {run.seconds / 60:.2f} min")
     assert run.returncode == 0, run.log[-8000:]
     assert "bf16 " + "." * 44 + " False" in run.log  # Megatron's argument dump: this run trained in fp32
@@ -278,3 +320,42 @@ def test_glm5_layout_matches_the_one_rank_glm5_run(glm5_dir, glm5_reference, tmp
                                        msg=lambda m, w=f"{push.name} {name}": f"{w}: {m}")
             worst["push"] = max(worst["push"], float((state[name].float() - tensor.float()).abs().max()))
     print(f"{layout}: largest gaps to one rank: {worst}")
+
+
+def test_opd_topk_trains_glm5_within_slimes_logprob_gate(glm5_dir, glm5_teacher_dir, tmp_path):
+    """``opd`` in top-k mode (MOPD: the reverse KL over the teacher's top-k ids, a loss term) on slime's GLM-5 spec
+    at one rank, with slime's gate on in each step (the teacher term changes the gradient, not the log-probs the
+    gate compares). Two teachers on one engine serving a GLM-5 of another seed. Checked, from slime's train dump:
+    each sample's teacher payload is its routed teacher's top-k of the response (ids exactly, log-probs within 2e-5
+    of a forward of the teacher checkpoint, transformers' ``GlmMoeDsa`` aligned as the engine serves it); per step,
+    the top-k KL is positive and its loss term coefficient-weighted (mean coefficient 0.75), with gradients."""
+    import torch
+
+    from slime_ascend.rollout.torch_engine.model import load_model
+
+    work = tmp_path / "opd-topk"
+    run = _run(glm5_dir, work, [], plugins=OPD_PLUGINS, teacher=glm5_teacher_dir)
+    for patch_id in ("rollout.forward_metadata", "train.loss_batch_metadata"):
+        assert f"applied runtime patch {patch_id}" in run.log, patch_id
+    teacher = load_model(glm5_teacher_dir, torch.float32)
+    checked = 0
+    for rollout_id in range(NUM_ROLLOUT):
+        for sample in _dump(work, rollout_id)["samples"]:
+            meta, tokens = sample["metadata"], torch.as_tensor(sample["tokens"]).long()
+            n = int(sample["response_lengths"])
+            assert meta["opd_teacher"] in OPD_COEFS
+            with torch.no_grad():
+                logits = teacher(input_ids=tokens[:-1].reshape(1, -1), use_cache=False).logits[0, -n:].float()
+            want = torch.log_softmax(logits, dim=-1).topk(OPD_TOPK, dim=-1)
+            ids, log_probs = meta["opd_topk"]["ids"], meta["opd_topk"]["log_probs"]
+            assert torch.equal(torch.as_tensor(ids).long().reshape(n, OPD_TOPK), want.indices), (rollout_id, n)
+            torch.testing.assert_close(torch.as_tensor(log_probs).float().reshape(n, OPD_TOPK), want.values,
+                                       rtol=0, atol=LOGPROB_ATOL)
+            checked += 1
+    assert checked == NUM_ROLLOUT * BATCH * N_SAMPLES
+    steps = [m for m in run.metrics() if "train/opd_topk_kl" in m]
+    assert len(steps) == NUM_ROLLOUT, steps
+    for m in steps:
+        assert 0 < m["train/opd_topk_loss"] < m["train/opd_topk_kl"] and m["train/grad_norm"] > 0, m
+    print(f"opd top-k on GLM-5: KL {[m['train/opd_topk_kl'] for m in steps]}, loss term "
+          f"{[m['train/opd_topk_loss'] for m in steps]}")
