@@ -35,6 +35,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | driver.acknowledged_weight_update | RayTrainGroup._reload_rollout_weights_from_disk: every engine switched and read back, or all returned to the last acknowledged version | 0012-acknowledged-weight-update |
 | driver.acknowledged_collective_update | RayTrainGroup.update_weights (distributed / tensor transports): every engine's version read back and published | 0023-acknowledged-collective-update |
 | train.gloo_float8_broadcast | update_weight_from_distributed.update_weights_from_distributed (and its by-name import): float8 broadcast as bytes over gloo; with a sync plugin's `distributed_delta`, each bucket as the quantised blocks changed since the version every engine acknowledged (weight_sync/distributed_delta.py) | 0022-gloo-float8-broadcast |
+| train.pipelined_weight_send | UpdateWeightFromDistributed._send_weights / _update_bucket_weights_from_distributed: slime's bucket send on a sender thread, one bucket in flight while the next is gathered and quantised (weight_sync/pipelined_send.py) | 0025-pipelined-distributed-weight-send |
 | train.cpu_tensor_reductions | hf_weight_iterator_direct.monkey_patch_torch_reductions: host tensors keep torch's reducer after sglang's CUDA-only one (the colocated push on the host) | 0024-colocated-push-device-neutral-reductions |
 | train.dsa_deterministic_topk | glm5 ops.indexer.pytorch_topk_with_invalid_padding: deterministic DSA indexer top-k | 0013-dsa-indexer-deterministic-topk |
 | train.glm5_kernels | sys.modules stand-ins for slime_plugins.models.glm5.ops.tilelang_{indexer,sparse_mla}_{fwd,bwd} (no CUDA) | 0021-glm5-spec-device-backends |
@@ -79,6 +80,7 @@ LEDGER: dict[str, str] = {
     "driver.acknowledged_weight_update": "slime_ascend.patch.driver.acknowledged_weight_update",
     "driver.acknowledged_collective_update": "slime_ascend.patch.driver.acknowledged_collective_update",
     "train.gloo_float8_broadcast": "slime_ascend.patch.train.gloo_float8_broadcast",
+    "train.pipelined_weight_send": "slime_ascend.patch.train.pipelined_weight_send",
     "train.cpu_tensor_reductions": "slime_ascend.patch.train.cpu_tensor_reductions",
     "train.reset_optimizer_on_push": "slime_ascend.patch.train.reset_optimizer_on_push",
     "driver.ray_cpu_resources": "slime_ascend.patch.driver.ray_cpu_resources",

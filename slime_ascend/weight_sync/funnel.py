@@ -227,6 +227,13 @@ def distributed_delta_enabled(args: Any) -> bool:
     return plugin is not None and bool(runtime.settings(args, plugin).distributed_delta)
 
 
+def pipelined_send_enabled(args: Any) -> bool:
+    """The sync plugin's ``pipelined_send`` setting (False without a sync plugin): on the distributed transport one
+    bucket's broadcast is in flight while the next is made (:mod:`.pipelined_send`)."""
+    plugin = sync_plugin(args)
+    return plugin is not None and bool(runtime.settings(args, plugin).pipelined_send)
+
+
 def needs_engine_post_process(args: Any, quantization_config: Any) -> bool:
     """True when this sync must open slime's engine post-process gate although slime would not."""
     from .engine_gate import slime_gate_opens

@@ -45,6 +45,8 @@ PATCHES = (
     PatchUse("driver.acknowledged_collective_update", "import:slime.ray.actor_group"),
     # quantised weights over gloo (cpu): float8 broadcast as its bytes
     PatchUse("train.gloo_float8_broadcast", "train"),
+    # the distributed push with one bucket in flight while the next is gathered and quantised
+    PatchUse("train.pipelined_weight_send", "train", when="slime_ascend.patch.train.pipelined_weight_send.wanted"),
     # after --load the versions go on from the resumed rollout (not from 1 again)
     PatchUse("driver.resumed_weight_version", "import:slime.ray.actor_group"),
 )
@@ -72,6 +74,11 @@ def _sync_plugin(name: str, label: str, description: str, *extra: Setting) -> Pl
                     help="on the distributed transport, push only the quantised blocks (32 bytes, with their "
                          "scales) that changed since the version every engine acknowledged; an engine that does "
                          "not hold it gets the version whole (weight_sync.distributed_delta)"),
+            Setting(prefix + "pipelined_send", bool, False,
+                    help="on the distributed transport, send each bucket on a sender thread while the next one is "
+                         "gathered and quantised, one bucket in flight, in order (one more bucket in memory: "
+                         "weight_sync.pipelined_send). Off by default: on the 2-core CPU host, where the receiver "
+                         "shares the cores, it measured within noise of slime's order (bench_weight_sync)"),
             *extra,
         ),
         contributions=(

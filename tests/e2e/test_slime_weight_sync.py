@@ -251,7 +251,10 @@ def test_fp8_sync_over_slime_distributed_transport_with_managed_engines(model_di
     # item 8: after the first push, each version goes as the fp8 blocks that changed (weight_sync.distributed_delta)
     text = config.read_text()
     assert "ascend_fp8_sync_distributed_delta: false" in text
-    config.write_text(text.replace("ascend_fp8_sync_distributed_delta: false", "ascend_fp8_sync_distributed_delta: true"))
+    assert "ascend_fp8_sync_pipelined_send: false" in text
+    # and each bucket is sent on a sender thread while the next is quantised (train.pipelined_weight_send)
+    config.write_text(text.replace("ascend_fp8_sync_distributed_delta: false", "ascend_fp8_sync_distributed_delta: true")
+                      .replace("ascend_fp8_sync_pipelined_send: false", "ascend_fp8_sync_pipelined_send: true"))
     prompts = make_prompts(tmp_path / "prompts.jsonl")
     flags = _managed_distributed_flags(slime_flags(model_dir, prompts, [], tmp_path, num_rollout=NUM_ROLLOUT), qdir,
                                        prompts)
@@ -267,7 +270,7 @@ def test_fp8_sync_over_slime_distributed_transport_with_managed_engines(model_di
                for line in log.splitlines())
     assert f"{plugin}: rollout checkpoint {qdir} is {fmt}" in log
     for patch_id in ("train.quantize_params", "train.weight_sync_metrics", "train.gloo_float8_broadcast",
-                     "engine.torch_engine_launch"):
+                     "train.pipelined_weight_send", "engine.torch_engine_launch"):
         assert f"applied runtime patch {patch_id}" in log, patch_id
 
     # cosched: every rollout request went out through the plugin's dispatcher, to both of slime's engines

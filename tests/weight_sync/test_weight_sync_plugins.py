@@ -20,7 +20,8 @@ def test_plugins_are_registered_and_resolve():
             assert callable(c.load())
         assert set(p.patch_ids) == {"train.quantize_params", "train.quant_post_process", "train.weight_sync_metrics",
                                     "driver.acknowledged_weight_update", "driver.acknowledged_collective_update",
-                                    "train.gloo_float8_broadcast", "driver.resumed_weight_version"}
+                                    "train.gloo_float8_broadcast", "train.pipelined_weight_send",
+                                    "driver.resumed_weight_version"}
 
 
 @pytest.mark.parametrize("pair", [("fp8-sync", "int8-sync"), ("int8-sync", "int4-sync"), ("fp8-sync", "int4-sync")])
