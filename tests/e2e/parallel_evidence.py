@@ -245,3 +245,24 @@ def assert_same_decisions(got: dict, want: dict) -> tuple[int, int]:
         assert torch.equal(got[key], w), (key, got[key], w)
         kept, masked = kept + int(w.sum()), masked + int((~w).sum())
     return kept, masked
+
+
+def train_ranks(run, role: str = "actor") -> int:
+    """Train processes slime started for ``role`` (actor or critic): one device line each
+    (train.validate_at_actor_init)."""
+    return run.log.count(f"slime accelerator in the {role} train actor")
+
+
+def megatron_args(run, name: str) -> set[str]:
+    """``name``'s values in Megatron's argument dumps (``_print_args`` after ``validate_args``, the driver's and any
+    other process's: the name, dots to column 48, the value)."""
+    import re
+
+    found = set(re.findall(rf"\b{name} \.+ (\S+)$", run.log, re.MULTILINE))
+    assert found, f"{name} not in Megatron's argument dump"
+    return found
+
+
+def pushes(work: Path) -> list[Path]:
+    """The weight versions a job pushed over disk (``work/weights``, kept by ``--update-weight-disk-keep-files``)."""
+    return sorted(p for p in (Path(work) / "weights").iterdir() if p.is_dir())

@@ -65,6 +65,8 @@ from pathlib import Path
 
 import pytest
 
+from parallel_evidence import hf_weights as _pushed_tensors, megatron_args as _megatron_args, pushes as _pushes
+from parallel_evidence import train_ranks as _ranks
 from slime_ascend.demo.slime_job import TINY_QWEN3_ARGS, make_prompts, run_slime, slime_flags, start_engine, stop
 from slime_ascend.demo.slime_loop import MODEL_JOBS
 from slime_ascend.parallel_layout import Layout
@@ -218,35 +220,10 @@ def _steps(run) -> list[dict]:
     return [m for m in run.metrics() if "train/step" in m]
 
 
-def _ranks(run) -> int:
-    """Train actors slime started: one device line per actor (train.validate_at_actor_init)."""
-    return run.log.count("slime accelerator in the actor train actor")
-
-
-def _megatron_args(run, name: str) -> set[str]:
-    """``name``'s values in Megatron's argument dumps (the name, dots to column 48, the value)."""
-    found = set(re.findall(rf"\b{name} \.+ (\S+)$", run.log, re.MULTILINE))
-    assert found, f"{name} not in Megatron's argument dump"
-    return found
-
-
 def _dump(work: Path, rollout_id: int) -> dict:
     import torch
 
     return torch.load(work / "dump" / f"train_{rollout_id}.pt", weights_only=False)
-
-
-def _pushes(work: Path) -> list[Path]:
-    return sorted(p for p in (work / "weights").iterdir() if p.is_dir())
-
-
-def _pushed_tensors(push: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for path in sorted(push.glob("*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,7 @@ from pathlib import Path
 import pytest
 
 from e2e_fixtures import moe_model_dir  # noqa: F401  (pytest fixture)
+from parallel_evidence import megatron_args as _megatron_args, pushes as _pushes, train_ranks as _ranks
 from slime_ascend.demo.slime_job import TINY_QWEN3_MOE_ARGS, make_prompts, run_slime, slime_flags, start_engine, stop
 from slime_ascend.parallel_layout import Layout
 
@@ -163,11 +164,6 @@ def _steps(run, key: str = "train/grad_norm") -> list[dict]:
     return [m for m in run.metrics() if key in m]
 
 
-def _ranks(run, role: str = "actor") -> int:
-    """Train processes slime started for ``role``: one device line each (train.validate_at_actor_init)."""
-    return run.log.count(f"slime accelerator in the {role} train actor")
-
-
 @pytest.fixture(scope="module")
 def quantized(moe_model_dir, tmp_path_factory) -> Path:
     """``slime-ascend quantize --format fp8-block`` of the MoE checkpoint: the engine's."""
@@ -189,10 +185,6 @@ def first_push(moe_model_dir, tmp_path_factory) -> Path:
 def moe_reference(moe_model_dir, quantized, tmp_path_factory):
     work = tmp_path_factory.mktemp("moe-one-rank")
     return work, _run(moe_model_dir, quantized, work, MOE)
-
-
-def _pushes(work: Path) -> list[Path]:
-    return sorted(p for p in (work / "weights").iterdir() if p.is_dir())
 
 
 EXPERT_WEIGHTS = {f"model.layers.1.mlp.experts.{e}.{p}_proj.{w}" for e in range(EXPERTS)
@@ -268,14 +260,6 @@ def test_moe_one_rank_runs_slimes_loop_and_pushes_every_expert(moe_model_dir, fi
             assert 0 < float(s["gae_lambdas"]) < 1 and "log_probs" in s and "values" in s, index
             assert s["log_probs"].shape == s["rollout_log_probs"].shape == s["loss_masks"].shape, index
         assert len({float(s["rewards"]) for s in actor.values()}) == 2  # the reward varies: advantages move
-
-
-def _megatron_args(run, name: str) -> set[str]:
-    """``name``'s values in Megatron's argument dumps (``_print_args`` after ``validate_args``, the driver's and any
-    other process's: the name, dots to column 48, the value)."""
-    found = set(re.findall(rf"\b{name} \.+ (\S+)$", run.log, re.MULTILINE))
-    assert found, f"{name} not in Megatron's argument dump"
-    return found
 
 
 def _largest_gap(ref_work: Path, work: Path, key: str) -> float:

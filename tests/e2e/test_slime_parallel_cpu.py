@@ -59,6 +59,7 @@ from pathlib import Path
 
 import pytest
 
+from parallel_evidence import train_ranks as _ranks
 from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags, start_engine, stop
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixtures)
 
@@ -256,11 +257,6 @@ def _assert_dis_decisions_alike(ref_work: Path, work: Path) -> None:
 
 def _reports(run, key: str) -> list:
     return [m[key] for m in run.metrics() if key in m]
-
-
-def _ranks(run) -> int:
-    """Train actors slime started: one device line per actor (train.validate_at_actor_init)."""
-    return run.log.count("slime accelerator in the actor train actor")
 
 
 LAYOUTS = {

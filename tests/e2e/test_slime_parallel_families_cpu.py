@@ -55,6 +55,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from parallel_evidence import train_ranks as _ranks
 from slime_ascend.demo.slime_job import make_model, make_prompts, run_slime, slime_flags, start_engine, stop
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixtures)
 
@@ -154,11 +155,6 @@ def _assert_steps_alike(ref_run, run, key: str, close: tuple[str, ...], exact: t
         for name in exact:
             assert m[name] == ref_m[name], (name, m, ref_m)
     return ref_steps
-
-
-def _ranks(run, role: str = "actor") -> int:
-    """Train processes slime started for ``role`` (actor or critic): one device line each."""
-    return run.log.count(f"slime accelerator in the {role} train actor")
 
 
 # ---- opd top-k at TP 2 -------------------------------------------------------------------------------------
