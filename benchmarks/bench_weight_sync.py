@@ -21,7 +21,7 @@ slime's ``convert_to_hf`` -> ``quantize_params`` funnel does (the quantisation t
 
 Each quantised row is pushed twice: as slime's own loop does (each bucket quantised, then sent) and
 *overlapped*, as the sync plugins' ``pipelined_send`` setting (on by default) runs slime's push: bucket k sent on a
-sender thread while bucket k+1 is quantised, with the package's own ``ThreadedBucketPipeline``
+sender thread while bucket k+1 is quantised, with the package's own ``BucketPipeline``
 (``weight_sync.pipelined_send``; the runtime patch ``train.pipelined_weight_send`` hands slime's bucket send to it).
 The quantisation alone is printed too: it is the train side's share.
 
@@ -127,19 +127,18 @@ def prepare(bucket: Named, fmt: str | None) -> Named:
 def pushed(bs: list[Named], fmt: str | None, overlap: bool, send: Callable[[int, Named], int]) -> int:
     """Each bucket in the engine's format (:func:`prepare`) handed to ``send(index, bucket)``, which returns the bytes
     the receiver took; their sum. ``overlap``: as the sync plugins' ``pipelined_send`` runs slime's push, with the
-    package's own :class:`~slime_ascend.weight_sync.pipelined_send.ThreadedBucketPipeline`: bucket k is sent on a
+    package's own :class:`~slime_ascend.weight_sync.pipelined_send.BucketPipeline`: bucket k is sent on a
     sender thread while bucket k+1 is quantised here (torch's ops and gloo release the GIL)."""
     if not overlap or fmt is None:
         return sum(send(i, prepare(b, fmt)) for i, b in enumerate(bs))
-    from slime_ascend.weight_sync.pipelined_send import ThreadedBucketPipeline
+    from slime_ascend.weight_sync.pipelined_send import BucketPipeline
 
     got: list[int] = []
-    pipeline = ThreadedBucketPipeline()
+    pipeline = BucketPipeline()
     try:
         for i, b in enumerate(bs):
             out = prepare(b, fmt)
-            pipeline.submit(lambda i=i, out=out: (pipeline.sender.submit(lambda: got.append(send(i, out))).result,
-                                                  None))
+            pipeline.submit(lambda i=i, out=out: got.append(send(i, out)))
         pipeline.drain()
     finally:
         pipeline.close()

@@ -1,5 +1,5 @@
-"""weight_sync.pipelined_send: at most one bucket in flight, finished before the next starts and at the end; a
-threaded bucket's failure reaches the caller."""
+"""weight_sync.pipelined_send: at most one bucket in flight on the sender thread, finished before the next starts
+and at the end; a failed send reaches the caller."""
 
 from __future__ import annotations
 
@@ -8,29 +8,37 @@ import time
 
 import pytest
 
-from slime_ascend.weight_sync.pipelined_send import BucketPipeline, ThreadedBucketPipeline
+from slime_ascend.weight_sync.pipelined_send import BucketPipeline
 
 
 def test_one_bucket_in_flight_finished_before_the_next_starts():
+    """Bucket k+1 is made while the send of bucket k is still in flight (that send cannot end before it is made),
+    and each send ends before the next begins; after :meth:`drain` nothing is in flight."""
     log: list[str] = []
+    started, released = ([threading.Event() for _ in range(3)] for _ in range(2))
     pipeline = BucketPipeline()
 
-    def start(k):
+    def send(k):
         log.append(f"start {k}")
-        return (lambda: log.append(f"finish {k}")), (lambda: log.append(f"abandon {k}"))
+        started[k].set()
+        assert released[k].wait(5)
+        log.append(f"finish {k}")
 
-    for k in range(3):
-        log.append(f"make {k}")
-        pipeline.submit(lambda k=k: start(k))
-    assert pipeline.in_flight
-    pipeline.drain()
+    try:
+        for k in range(3):
+            if k:
+                assert started[k - 1].wait(5)  # the send before is in flight
+            log.append(f"make {k}")
+            if k:
+                released[k - 1].set()  # the send before may end only now: bucket k is made
+            pipeline.submit(send, k)
+            assert pipeline.in_flight
+        released[2].set()
+        pipeline.drain()
+    finally:
+        pipeline.close()
     assert log == ["make 0", "start 0", "make 1", "finish 0", "start 1", "make 2", "finish 1", "start 2", "finish 2"]
-    assert (pipeline.started, pipeline.finished, pipeline.in_flight) == (3, 3, False)
-    pipeline.submit(lambda: start(3))
-    pipeline.abandon()
-    assert log[-2:] == ["start 3", "abandon 3"] and not pipeline.in_flight
-    pipeline.drain()  # nothing in flight: nothing happens
-    assert log[-1] == "abandon 3"
+    assert not pipeline.in_flight
 
 
 def test_the_threaded_send_overlaps_the_making_of_the_next_bucket_and_keeps_the_order():
@@ -38,7 +46,7 @@ def test_the_threaded_send_overlaps_the_making_of_the_next_bucket_and_keeps_the_
     ends), and the sends run one at a time, in order."""
     events: list[tuple[str, int, float]] = []
     lock = threading.Lock()
-    pipeline = ThreadedBucketPipeline()
+    pipeline = BucketPipeline()
 
     def send(k):
         with lock:
@@ -52,7 +60,7 @@ def test_the_threaded_send_overlaps_the_making_of_the_next_bucket_and_keeps_the_
             with lock:
                 events.append(("make", k, time.monotonic()))
             time.sleep(0.01)
-            pipeline.submit(lambda k=k: (pipeline.sender.submit(send, k).result, None))
+            pipeline.submit(send, k)
         pipeline.drain()
     finally:
         pipeline.close()
@@ -63,17 +71,17 @@ def test_the_threaded_send_overlaps_the_making_of_the_next_bucket_and_keeps_the_
 
 
 def test_a_failed_send_is_raised_to_the_caller_and_after_a_caller_failure_only_logged(caplog):
-    pipeline = ThreadedBucketPipeline()
+    pipeline = BucketPipeline()
 
     def boom():
         raise RuntimeError("engine gone")
 
     try:
-        pipeline.submit(lambda: (pipeline.sender.submit(boom).result, None))
+        pipeline.submit(boom)
         with pytest.raises(RuntimeError, match="engine gone"):
             pipeline.drain()
         assert not pipeline.in_flight
-        pipeline.submit(lambda: (pipeline.sender.submit(boom).result, None))
+        pipeline.submit(boom)
         pipeline.drain_after_failure()  # the caller's own failure is the one it raises
         assert "the weight bucket in flight failed too" in caplog.text and not pipeline.in_flight
     finally:

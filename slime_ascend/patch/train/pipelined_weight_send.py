@@ -15,7 +15,7 @@ subclass, e.g. the disk-delta updater, is untouched):
   progress bar: unchanged, with every patch on ``update_weights_from_distributed``, the delta push included) to
   one sender thread and returns, after waiting for the bucket before it: the broadcast of bucket k overlaps the
   making of bucket k+1 on the caller's thread
-  (:class:`slime_ascend.weight_sync.pipelined_send.ThreadedBucketPipeline`);
+  (:class:`slime_ascend.weight_sync.pipelined_send.BucketPipeline`);
 * ``_send_weights`` runs slime's own loop and then waits for the last bucket; on a failure it waits for the bucket
   in flight (which releases the lock) and raises the failure.
 
@@ -66,9 +66,9 @@ def _wrap_send(module: ModuleType):
         def _send_weights(self, pbar):
             if type(self) is not getattr(module, CLASS):  # a subclass's push: slime's own behaviour
                 return original(self, pbar)
-            from slime_ascend.weight_sync.pipelined_send import ThreadedBucketPipeline
+            from slime_ascend.weight_sync.pipelined_send import BucketPipeline
 
-            pipeline = _PIPELINES[self] = ThreadedBucketPipeline()
+            pipeline = _PIPELINES[self] = BucketPipeline()
             try:
                 original(self, pbar)
             except BaseException:
@@ -91,13 +91,8 @@ def _wrap_bucket(original):
         pipeline = _PIPELINES.get(self)
         if pipeline is None:
             return original(self, converted_named_tensors, pbar=pbar, load_format=load_format)
-        sender = pipeline.sender  # one thread: slime's own bucket send, the previous one already finished
-
-        def start():
-            future = sender.submit(original, self, converted_named_tensors, pbar=pbar, load_format=load_format)
-            return future.result, None
-
-        pipeline.submit(start)
+        # slime's own bucket send on the pipeline's thread, once the bucket before it has been sent
+        pipeline.submit(original, self, converted_named_tensors, pbar=pbar, load_format=load_format)
 
     return _update_bucket_weights_from_distributed
 
