@@ -20,8 +20,6 @@ within a few seconds is left to slime's own check of it.
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from typing import Any
 
 EVERY_ANSWER = "routed_experts_in_every_answer"  # the torch engine's /server_info field
@@ -43,11 +41,12 @@ def router_forwards_routes(version: str | None) -> bool:
 
 
 def _server_info(addr: str) -> dict[str, Any] | None:
+    from ..json_client import JSONRequestError, request_json
+
     url = addr if addr.startswith("http") else f"http://{addr}"
     try:
-        with urllib.request.urlopen(f"{url}/server_info", timeout=PROBE_TIMEOUT_S) as answer:
-            info = json.loads(answer.read())
-    except (OSError, ValueError):
+        info = request_json(f"{url}/server_info", timeout_s=PROBE_TIMEOUT_S, deadline_s=PROBE_TIMEOUT_S)
+    except (JSONRequestError, ValueError):
         return None
     return info if isinstance(info, dict) else None
 
