@@ -87,16 +87,17 @@ TINY_QWEN3_MOE_ARGS = (
 PROMPTS = [f"Q{i}: what is {i} plus {i % 3}?" for i in range(32)]
 
 
-def make_model(out_dir: Path, seed: int = 0, moe: bool = False) -> Path:
+def make_model(out_dir: Path, seed: int = 0, moe: bool = False, config_overrides: dict | None = None) -> Path:
     """The tiny random Qwen3 (``moe``: Qwen3-MoE, flags :data:`TINY_QWEN3_MOE_ARGS`) with its tokenizer, as an
-    HF safetensors directory (bf16 weights)."""
+    HF safetensors directory (bf16 weights); ``config_overrides``: fields of its config changed (``load_model``)."""
     import torch
 
     from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
 
     if (out_dir / "config.json").is_file():
         return out_dir
-    model = load_model(None, dtype=torch.float32, seed=seed, moe=moe).to(torch.bfloat16)
+    model = load_model(None, dtype=torch.float32, seed=seed, moe=moe, config_overrides=config_overrides
+                       ).to(torch.bfloat16)
     model.config.torch_dtype = torch.bfloat16
     save_model(model, out_dir, build_byte_tokenizer())
     return out_dir

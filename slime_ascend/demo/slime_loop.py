@@ -309,14 +309,14 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     log(f"slime-ascend demo in slime's own loop ({src / 'train_async.py'}): model {cfg.model}"
         + (f" (spec {' '.join(model.spec)})" if model.spec else "") + f"; plugins {', '.join(plugins)}; "
         f"seed {cfg.seed}; {cfg.steps} rollouts; output {out}"
-        + (f"; layout {' '.join(summary_layout)}" if (summary_layout := _layout_words(cfg)) else ""))
+        + (f"; layout {' '.join(layout_words)}" if (layout_words := _layout_words(cfg)) else ""))
     paths, start, seconds = prepare_task(cfg, out)
     log(f"prepared the initial policy and two teachers in {seconds:.1f}s")
     (out / "weights").mkdir(exist_ok=True)
     paths["prompts"] = str(_write_jsonl(out / "prompts.jsonl", _prompt_rows(cfg, cfg.steps)))
     job = _Job(out, paths)
     summary: dict[str, Any] = {"loop": "slime", "slime_src": str(src), "model": cfg.model, "plugins": list(plugins),
-                               "layout": _layout_words(cfg),
+                               "layout": layout_words,
                                "seed": cfg.seed, "steps_requested": cfg.steps,
                                "interrupted": False, "start_answer_probs": start}
     run_log = out / "train_async.log"
@@ -386,10 +386,8 @@ def layout_flags(cfg: DemoConfig) -> dict[str, str | tuple[str, ...] | None]:
     """The demo's parallel layout (``--tp --pp --cp --ep --dp --sp --allgather-cp``) as slime's flags, what
     ``slime-ascend config ... --flags --tp N ...`` prints (flag -> value, None: a switch); {} for one rank. slime
     gives SAO's critic the actor's rank count and parallel sizes."""
-    if cfg.layout is None or cfg.layout.is_default:
-        return {}
     return {option: None if not values else values[0] if len(values) == 1 else tuple(values)
-            for option, *values in option_groups(cfg.layout.flags())}
+            for option, *values in option_groups(_layout_words(cfg))}
 
 
 def _layout_words(cfg: DemoConfig) -> list[str]:

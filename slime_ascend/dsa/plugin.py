@@ -12,11 +12,13 @@ padding). Key-sharded scoring merges to the same result (``merge_topk_candidates
 
 No setting: the patch (``train.dsa_deterministic_topk``) is installed, in every process, as slime's
 indexer module is imported, which only the Megatron train actors do (a rollout engine has its own
-indexer). The torch engine selects by the same rule (``rollout/torch_engine/glm5.py``; train and rollout sets
-compared per layer in ``tests/glm5/test_glm5_train_rollout_logprobs.py``). SGLang's is not patched: on Ascend it
-selects inside ``torch_npu.npu_lightning_indexer``, a fused kernel whose tie rule cannot be read or checked on a
-host without an NPU; elsewhere in sgl-kernel's or flashinfer's top-k, or ``torch.topk`` in its torch fallback. slime's ``--freeze-indexer`` is unaffected: it sets ``requires_grad`` on the indexer's
-parameters (``model_provider.freeze_model_params``), the selection itself has no parameters.
+indexer). The torch engine selects by the same rule (``rollout/torch_engine/glm5.py``; train and rollout
+sets compared per layer in ``tests/glm5/test_glm5_train_rollout_logprobs.py``). SGLang's is not patched:
+on Ascend it selects inside ``torch_npu.npu_lightning_indexer``, a fused kernel whose tie rule cannot be
+read or checked on a host without an NPU; elsewhere in sgl-kernel's or flashinfer's top-k, or
+``torch.topk`` in its torch fallback. slime's ``--freeze-indexer`` is unaffected: it sets
+``requires_grad`` on the indexer's parameters (``model_provider.freeze_model_params``), the selection
+itself has no parameters.
 """
 
 from __future__ import annotations

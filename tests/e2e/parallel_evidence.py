@@ -266,3 +266,16 @@ def megatron_args(run, name: str) -> set[str]:
 def pushes(work: Path) -> list[Path]:
     """The weight versions a job pushed over disk (``work/weights``, kept by ``--update-weight-disk-keep-files``)."""
     return sorted(p for p in (Path(work) / "weights").iterdir() if p.is_dir())
+
+
+OPD_COEFS = {"math": 1.0, "code": 0.5}  # two teachers on one teacher engine, routed by the prompt's domain
+
+
+def opd_settings(teacher: Path, mode: str, url: str | None = None, **extra) -> dict:
+    """opd's settings for two teachers (:data:`OPD_COEFS`, routed by the prompt's ``domain``) served from one
+    checkpoint (``teacher``; at ``url`` when given), no switch engine, the reward (``parity_reward.reward``) through
+    opd's task reward path, in ``mode``; ``extra`` settings added."""
+    teachers = [{"name": name, "checkpoint_dir": str(teacher), "domains": [name], "coef": coef,
+                 **({"url": url} if url is not None else {})} for name, coef in OPD_COEFS.items()]
+    return {"ascend_opd_teachers": teachers, "ascend_opd_domain_key": "domain", "ascend_opd_switch_engine_urls": [],
+            "ascend_opd_task_rm_path": "parity_reward.reward", "ascend_opd_mode": mode, **extra}

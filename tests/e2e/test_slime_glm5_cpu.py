@@ -3,20 +3,20 @@ get_glm5_spec``: MLA, DSA with IndexShare, MoE with a shared expert) on the tiny
 alignment gate on: at one rank, and at tensor x expert parallelism 2 x 2 (four ranks, sequence parallelism)
 compared with the one-rank run.
 
-The ``cpu`` plugin (its glm5 patches give the spec host linears, torch ops and THD RoPE) with ``dis``,
-``staleness`` and ``dsa-determinism``, and slime's rollout routing replay (``--use-rollout-routing-replay``: the
-engine, started with ``--enable-return-routed-experts``, returns each token's experts in the three MoE layers,
-slime's rollout dump carries them, and the train side routes by them; that replay changes the train side's routes is
-shown on an engine that routes differently, in ``test_slime_routing_replay_cpu.py``: here the fp32 engine routes as
-the trainer does, so the gate and the layout comparison hold with replay on); the torch engine serves the checkpoint (transformers' ``GlmMoeDsa``
-aligned to GLM-5's checkpoint semantics: ``slime_ascend.rollout.torch_engine.glm5``); fp32 training; 2 rollouts
-with a weight push after each step (``--update-weight-transport disk``), so the second rollout is generated with
-the trained weights. The prompts and responses are longer than ``index_topk`` (8): the DSA selection decides the
-attention on both sides. The job's architecture flags, spec and fp32 rule are the demo's
-(``slime_ascend.demo.slime_loop.MODEL_JOBS["glm5"]``).
-``dsa-determinism`` is what makes the two sides select alike: the indexer's ReLU scores have exact ties (zeros),
-which slime's ``torch.topk`` breaks in no fixed order; with the plugin the train side breaks them to the lower
-index, as the torch engine always does (without it this job's first step measured a gap of 7.9e-3).
+The ``cpu`` plugin (its glm5 patches give the spec host linears, torch ops and THD RoPE) with ``dis``, ``staleness``
+and ``dsa-determinism``, and slime's rollout routing replay (``--use-rollout-routing-replay``: the engine, started
+with ``--enable-return-routed-experts``, returns each token's experts in the three MoE layers, slime's rollout dump
+carries them, and the train side routes by them; that replay changes the train side's routes is shown on an engine
+that routes differently, in ``test_slime_routing_replay_cpu.py``: here the fp32 engine routes as the trainer does,
+so the gate and the layout comparison hold with replay on); the torch engine serves the checkpoint (transformers'
+``GlmMoeDsa`` aligned to GLM-5's checkpoint semantics: ``slime_ascend.rollout.torch_engine.glm5``); fp32 training; 2
+rollouts with a weight push after each step (``--update-weight-transport disk``), so the second rollout is generated
+with the trained weights. The prompts and responses are longer than ``index_topk`` (8): the DSA selection decides
+the attention on both sides. The job's architecture flags, spec and fp32 rule are the demo's
+(``slime_ascend.demo.slime_loop.MODEL_JOBS["glm5"]``). ``dsa-determinism`` is what makes the two sides select alike:
+the indexer's ReLU scores have exact ties (zeros), which slime's ``torch.topk`` breaks in no fixed order; with the
+plugin the train side breaks them to the lower index, as the torch engine always does (without it this job's first
+step measured a gap of 7.9e-3).
 
 slime's gate, ``--ci-test --ci-train-rollout-logprob-abs-diff-threshold``, asserts in every train step of every
 run that the mean absolute gap between the train side's log-probs and the rollout's is within
@@ -66,7 +66,7 @@ from pathlib import Path
 import pytest
 
 from parallel_evidence import hf_weights as _pushed_tensors, megatron_args as _megatron_args, pushes as _pushes
-from parallel_evidence import train_ranks as _ranks
+from parallel_evidence import OPD_COEFS, opd_settings, train_ranks as _ranks
 from slime_ascend.demo.slime_job import TINY_QWEN3_ARGS, make_prompts, run_slime, slime_flags, start_engine, stop
 from slime_ascend.demo.slime_loop import MODEL_JOBS
 from slime_ascend.parallel_layout import Layout
@@ -90,7 +90,7 @@ ADVANTAGE_ATOL = 1e-6
 METRIC_RTOL = 1e-4
 LOSS_ATOL = 1e-7
 BATCH, N_SAMPLES, NUM_ROLLOUT, MAX_RESPONSE = 4, 2, 2, 16
-OPD_TOPK, OPD_COEFS = 4, {"math": 1.0, "code": 0.5}  # two teachers on one teacher engine, routed by domain
+OPD_TOPK = 4
 MOE_LAYERS, EXPERTS = (1, 2, 3), 4  # tiny GLM-5: layer 0 dense, layers 1-3 MoE with 4 routed experts
 EXPERT_TENSORS = {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for layer in MOE_LAYERS
                   for e in range(EXPERTS) for p in ("gate", "up", "down")}
@@ -103,35 +103,25 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def glm5_dir(tmp_path_factory) -> Path:
-    """The tiny GLM-5 (fp32) with the byte tokenizer, as an HF directory."""
+def _tiny_glm5(out: Path, seed: int) -> Path:
+    """The tiny GLM-5 drawn from ``seed`` (fp32) with the byte tokenizer, as an HF directory."""
     import torch
 
     from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
 
-    model = load_model(None, dtype=torch.float32, seed=0, glm5=True)
-    return save_model(model, tmp_path_factory.mktemp("model") / "tiny-glm5", build_byte_tokenizer())
+    return save_model(load_model(None, dtype=torch.float32, seed=seed, glm5=True), out, build_byte_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def glm5_dir(tmp_path_factory) -> Path:
+    """The tiny GLM-5 (fp32) with the byte tokenizer, as an HF directory."""
+    return _tiny_glm5(tmp_path_factory.mktemp("model") / "tiny-glm5", seed=0)
 
 
 @pytest.fixture(scope="module")
 def glm5_teacher_dir(tmp_path_factory) -> Path:
     """opd's teacher: the tiny GLM-5 drawn from another seed (fp32)."""
-    import torch
-
-    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
-
-    model = load_model(None, dtype=torch.float32, seed=1, glm5=True)
-    return save_model(model, tmp_path_factory.mktemp("teacher") / "tiny-glm5-teacher", build_byte_tokenizer())
-
-
-def _opd_settings(teacher: Path, url: str) -> dict:
-    """opd in top-k mode (the MOPD loss term): two teachers on one engine, coefficients 1.0 and 0.5, routed by the
-    prompt's domain; the reward (``parity_reward.reward``) through opd's task reward path."""
-    return {"ascend_opd_teachers": [{"name": name, "checkpoint_dir": str(teacher), "domains": [name], "coef": coef,
-                                     "url": url} for name, coef in OPD_COEFS.items()],
-            "ascend_opd_domain_key": "domain", "ascend_opd_switch_engine_urls": [],
-            "ascend_opd_task_rm_path": "parity_reward.reward", "ascend_opd_mode": "topk", "ascend_opd_topk": OPD_TOPK}
+    return _tiny_glm5(tmp_path_factory.mktemp("teacher") / "tiny-glm5-teacher", seed=1)
 
 
 def _config(work: Path, plugins: tuple[str, ...], opd: dict) -> Path:
@@ -158,7 +148,8 @@ def _glm5_flags(flags: list[str]) -> list[str]:
 def _run(model: Path, work: Path, layout: list[str], plugins: tuple[str, ...] = PLUGINS, teacher: Path | None = None,
          engine_checkpoint: Path | None = None):
     """slime's train.py on the tiny GLM-5 with ``plugins`` and slime's gate (:data:`CI_GATE`); with ``teacher``,
-    opd's teacher engine serves it (:func:`_opd_settings`) and the reward goes through opd's task reward path;
+    opd's teacher engine serves it (``parallel_evidence.opd_settings``, top-k) and the reward goes through opd's task
+    reward path;
     with ``engine_checkpoint`` (a quantised one: its format is what the sync plugin pushes) the engine serves it and
     slime's gate is off."""
     work.mkdir(parents=True, exist_ok=True)
@@ -169,16 +160,17 @@ def _run(model: Path, work: Path, layout: list[str], plugins: tuple[str, ...] = 
     opd = {}
     if teacher is not None:
         engines.append(start_engine(teacher, work / "engine-teacher.log"))  # opd asks it at parse_args
-        opd = _opd_settings(teacher, engines[-1].url)
+        opd = opd_settings(teacher, "topk", url=engines[-1].url, ascend_opd_topk=OPD_TOPK)
     flags = _glm5_flags(slime_flags(model, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
                                     n_samples=N_SAMPLES, max_response=MAX_RESPONSE, save=False))
     at = flags.index("--rm-type")
     del flags[at:at + 2]  # the reward is parity_reward.reward
     flags[flags.index("--hf-checkpoint") + 1] = str(served)  # Megatron loads --load (fp32)
     # later flags win in slime's argparse: the layout replaces the one-rank sizes of slime_flags
-    flags += [*([] if teacher else ["--custom-rm-path", "parity_reward.reward"]), "--sglang-enable-deterministic-inference",
-              "--update-weight-disk-keep-files", "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt"),
-              "--use-rollout-routing-replay", "--save-debug-rollout-data", str(work / "dump" / "rollout_{rollout_id}.pt"),
+    flags += [*([] if teacher else ["--custom-rm-path", "parity_reward.reward"]),
+              "--sglang-enable-deterministic-inference", "--update-weight-disk-keep-files",
+              "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt"), "--use-rollout-routing-replay",
+              "--save-debug-rollout-data", str(work / "dump" / "rollout_{rollout_id}.pt"),
               *(CI_GATE if engine_checkpoint is None else []), *layout]
     try:
         run = run_slime("train.py", flags, work, plugins, custom_config=_config(work, plugins, opd), timeout=1500,

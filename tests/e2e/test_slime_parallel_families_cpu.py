@@ -55,7 +55,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from parallel_evidence import train_ranks as _ranks
+from parallel_evidence import OPD_COEFS, opd_settings, train_ranks as _ranks
 from slime_ascend.demo.slime_job import make_model, make_prompts, run_slime, slime_flags, start_engine, stop
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixtures)
 
@@ -160,19 +160,13 @@ def _assert_steps_alike(ref_run, run, key: str, close: tuple[str, ...], exact: t
 # ---- opd top-k at TP 2 -------------------------------------------------------------------------------------
 
 TOPK = 4
-OPD_COEFS = {"math": 1.0, "code": 0.5}
 
 
 def _opd_pair(model_dir: Path, tmp_path_factory, mode: str, settings: dict | None = None):
     """The one-rank and the TP 2 run of one opd job in ``mode``: two teachers (coefficients :data:`OPD_COEFS`,
     routed by the prompt's domain) on one teacher engine; ``((work, run) one rank, (work, run) TP 2)``."""
     teacher = make_model(tmp_path_factory.mktemp(f"teacher-{mode}") / "teacher-math", seed=1)
-    settings = {
-        "ascend_opd_teachers": [{"name": name, "checkpoint_dir": str(teacher), "domains": [name], "coef": coef}
-                                for name, coef in OPD_COEFS.items()],
-        "ascend_opd_domain_key": "domain", "ascend_opd_switch_engine_urls": [],
-        "ascend_opd_task_rm_path": "parity_reward.reward", "ascend_opd_mode": mode, **(settings or {}),
-    }
+    settings = opd_settings(teacher, mode, **(settings or {}))
     kwargs = dict(model=model_dir, engine_checkpoint=model_dir, plugins=("cpu", "opd"), settings=settings,
                   batch=4, n_samples=2, teacher=teacher, domains=("math", "code"))
     runs = []

@@ -2,15 +2,16 @@
 the engine returns each token's routed experts, slime carries them to the train actor, and the train side routes
 every token to the engine's experts, not to its own.
 
-The job: the tiny Qwen3-MoE (4 experts, top 2) with both layers MoE (``--moe-layer-freq [1,1]``; in the usual
-tiny MoE, layer 0 dense, a route changes only the log-prob of its own position, and the int4 engine moved only
-prompt tokens' routes) at one rank, fp32 training, GRPO, 2 rollouts of 4 prompts x 2 samples, disk pushes. The engine serves ``slime-ascend quantize --format int4-group --group-size 32``
-of the checkpoint (``int4-sync`` keeps every push in that format) and is started with
-``--enable-return-routed-experts``: slime's router as PyPI ships it drops the request's ``return_routed_experts``
-(``rollout.replay_routes``), so the engine adds the routes to every answer, as SGLang's server flag asks. The
-int4 engine routes differently from the fp32 trainer (its hidden states carry the int4 rounding: in 7 of 8 sampled
-answers, measured offline, some tokens went to another expert set), which is what makes the check decisive:
-replaying the engine's routes and routing by itself give train-side log-probs 5e-4 to 8e-3 apart.
+The job: the tiny Qwen3-MoE (4 experts, top 2) with both layers MoE (``--moe-layer-freq [1,1]``; in the usual tiny
+MoE, layer 0 dense, a route changes only the log-prob of its own position, and the int4 engine moved only prompt
+tokens' routes) at one rank, fp32 training, GRPO, 2 rollouts of 4 prompts x 2 samples, disk pushes. The engine
+serves ``slime-ascend quantize --format int4-group --group-size 32`` of the checkpoint (``int4-sync`` keeps every
+push in that format) and is started with ``--enable-return-routed-experts``: slime's router as PyPI ships it drops
+the request's ``return_routed_experts`` (``rollout.replay_routes``), so the engine adds the routes to every answer,
+as SGLang's server flag asks. The int4 engine routes differently from the fp32 trainer (its hidden states carry the
+int4 rounding: in 7 of 8 sampled answers, measured offline, some tokens went to another expert set), which is what
+makes the check decisive: replaying the engine's routes and routing by itself give train-side log-probs 5e-4 to 8e-3
+apart.
 
 From slime's own dumps (``--save-debug-rollout-data``: each sample's ``rollout_routed_experts``, what the engine
 answered; ``--save-debug-train-data``: the train-side log-probs):
@@ -32,7 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from slime_ascend.demo.slime_job import TINY_QWEN3_MOE_ARGS, make_prompts, run_slime, slime_flags, start_engine, stop
+from slime_ascend.demo.slime_job import (TINY_QWEN3_MOE_ARGS, make_model, make_prompts, run_slime, slime_flags,
+                                         start_engine, stop)
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -60,20 +62,8 @@ def _config(work: Path) -> Path:
 @pytest.fixture(scope="module")
 def all_moe_model_dir(tmp_path_factory) -> Path:
     """The tiny Qwen3-MoE with an MoE MLP in both layers (bf16 weights, as ``slime_job.make_model`` saves)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, save_model, tiny_qwen3_moe_config
-
-    rng = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    try:
-        model = AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(mlp_only_layers=[]), dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(rng)
-    model = model.to(torch.bfloat16)
-    model.config.torch_dtype = torch.bfloat16
-    return save_model(model, tmp_path_factory.mktemp("model") / "tiny-qwen3-all-moe", build_byte_tokenizer())
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-qwen3-all-moe", moe=True,
+                      config_overrides={"mlp_only_layers": []})
 
 
 @pytest.fixture(scope="module")

@@ -366,7 +366,8 @@ def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
 
 
 def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = torch.float32, seed: int = 0,
-               moe: bool = False, glm5: bool = False, checkpoint: CheckpointWeights | None = None):
+               moe: bool = False, glm5: bool = False, checkpoint: CheckpointWeights | None = None,
+               config_overrides: dict[str, Any] | None = None):
     """Load a causal LM for CPU inference, in eval mode.
 
     ``model_dir=None`` builds the tiny random Qwen3 of :func:`tiny_qwen3_config` (``moe``: the Qwen3-MoE of
@@ -376,20 +377,24 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
     semantics, SGLang's and slime's spec's, where transformers departs from them
     (:func:`slime_ascend.rollout.torch_engine.glm5.align_glm_moe_dsa`: the indexer's RoPE layout and top-k rule,
     the MLA latent norms' epsilon). ``checkpoint``: a quantised ``model_dir`` already read by
-    :func:`read_checkpoint` (its weights are not read again).
+    :func:`read_checkpoint` (its weights are not read again). ``config_overrides`` (``model_dir=None`` only): fields
+    of the tiny config changed, e.g. ``{"mlp_only_layers": []}`` for a Qwen3-MoE with every layer MoE.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = _resolve_dtype(dtype)
+    if model_dir is not None and config_overrides:
+        raise ValueError("load_model: config_overrides change the tiny model's config; a checkpoint brings its own")
     if model_dir is None:
         if moe and glm5:
             raise ValueError("load_model: pass moe=True (tiny Qwen3-MoE) or glm5=True (tiny GLM-5), not both")
+        overrides = dict(config_overrides or {})
         if glm5:
             from ...glm5.tiny import tiny_glm5_config
 
-            config = tiny_glm5_config()
+            config = tiny_glm5_config(**overrides)
         else:
-            config = tiny_qwen3_moe_config() if moe else tiny_qwen3_config()
+            config = tiny_qwen3_moe_config(**overrides) if moe else tiny_qwen3_config(**overrides)
         rng_state = torch.random.get_rng_state()
         try:
             torch.manual_seed(seed)
