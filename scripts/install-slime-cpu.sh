@@ -10,7 +10,10 @@ pip() { python -m pip "$@"; }
 # torch: sglang 0.5.15 imports torchvision at start, and PyPI's torchvision only loads beside a
 # matching torch (a CPU-only host simply has no CUDA device)
 pip install -q "torch==2.14.1" "torchvision==0.29.1"
-pip install -q -e ".[test]"
+# transformers at slime's pin from the first install on: a newer one pulled in by the test extras brings
+# packages of its own (kernels 0.19) that stay behind when the pin below downgrades it, and transformers 5.12.1
+# does not import beside them (kernels' LayerRepository wants a revision that 5.12.1 does not give)
+pip install -q -e ".[test]" "transformers==5.12.1"
 # slime's runtime imports on its tested paths (train.py / train_async.py, the rollout manager,
 # the router), then the pinned packages without their dependency trees; ipython: sglang.utils imports
 # IPython.display at start (every sglang import passes through it)
