@@ -134,6 +134,8 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
                     "(loopback by default)"),
     "serve-reference": ("slime_ascend.rollout.torch_engine.cli:serve_torch",
                         "old name of serve-torch (the engine is not the RL reference model)"),
+    "dsa-index-sets": ("slime_ascend.dsa.cli:main",
+                       "compare the DSA key sets the train side selected with the rollout side's, per layer (GLM-5)"),
     "check": ("slime_ascend.contracts.check_cli:main",
               "numerical-contract report on this device (log-prob mismatch, DIS/IcePop, top-k determinism)"),
     "quantize": ("slime_ascend.quant.cli:main_quantize",

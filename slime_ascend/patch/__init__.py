@@ -42,12 +42,14 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.glm5_host_spec | glm5.py's TELinear, TESpecProvider, get_gpt_decoder_block_spec: host parts under TE's names (no CUDA) | 0021-glm5-spec-device-backends |
 | train.glm5_thd_rope | DSAMLASelfAttention.get_absorb_query_key_value_tensors: apex's THD RoPE from torch while apex is absent | 0021-glm5-spec-device-backends |
 | train.glm5_index_topk | get_glm5_spec / DSAMultiLatentAttention.__init__: the checkpoint's index_topk, not 2048 (no CUDA) | 0021-glm5-spec-device-backends |
+| train.dsa_index_dump | glm5.py's DSAMultiLatentAttention.forward, SparseMLA / SGLangSparseMLA, model.get_batch: each layer's attended DSA key sets written per micro-batch (dsa-determinism's `ascend_dsa_index_dump_dir`) | 0026-glm5-dsa-index-dump |
 | train.reset_optimizer_on_push | MegatronTrainRayActor.update_weights: the optimizer reset after each weight push (GLM-5 cadence) | 0014-reset-optimizer-on-weight-push |
 | driver.validate_at_parse_args | slime.utils.arguments.parse_args: the plugins validated on its result | 0016-role-entry-hook |
 | rollout.validate_at_http_client | slime.utils.http_utils.init_http_client: validation and rollout patches first | 0016-role-entry-hook |
 | train.validate_at_actor_init | TrainRayActor.init: train role recorded, validation and train patches first | 0016-role-entry-hook |
 | driver.allgather_cp_local_spec | slime.backends.megatron_utils.arguments._validate_allgather_cp_supported: --allgather-cp of a dense model with the cpu spec | 0015-allgather-cp-layer-spec-opt-in |
 | engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
+| engine.sglang_dsa_deterministic_topk | SGLang's dsa_topk_backend._topk_unfused (its torch top-k backend): the dsa-determinism rule in place of torch.topk, in SGLang's processes | sglang/sglang-dsa-torch-topk-deterministic.md |
 | engine.torch_engine_launch | SGLangEngine._init_normal: the torch engine started in place of SGLang's server (slime's ports, router, health check, shutdown) | 0019-engine-launcher-hook |
 | driver.resumed_weight_version | RayTrainGroup.create: after --load, disk weight versions go on from the resumed rollout | 0018-resumed-weight-version |
 
@@ -77,6 +79,7 @@ LEDGER: dict[str, str] = {
     "train.loss_batch_metadata": "slime_ascend.patch.train.loss_batch_metadata",
     "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",
     "engine.torch_engine_launch": "slime_ascend.patch.engine.torch_engine_launch",
+    "engine.sglang_dsa_deterministic_topk": "slime_ascend.patch.engine.sglang_dsa_deterministic_topk",
     "driver.acknowledged_weight_update": "slime_ascend.patch.driver.acknowledged_weight_update",
     "driver.acknowledged_collective_update": "slime_ascend.patch.driver.acknowledged_collective_update",
     "train.gloo_float8_broadcast": "slime_ascend.patch.train.gloo_float8_broadcast",
@@ -104,6 +107,7 @@ LEDGER: dict[str, str] = {
     "train.glm5_host_spec": "slime_ascend.patch.train.glm5_host_spec",
     "train.glm5_thd_rope": "slime_ascend.patch.train.glm5_thd_rope",
     "train.glm5_index_topk": "slime_ascend.patch.train.glm5_index_topk",
+    "train.dsa_index_dump": "slime_ascend.patch.train.dsa_index_dump",
     "driver.validate_at_parse_args": "slime_ascend.patch.driver.validate_at_parse_args",
     "rollout.validate_at_http_client": "slime_ascend.patch.rollout.validate_at_http_client",
     "train.validate_at_actor_init": "slime_ascend.patch.train.validate_at_actor_init",

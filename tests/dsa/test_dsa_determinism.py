@@ -29,6 +29,8 @@ pytestmark = pytest.mark.slime
 INDEXER = "slime_plugins.models.glm5.ops.indexer"
 OPS = "slime_plugins.models.glm5.ops"
 PATCH_ID = "train.dsa_deterministic_topk"
+SGLANG_PATCH_ID = "engine.sglang_dsa_deterministic_topk"
+SGLANG_TOPK = "sglang.srt.layers.attention.dsa.dsa_topk_backend"
 
 
 def ref_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -233,14 +235,17 @@ def test_plugin_installs_it_when_slimes_indexer_is_imported(monkeypatch):
 
     _stub_tilelang_kernels(monkeypatch)
     try:
-        assert patch_plan.install_at_process_start([PLUGIN]) == [PATCH_ID]
+        # the train side's, and SGLang's in its own processes (as its DSA top-k module is imported)
+        assert sorted(patch_plan.install_at_process_start([PLUGIN])) == [SGLANG_PATCH_ID, PATCH_ID]
         module = importlib.import_module(INDEXER)
         assert getattr(module.pytorch_topk_with_invalid_padding, "__slime_ascend_patch__", None) == PATCH_ID
         assert module.pytorch_topk_with_invalid_padding.__wrapped__.__module__ == INDEXER
         assert patch.get(PATCH_ID).check({INDEXER: module}) == []  # re-checkable once applied
     finally:
-        patch.get(PATCH_ID).remove()
-        _import_hooks.clear(INDEXER)
+        for pid, target in ((PATCH_ID, INDEXER), (SGLANG_PATCH_ID, SGLANG_TOPK)):
+            if patch.get(pid).applied:
+                patch.get(pid).remove()
+            _import_hooks.clear(target)
         sys.modules.pop(INDEXER, None)
 
 

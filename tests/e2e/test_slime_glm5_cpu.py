@@ -146,21 +146,25 @@ def _glm5_flags(flags: list[str]) -> list[str]:
 
 
 def _run(model: Path, work: Path, layout: list[str], plugins: tuple[str, ...] = PLUGINS, teacher: Path | None = None,
-         engine_checkpoint: Path | None = None):
+         engine_checkpoint: Path | None = None, dump_index_sets: bool = False):
     """slime's train.py on the tiny GLM-5 with ``plugins`` and slime's gate (:data:`CI_GATE`); with ``teacher``,
     opd's teacher engine serves it (``parallel_evidence.opd_settings``, top-k) and the reward goes through opd's task
     reward path;
     with ``engine_checkpoint`` (a quantised one: its format is what the sync plugin pushes) the engine serves it and
-    slime's gate is off."""
+    slime's gate is off; with ``dump_index_sets``, both sides write the DSA key sets they attended to
+    (``dsa-determinism``'s ``ascend_dsa_index_dump_dir`` and ``serve-torch --dump-dsa-index-sets``) under
+    ``work / "dsa"``."""
     work.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(work / "prompts.jsonl", domains=tuple(OPD_COEFS) if teacher else ())
     served = engine_checkpoint or model
-    engine = start_engine(served, work / "engine.log", ready=False, engine_args=("--enable-return-routed-experts",))
+    dump = ("--dump-dsa-index-sets", str(work / "dsa" / "rollout")) if dump_index_sets else ()
+    engine = start_engine(served, work / "engine.log", ready=False,
+                          engine_args=("--enable-return-routed-experts", *dump))
     engines = [engine]
-    opd = {}
+    opd = {"ascend_dsa_index_dump_dir": str(work / "dsa" / "train")} if dump_index_sets else {}
     if teacher is not None:
         engines.append(start_engine(teacher, work / "engine-teacher.log"))  # opd asks it at parse_args
-        opd = opd_settings(teacher, "topk", url=engines[-1].url, ascend_opd_topk=OPD_TOPK)
+        opd = {**opd, **opd_settings(teacher, "topk", url=engines[-1].url, ascend_opd_topk=OPD_TOPK)}
     flags = _glm5_flags(slime_flags(model, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
                                     n_samples=N_SAMPLES, max_response=MAX_RESPONSE, save=False))
     at = flags.index("--rm-type")
@@ -222,7 +226,7 @@ def _dump(work: Path, rollout_id: int) -> dict:
 def glm5_reference(glm5_dir, tmp_path_factory):
     """The one-rank run, shared by every test of the module: (its work dir, its Run)."""
     work = tmp_path_factory.mktemp("glm5-one-rank")
-    return work, _run(glm5_dir, work, [])
+    return work, _run(glm5_dir, work, [], dump_index_sets=True)
 
 
 def test_train_py_trains_slimes_glm5_spec_within_slimes_logprob_gate(glm5_dir, glm5_reference):
@@ -241,6 +245,29 @@ def test_train_py_trains_slimes_glm5_spec_within_slimes_logprob_gate(glm5_dir, g
     # and trained MLA down projections (slime's duplicated TELinears: at TP 2 their gradients are summed over TP)
     down = [n for n in first if n.endswith(("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"))]
     assert len(down) == 8 and all(not first[n].equal(last[n]) for n in down), down
+
+
+def test_train_and_rollout_attend_to_the_same_dsa_key_sets_in_every_layer(glm5_reference):
+    """dsa-determinism's contract read off slime's loop: the train-side forward of every sample of both rollouts
+    attended, in each of the four layers (IndexShare's two reusing layers included), to the key sets the engine
+    attended to at every fed position. Records from ``train.dsa_index_dump``
+    and the engine's ``--dump-dsa-index-sets``; compared by ``slime-ascend dsa-index-sets``, the command a user
+    runs."""
+    from slime_ascend.dsa.index_sets import compare_dirs
+
+    work, _ = glm5_reference
+    result = compare_dirs(work / "dsa" / "train", work / "dsa" / "rollout")
+    print("\n".join(result.lines()))
+    samples = BATCH * N_SAMPLES * NUM_ROLLOUT
+    assert result.train_samples == samples and result.unmatched == 0, result.lines()
+    assert sorted(result.layers) == [0, 1, 2, 3], result.lines()
+    # each sample met once, in every layer: its rollout's train step (one step a rollout: slime reuses that forward's
+    # log-probs, actor.py can_reuse_log_probs_in_loss, so there is no separate log-prob pass)
+    assert all(c.samples == samples and c.differing == 0 for c in result.layers.values()), result.lines()
+    assert result.equal
+    cli = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "dsa-index-sets", str(work / "dsa" / "train"),
+                          str(work / "dsa" / "rollout")], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "the same key sets on both sides" in cli.stdout, cli.stdout + cli.stderr
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -137,3 +137,12 @@ def test_engine_command_from_slime_server_args():
     from slime_ascend.rollout.torch_engine.cli import build_parser
 
     assert build_parser().parse_args(routed[routed.index("serve-torch") + 1:]).enable_return_routed_experts is True
+    # the dsa-determinism plugin's ascend_dsa_index_dump_dir: the engines write their side of the key sets there
+    import types
+
+    assert "--dump-dsa-index-sets" not in cmd and BACKEND.options_from_args(types.SimpleNamespace())[
+        "dsa_index_dump_dir"] is None
+    options = BACKEND.options_from_args(types.SimpleNamespace(ascend_dsa_index_dump_dir="/runs/dsa"))
+    dumping = BACKEND.command({"model_path": "/m", "host": "h", "port": 1}, options)
+    assert dumping[-2:] == ["--dump-dsa-index-sets", "/runs/dsa"]
+    assert build_parser().parse_args(dumping[dumping.index("serve-torch") + 1:]).dump_dsa_index_sets == "/runs/dsa"

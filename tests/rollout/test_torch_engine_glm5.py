@@ -81,3 +81,47 @@ def test_generate_returns_the_routed_experts_of_every_fed_token(engine, glm5_dir
     assert not routes[:, 0].any()  # layer 1 is dense
     assert torch.equal(routes, _expected_routes(load_model(glm5_dir), tokens))
     assert len(set(routes[:, 1:].flatten().tolist())) > 1
+
+
+@torch.no_grad()
+def _full_pass_sets(model, tokens: list[int]) -> dict[int, torch.Tensor]:
+    """Each layer's attended keys for every position of one full pass over ``tokens`` (no KV cache)."""
+    seen = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o[2][0]))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        model(input_ids=torch.tensor([tokens]), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_dump_dsa_index_sets_writes_each_requests_key_sets_per_layer(glm5_dir, tmp_path):
+    """``dump_dsa_index_sets``: one rollout record per request (``slime_ascend.dsa.index_sets``) whose fed tokens
+    are the prompt and the outputs but the last, and whose key sets, the prefill's rows then one row per decode
+    step, are the sets of one full pass over those tokens in every layer (the shared layers' the same as the
+    computing layer before them)."""
+    from slime_ascend.dsa.index_sets import canonical_sets, load_records
+
+    dumping = TorchEngine(str(glm5_dir), dump_dsa_index_sets=tmp_path / "sets")
+    out = dumping.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "sampling_seed": 5,
+                                                                   "ignore_eos": True}})
+    (record,) = load_records(tmp_path / "sets", "rollout-*.pt")
+    fed = PROMPT + out["output_ids"][:-1]
+    assert record["tokens"] == fed and record["start"] == 0 and record["weight_version"] == "default"
+    expected = _full_pass_sets(dumping.model, fed)
+    assert sorted(record["layers"]) == sorted(expected) == [0, 1, 2, 3]
+    width = K["index_topk"]
+    for layer, sets in record["layers"].items():
+        assert sets.shape == (len(fed), width) and sets.dtype == torch.int32
+        assert torch.equal(canonical_sets(sets, width), canonical_sets(expected[layer], width)), layer
+    assert torch.equal(record["layers"][1], record["layers"][0]) and torch.equal(record["layers"][3],
+                                                                                  record["layers"][2])
+    # past index_topk keys the selection decides: the last positions read index_topk of their len(fed) keys
+    assert (canonical_sets(record["layers"][0], width)[len(PROMPT):] >= 0).sum(1).eq(width).all()
+
+
+def test_dump_dsa_index_sets_refuses_a_model_without_dsa(tmp_path):
+    with pytest.raises(ValueError, match="needs a DSA model.*drop --dump-dsa-index-sets"):
+        TorchEngine(None, dump_dsa_index_sets=tmp_path / "sets")

@@ -39,12 +39,23 @@ class TorchEngineBackend(RolloutBackend):
         return ["--rollout-external-engine-addrs", *(addrs or ["127.0.0.1:30000"]), "--update-weight-transport",
                 "disk", "--update-weight-disk-dir", "DIR"]
 
+    def options_from_args(self, args: Any) -> dict[str, Any]:
+        """The plugin's options, and the ``dsa-determinism`` plugin's ``ascend_dsa_index_dump_dir`` (the engines
+        write their side of the DSA key sets beside the train actors')."""
+        from ...dsa.plugin import PLUGIN as DSA
+        from ...plugins.settings import read
+
+        (dump,) = (s for s in DSA.settings if s.key == "ascend_dsa_index_dump_dir")
+        return {**super().options_from_args(args), "dsa_index_dump_dir": read(dump, args)}
+
     def command(self, server_args: Mapping[str, Any], options: Mapping[str, Any]) -> list[str]:
         """``slime-ascend serve-torch`` for one engine from the ``ServerArgs`` fields slime computed
         (``_compute_server_args``): its model, host, port and seed; the dtype is slime's (``--fp16``:
         ``float16``, ``--sglang-dtype``) when it names one, else the plugin's ``ascend_rollout_torch_dtype``;
         ``ascend_rollout_torch_prefix_cache_tokens`` above 0 turns the engine's prefix cache on; slime's
-        ``enable_return_routed_experts`` (routing replay) makes every answer carry its routes."""
+        ``enable_return_routed_experts`` (routing replay) makes every answer carry its routes;
+        ``dsa_index_dump_dir`` (``dsa-determinism``'s ``ascend_dsa_index_dump_dir``) has it write each request's DSA
+        key sets there (``--dump-dsa-index-sets``)."""
         nnodes = int(server_args.get("nnodes", 1) or 1)
         if nnodes != 1:
             raise BackendError(f"torch-engine: an engine spanning {nnodes} nodes (--rollout-num-gpus-per-engine above "
@@ -58,10 +69,12 @@ class TorchEngineBackend(RolloutBackend):
         prefix_cache = ["--prefix-cache-tokens", str(tokens)] if tokens > 0 else []
         # slime sets it under --use-rollout-routing-replay (_compute_server_args)
         routes = ["--enable-return-routed-experts"] if server_args.get("enable_return_routed_experts") else []
+        dump = options.get("dsa_index_dump_dir")
+        index_sets = ["--dump-dsa-index-sets", str(dump)] if dump else []
         return [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(server_args["model_path"]),
                 "--host", host, "--port", str(int(server_args["port"])),
                 "--seed", str(int(server_args.get("random_seed", 0) or 0)), "--dtype", dtype,
-                *prefix_cache, *routes]
+                *prefix_cache, *routes, *index_sets]
 
 
 BACKEND = TorchEngineBackend()

@@ -86,6 +86,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="every /generate answer carries each fed token's routed experts (an MoE model; SGLang's "
                         "flag, for slime's --use-rollout-routing-replay: slime's router drops the request's own)")
+    parser.add_argument("--dump-dsa-index-sets", default=None, metavar="DIR",
+                        help="write each request's DSA key sets, per layer and fed position, to DIR/rollout-*.pt (a "
+                        "GLM-5 model; compared with the train side's by `slime-ascend dsa-index-sets`)")
     sync = parser.add_argument_group("weight sync over a process group (/update_weights_from_distributed)")
     sync.add_argument("--weight-group-timeout", type=float, default=None, metavar="S",
                       help="seconds to join a weight-update group, and for one bucket's tensors to arrive "
@@ -113,7 +116,8 @@ def serve_torch(argv: list[str] | None = None) -> int:
                              max_weight_values=args.max_weight_values,
                              prefix_cache_tokens=args.prefix_cache_tokens,
                              prefix_cache_entries=args.prefix_cache_entries,
-                             enable_return_routed_experts=args.enable_return_routed_experts)
+                             enable_return_routed_experts=args.enable_return_routed_experts,
+                             dump_dsa_index_sets=args.dump_dsa_index_sets)
     if args.weight_group_timeout is not None or args.keep_received_weights is not None:
         engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
     server = make_server(engine, host=args.host, port=0, **server_options(args))

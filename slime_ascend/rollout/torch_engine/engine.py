@@ -58,6 +58,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -73,6 +74,7 @@ from typing import Any
 import torch
 
 from slime_ascend.rollout.torch_engine import model as reference_model
+from slime_ascend.rollout.torch_engine.glm5 import IndexSetRecorder
 from slime_ascend.rollout.torch_engine.memory import MemoryOccupation
 from slime_ascend.rollout.torch_engine.prefix_cache import (DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS, PrefixCache,
                                                              unsupported)
@@ -320,6 +322,10 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         prefix_cache_tokens: most KV positions the cross-request prefix cache keeps (:mod:`.prefix_cache`:
             reused only under the weight version that computed them); 0 (default) turns it off.
         prefix_cache_entries: most prefixes it keeps.
+        enable_return_routed_experts: every answer carries its routes (an MoE model).
+        dump_dsa_index_sets: a directory where each request's DSA key sets are written (a GLM-5 model): the
+            rollout record of :mod:`slime_ascend.dsa.index_sets`, ``rollout-<pid>-<n>.pt``, for comparing the
+            rollout side's selections with the train side's.
     """
 
     engine_name = "the torch engine"  # in the HTTP surface's messages
@@ -339,6 +345,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         prefix_cache_tokens: int = DEFAULT_MAX_TOKENS,
         prefix_cache_entries: int = DEFAULT_MAX_ENTRIES,
         enable_return_routed_experts: bool = False,
+        dump_dsa_index_sets: str | os.PathLike | None = None,
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
                             max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs,
@@ -378,6 +385,16 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         # every answer carries its routes (see the module docstring: slime's router from PyPI drops the request's
         # return_routed_experts, so the server's setting decides, as slime sets it under routing replay)
         self.enable_return_routed_experts = bool(enable_return_routed_experts)
+        self._index_sets = None  # the DSA key sets of each forward, where dump_dsa_index_sets asks for them
+        self._index_dump: Path | None = None
+        if dump_dsa_index_sets is not None:
+            self._index_sets = IndexSetRecorder.for_model(self.model)
+            if self._index_sets is None:
+                raise ValueError(f"dump_dsa_index_sets needs a DSA model (GLM-5, glm_moe_dsa); this checkpoint is a "
+                                 f"{self.model.config.model_type} (drop --dump-dsa-index-sets)")
+            self._index_dump = Path(dump_dsa_index_sets)
+            self._index_dump.mkdir(parents=True, exist_ok=True)
+            self._index_dump_count = itertools.count()
 
         # a checkpoint of this architecture holds at most 8 bytes a parameter (float64), plus headers
         numel = sum(t.numel() for t in self.model.state_dict().values())
@@ -824,23 +841,30 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                     self._parked -= 1
             return req.abort_message
 
-    def _forward(self, past: Any, ids: list[int], routes: list[torch.Tensor] | None = None
-                 ) -> tuple[Any, torch.Tensor]:
+    def _forward(self, past: Any, ids: list[int], routes: list[torch.Tensor] | None = None,
+                 index_sets: list[dict[int, torch.Tensor]] | None = None) -> tuple[Any, torch.Tensor]:
         """Feed ``ids`` after the KV cache ``past``; returns the new cache and float32 logits ``[len(ids), V]``.
-        ``routes`` (an MoE model): gets the experts of the fed tokens appended."""
+        ``routes`` (an MoE model): gets the experts of the fed tokens appended; ``index_sets`` (a DSA model
+        dumping them): the key sets each layer read."""
         with self._compute_lock:
-            return self._forward_locked(past, ids, routes)
+            return self._forward_locked(past, ids, routes, index_sets)
 
-    def _forward_locked(self, past: Any, ids: list[int], routes: list[torch.Tensor] | None) -> tuple[Any, torch.Tensor]:
+    def _forward_locked(self, past: Any, ids: list[int], routes: list[torch.Tensor] | None,
+                        index_sets: list[dict[int, torch.Tensor]] | None = None) -> tuple[Any, torch.Tensor]:
         with torch.no_grad():
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long), **{self._cache_kwarg: past}, use_cache=True
             )
             if routes is not None:
                 routes.append(self._routes.take(len(ids)))
+            if self._index_sets is not None:
+                sets = self._index_sets.take()
+                if index_sets is not None:
+                    index_sets.append(sets)
         return out.get(self._cache_kwarg), out.logits[0].float()
 
-    def _prefill(self, req: _Request, limit: int, routes: list[torch.Tensor] | None
+    def _prefill(self, req: _Request, limit: int, routes: list[torch.Tensor] | None,
+                 index_sets: list[dict[int, torch.Tensor]] | None = None
                  ) -> tuple[Any, torch.Tensor, int, int, str | None]:
         """The prompt's forward after the longest cached prefix of it (at most ``limit`` tokens) that the serving
         weights computed: lookup and forward under one hold of the compute lock (a weight switch takes it).
@@ -852,7 +876,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             reused = hit.length if hit is not None else 0
             if routes is not None and hit is not None:
                 routes.append(hit.routes)
-            past, logits = self._forward_locked(None if hit is None else hit.kv, req.input_ids[reused:], routes)
+            past, logits = self._forward_locked(None if hit is None else hit.kv, req.input_ids[reused:], routes,
+                                                index_sets)
         return past, logits, reused, generation, None if hit is None else hit.version
 
     def _entries(self, values: list[Any], ids: list[int], req: _Request) -> list[list[Any]]:
@@ -883,6 +908,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         keep_routes = req.return_routed_experts or (self._prefix_cache.enabled and self._routes is not None)
         routes: list[torch.Tensor] | None = [] if keep_routes else None
         past, reused, generation, cached_version = None, 0, None, None
+        index_sets: list[dict[int, torch.Tensor]] | None = [] if self._index_dump is not None else None
 
         with self._admitted(req):
             input_logprobs = 0 <= req.logprob_start_len < len(req.input_ids)  # -1 unless return_logprob
@@ -890,7 +916,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             if abort is None and (max_new > 0 or input_logprobs):
                 # reuse leaves the last prompt token to feed, and every scored position (SGLang's radix match)
                 limit = min(len(req.input_ids) - 1, req.logprob_start_len if input_logprobs else len(req.input_ids))
-                past, logits, reused, generation, cached_version = self._prefill(req, limit, routes)
+                past, logits, reused, generation, cached_version = self._prefill(req, limit, routes, index_sets)
                 if input_logprobs:
                     start = req.logprob_start_len
                     targets = torch.tensor(req.input_ids[start + 1 :], dtype=torch.long)
@@ -904,7 +930,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 if abort is not None:
                     break
                 if step > 0:
-                    past, logits = self._forward(past, [out_ids[-1]], routes)
+                    past, logits = self._forward(past, [out_ids[-1]], routes, index_sets)
                 token, logprob, kept = _choose_token(logits[-1], cfg, generator, self.return_original_logprob)
                 if req.top_logprobs_num:  # 0 unless return_logprob
                     # the distribution output_token_logprobs reports: T = 1 when greedy or original, else 1/T
@@ -931,9 +957,12 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 finish = {"type": "abort", "message": abort}
             weight_version = self.weight_version  # the weights that produced the last token
             fed_routes = torch.cat(routes) if routes else None  # [fed tokens, layers, top_k]
-            if past is not None and self._prefix_cache.enabled:  # the fed tokens: the prompt, the outputs but the last
-                fed = (req.input_ids + out_ids)[: len(req.input_ids) + max(len(out_ids) - 1, 0)]
+            # the fed tokens: the prompt, the outputs but the last
+            fed = (req.input_ids + out_ids)[: len(req.input_ids) + max(len(out_ids) - 1, 0)]
+            if past is not None and self._prefix_cache.enabled:
                 self._prefix_cache.insert(fed, past, fed_routes, generation)
+            if index_sets:
+                self._dump_index_sets(fed, reused, weight_version, index_sets)
 
         text_ids = out_ids[:-1] if stop_trim_token else out_ids
         text = self._decode(text_ids, cfg) if self.tokenizer is not None else ""
@@ -962,6 +991,18 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             meta["top_p_token_ids"] = kept_ids
             meta["top_p_token_offsets"] = kept_offsets
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    def _dump_index_sets(self, fed: list[int], reused: int, weight_version: str,
+                         index_sets: list[dict[int, torch.Tensor]]) -> None:
+        """One request's rollout record (:mod:`slime_ascend.dsa.index_sets`): per layer the key sets of its fed
+        positions after the ``reused`` ones, every forward's rows padded with -1 to one width."""
+        layers = {}
+        for layer in index_sets[0]:
+            parts = [sets[layer] for sets in index_sets]
+            width = max(p.shape[1] for p in parts)
+            layers[layer] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
+        record = {"tokens": list(fed), "start": int(reused), "weight_version": weight_version, "layers": layers}
+        torch.save(record, self._index_dump / f"rollout-{os.getpid()}-{next(self._index_dump_count):06d}.pt")
 
     def _top_entries(self, log_probs: torch.Tensor, req: _Request) -> list[list[Any]]:
         """The ``top_logprobs_num`` largest of one position's log-probs ``[V]``, ``[logprob, id, text]`` each."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["align_glm_moe_dsa", "is_glm_moe_dsa", "select_topk"]
+__all__ = ["IndexSetRecorder", "align_glm_moe_dsa", "is_glm_moe_dsa", "select_topk"]
 
 _MARK = "_slime_ascend_glm5_aligned"
 _INDEXER_CLASS: dict[type, type] = {}
@@ -140,3 +140,32 @@ def align_glm_moe_dsa(model: torch.nn.Module) -> torch.nn.Module:
         indexer.__class__ = _indexer_class(type(indexer))
     setattr(model, _MARK, True)
     return model
+
+
+class IndexSetRecorder:
+    """The keys each layer's sparse attention read in the last forward pass: the indices every
+    ``GlmMoeDsaAttention`` returns (its own indexer's top-k, or on IndexShare's ``shared`` layers the top-k it
+    reused), int32 ``[fed tokens, k]`` positions in the sequence per layer (the rollout record of
+    :mod:`slime_ascend.dsa.index_sets`). ``None`` for a model without DSA layers (:meth:`for_model`)."""
+
+    def __init__(self, attentions: dict[int, torch.nn.Module]):
+        self._seen: dict[int, torch.Tensor] = {}
+        for index, attention in attentions.items():
+            attention.register_forward_hook(self._hook(index))
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> "IndexSetRecorder | None":
+        if not is_glm_moe_dsa(model):
+            return None
+        return cls({i: layer.self_attn for i, layer in enumerate(model.model.layers)})
+
+    def _hook(self, index: int):
+        def hook(_module, _inputs, output):
+            indices = output[2]  # [batch 1, fed tokens, k]
+            self._seen[index] = indices.detach().reshape(-1, indices.shape[-1]).to(torch.int32).cpu()
+        return hook
+
+    def take(self) -> dict[int, torch.Tensor]:
+        """Each layer's indices of the last forward pass; clears them."""
+        seen, self._seen = self._seen, {}
+        return seen
