@@ -256,15 +256,43 @@ def test_serve_torch_flags():
 
 
 @torch.no_grad()
-def test_a_dsa_model_is_refused_because_its_chunked_prefill_is_not_its_full_forward(tmp_path):
-    """The tiny GLM-5 (transformers 5.12's GlmMoeDsa, index_topk 8): a prefill after a cache attends densely (the
-    boolean SDPA mask loses the indexer's top-k), measured 0.44 to 0.70 from the full forward's logits. Should
-    transformers fix it, the second half fails: lift the refusal in prefix_cache.unsupported."""
+def test_glm5_keeps_its_dsa_selection_after_a_cache_and_serves_with_the_prefix_cache(tmp_path):
+    """The tiny GLM-5 (transformers 5.12's GlmMoeDsa, index_topk 8, IndexShare): transformers' attention, given the
+    boolean SDPA mask of a chunk that follows a cache, attends densely (the indexer's top-k lost; measured 0.31 to
+    0.70 from the full forward's logits). The engine's aligned attention hands it the additive mask: the chunk is
+    the full forward within fp32 rounding (measured 1.2e-7), so the engine serves GLM-5 with its prefix cache, and
+    later turns reuse their prefix with the tokens and key sets of no cache."""
+    from slime_ascend.dsa.index_sets import canonical_sets, load_records
+    from slime_ascend.rollout.torch_engine.prefix_cache import unsupported
+
     model = load_model(None, glm5=True, seed=1)
-    with pytest.raises(ValueError, match="DSA indexers"):
-        TorchEngine(str(save_model(model, tmp_path / "glm5")), prefix_cache_tokens=4096)
     ids = torch.tensor([_ids(40, 6)])
     full = model(input_ids=ids, use_cache=True).logits[0]
     past = model(input_ids=ids[:, :20], use_cache=True).past_key_values
     chunk = model(input_ids=ids[:, 20:], past_key_values=past, use_cache=True).logits[0]
-    assert (chunk - full[20:]).abs().max() > 0.1
+    assert (chunk - full[20:]).abs().max() <= 1e-5
+    assert unsupported(model) is None
+    for layer in model.model.layers:  # transformers' attention as it is: refused, and the gap it would make
+        layer.self_attn.__class__ = type(layer.self_attn).__mro__[1]
+    assert "DSA indexers" in unsupported(model)
+    past = model(input_ids=ids[:, :20], use_cache=True).past_key_values
+    assert (model(input_ids=ids[:, 20:], past_key_values=past, use_cache=True).logits[0] - full[20:]).abs().max() > 0.1
+
+    path = save_model(load_model(None, glm5=True, seed=1), tmp_path / "glm5")
+    cached = TorchEngine(str(path), return_original_logprob=False, prefix_cache_tokens=4096,
+                         dump_dsa_index_sets=tmp_path / "cached")
+    plain = TorchEngine(str(path), return_original_logprob=False, dump_dsa_index_sets=tmp_path / "plain")
+    history = _ids(20, 9)
+    with_cache, _ = _turns(cached, history, 3, seed=300)
+    without, _ = _turns(plain, history, 3, seed=300)
+    for a, b in zip(with_cache, without, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert max(abs(x - y) for x, y in zip(_lps(a), _lps(b), strict=True)) <= LOGPROB_TOL
+    assert [a["meta_info"]["cached_tokens"] for a in with_cache][1:] == [20 + 11, 20 + 12 + 8 + 11]
+    # the positions each cached turn computed read the key sets the uncached turn read there
+    for got, want in zip(load_records(tmp_path / "cached", "rollout-*.pt"), load_records(tmp_path / "plain",
+                                                                                         "rollout-*.pt")):
+        assert got["tokens"] == want["tokens"]
+        for layer, sets in got["layers"].items():
+            theirs = want["layers"][layer][got["start"]:]
+            assert torch.equal(canonical_sets(sets, 8), canonical_sets(theirs, 8)), (got["start"], layer)

@@ -15,8 +15,12 @@ transformers 5.12's ``modeling_glm_moe_dsa`` departs from the semantics GLM-5 is
   ``GlmMoeDsaRMSNorm`` default, ``1e-6``. For GLM-5 (``rms_norm_eps`` 1e-5) that is a small, systematic gap in
   every attention output.
 
+A third is a bug on one path: on a prefill after a KV cache (a prefix-cache hit) the attention gets a boolean mask,
+and its DSA masking (``masked_fill(..., finfo.min)``) does nothing to it, so that chunk attends to every past key.
+
 :func:`align_glm_moe_dsa` makes a loaded ``GlmMoeDsaForCausalLM`` follow the checkpoint: the two norms take
-``config.rms_norm_eps``, and each indexer becomes a ``GLM5CheckpointIndexer`` (transformers' indexer; its forward
+``config.rms_norm_eps``, each attention becomes a ``GLM5CheckpointAttention`` (an additive mask in place of a
+boolean one), and each indexer becomes a ``GLM5CheckpointIndexer`` (transformers' indexer; its forward
 has transformers 5.12's projections, cache, scoring and masking) that rotates the RoPE dims as
 ``config.indexer_rope_interleave`` says (GPT-J pairs when true; halves when false or absent, SGLang's default).
 Two numerics follow slime's spec, so that an fp32 engine selects the keys slime's fp32 spec selects:
@@ -41,7 +45,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["IndexSetRecorder", "align_glm_moe_dsa", "is_glm_moe_dsa", "select_topk"]
+__all__ = ["IndexSetRecorder", "align_glm_moe_dsa", "attends_as_selected_after_a_cache", "is_glm_moe_dsa",
+           "select_topk"]
 
 _MARK = "_slime_ascend_glm5_aligned"
 _INDEXER_CLASS: dict[type, type] = {}
@@ -117,6 +122,42 @@ def _indexer_class(base: type) -> type:
     return GLM5CheckpointIndexer
 
 
+_ATTENTION_CLASS: dict[type, type] = {}
+
+
+def _attention_class(base: type) -> type:
+    """A subclass of transformers' ``GlmMoeDsaAttention`` that hands its forward an additive mask where it gets a
+    boolean one (see :class:`GLM5CheckpointAttention`)."""
+    if base in _ATTENTION_CLASS:
+        return _ATTENTION_CLASS[base]
+
+    class GLM5CheckpointAttention(base):
+        """``GlmMoeDsaAttention`` whose DSA selection holds on a prefill after a KV cache.
+
+        transformers 5.12's forward drops the keys the indexer did not select with
+        ``attention_mask.masked_fill(index_mask, torch.finfo(dtype).min)``, which is right for an additive mask and
+        a no-op for the boolean one (``True``: may attend) that ``create_causal_mask`` builds for SDPA when a chunk
+        follows a cache: such a chunk attended to every past key (the tiny GLM-5: logits 0.44 to 0.70 from the full
+        forward). Here a boolean mask becomes the additive mask it means (0 where it may attend, the dtype's min
+        elsewhere) before that forward runs; any other mask, and none, are passed as they are."""
+
+        def forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs):
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                blocked = torch.finfo(hidden_states.dtype).min
+                attention_mask = torch.zeros(attention_mask.shape, dtype=hidden_states.dtype,
+                                             device=attention_mask.device).masked_fill(~attention_mask, blocked)
+            return super().forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+
+    _ATTENTION_CLASS[base] = GLM5CheckpointAttention
+    return GLM5CheckpointAttention
+
+
+def attends_as_selected_after_a_cache(model: torch.nn.Module) -> bool:
+    """Whether every DSA attention of ``model`` keeps its selection on a prefill after a KV cache (aligned by
+    :func:`align_glm_moe_dsa`)."""
+    return all(type(layer.self_attn).__name__ == "GLM5CheckpointAttention" for layer in model.model.layers)
+
+
 def align_glm_moe_dsa(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` (a transformers ``GlmMoeDsa``) made to follow GLM-5's checkpoint semantics (module docstring);
     in place, once; any other model unchanged. Returns ``model``."""
@@ -131,6 +172,7 @@ def align_glm_moe_dsa(model: torch.nn.Module) -> torch.nn.Module:
             norm = getattr(attn, name, None)
             if norm is not None:
                 norm.variance_epsilon = eps
+        attn.__class__ = _attention_class(type(attn))
         indexer = getattr(attn, "indexer", None)
         if indexer is None:
             continue

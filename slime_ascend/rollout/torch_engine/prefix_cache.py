@@ -61,11 +61,13 @@ its prefix on the new engine.
 Pure torch and device-neutral: the KV stays where the model computed it; transformers' cache classes are checked by
 type (``DynamicCache`` of full-attention ``DynamicLayer`` / ``DynamicIndexedLayer`` layers: crop is exact for them),
 another cache is not kept (``uncacheable``). A model whose prefill after a cached prefix is not its full forward is
-refused (:func:`unsupported`): transformers 5.12's ``GlmMoeDsaAttention`` (GLM-5's DSA), given the boolean causal
-mask ``create_causal_mask`` builds for SDPA when a chunk follows a cache, fills the unselected keys of the indexer's
-top-k with ``finfo.min`` into that boolean mask (``True``: may attend), so a chunk attends densely (the tiny GLM-5:
-logits 0.44 to 0.70 away from the full forward; one-token decode steps get no mask and are exact). Importing this
-module imports neither torch nor transformers (``slime-ascend serve-torch --help`` reads the defaults below).
+refused (:func:`unsupported`): transformers 5.12's ``GlmMoeDsaAttention`` (GLM-5's DSA) as transformers builds it,
+given the boolean causal mask ``create_causal_mask`` builds for SDPA when a chunk follows a cache, fills the
+unselected keys of the indexer's top-k with ``finfo.min`` into that boolean mask (``True``: may attend), so a chunk
+attends densely (the tiny GLM-5: logits 0.31 to 0.70 away from the full forward; one-token decode steps get no mask
+and are exact). The torch engine's GLM-5 (``glm5.align_glm_moe_dsa``) hands that forward the additive mask instead,
+and its chunk after a cache is the full forward's within fp32 rounding (1.2e-7): served with the cache. Importing
+this module imports neither torch nor transformers (``slime-ascend serve-torch --help`` reads the defaults below).
 """
 
 from __future__ import annotations
@@ -108,11 +110,16 @@ class PrefixHit:
 
 def unsupported(model: Any) -> str | None:
     """Why ``model``'s prefill after a cached prefix would not be its full forward (module docstring), or None."""
-    if getattr(model.config, "index_topk", None) is not None or any(
-            getattr(module, "indexer", None) is not None for module in model.modules()):
-        return (f"{type(model).__name__} has DSA indexers: transformers' sparse attention drops the indexer's top-k "
-                "on a prefill that follows a cache (a boolean causal mask), so a reused prefix would change the tokens")
-    return None
+    dsa = getattr(model.config, "index_topk", None) is not None or any(
+        getattr(module, "indexer", None) is not None for module in model.modules())
+    if not dsa:
+        return None
+    from .glm5 import attends_as_selected_after_a_cache
+
+    if getattr(model.config, "model_type", None) == "glm_moe_dsa" and attends_as_selected_after_a_cache(model):
+        return None
+    return (f"{type(model).__name__} has DSA indexers: transformers' sparse attention drops the indexer's top-k "
+            "on a prefill that follows a cache (a boolean causal mask), so a reused prefix would change the tokens")
 
 
 def _cacheable_layers() -> tuple[type, ...]:
