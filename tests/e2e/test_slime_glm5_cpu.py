@@ -37,7 +37,9 @@ tokens of every sample exactly, its train-side log-probs (2e-5 absolute), loss m
 advantages (1e-6 absolute), loss and grad norm of each step (1e-4 relative; loss also 1e-7 absolute), DIS's masked
 count exactly; every expert of every MoE layer in every push (gathered from the EP ranks by slime's weight
 iterator), the first push byte-identical to the one-rank run's, the later (trained) ones within 1e-4 relative,
-1e-6 absolute.
+1e-6 absolute. Both runs write the DSA key sets each side attended to (``dsa-determinism``'s
+``ascend_dsa_index_dump_dir``, the engine's ``--dump-dsa-index-sets``): in every layer and at every fed position they
+are the engine's (``slime_ascend.dsa.index_sets``; measured: 576 positions a layer, none differing, at both layouts).
 
 ``opd`` in top-k mode (MOPD's reverse KL over the teacher's top-k ids, a loss term) and ``fp8-sync`` run on the
 same spec at one rank in a job of their own (``dis`` acts inside slime's policy loss, which opd's top-k custom loss
@@ -195,6 +197,22 @@ def _run(model: Path, work: Path, layout: list[str], plugins: tuple[str, ...] = 
     return run
 
 
+def _assert_same_key_sets(work: Path, tp: int) -> None:
+    """The train side's DSA key sets (``train.dsa_index_dump``) equal the engine's (``--dump-dsa-index-sets``) at every
+    fed position of every sample in each of the four layers. Each sample is met once per TP rank of its data-parallel
+    group (the indexer runs whole on each), in its rollout's train step: one step a rollout, so slime reuses that
+    forward's log-probs (``actor.py`` ``can_reuse_log_probs_in_loss``) and runs no separate log-prob pass."""
+    from slime_ascend.dsa.index_sets import compare_dirs
+
+    result = compare_dirs(work / "dsa" / "train", work / "dsa" / "rollout")
+    print("\n".join(result.lines()))
+    samples = BATCH * N_SAMPLES * NUM_ROLLOUT
+    assert result.train_samples == samples and result.unmatched == 0, result.lines()
+    assert sorted(result.layers) == [0, 1, 2, 3], result.lines()
+    assert all(c.samples == tp * samples and c.differing == 0 for c in result.layers.values()), result.lines()
+    assert result.equal
+
+
 def _assert_routes_replayed(work: Path, run) -> None:
     """Routing replay: every sample of every rollout carried the engine's routed experts ([fed tokens, layers,
     top_k]: zeros in the dense layer 0, two distinct experts in each MoE layer), and every train rank wired slime's
@@ -253,18 +271,8 @@ def test_train_and_rollout_attend_to_the_same_dsa_key_sets_in_every_layer(glm5_r
     attended to at every fed position. Records from ``train.dsa_index_dump``
     and the engine's ``--dump-dsa-index-sets``; compared by ``slime-ascend dsa-index-sets``, the command a user
     runs."""
-    from slime_ascend.dsa.index_sets import compare_dirs
-
     work, _ = glm5_reference
-    result = compare_dirs(work / "dsa" / "train", work / "dsa" / "rollout")
-    print("\n".join(result.lines()))
-    samples = BATCH * N_SAMPLES * NUM_ROLLOUT
-    assert result.train_samples == samples and result.unmatched == 0, result.lines()
-    assert sorted(result.layers) == [0, 1, 2, 3], result.lines()
-    # each sample met once, in every layer: its rollout's train step (one step a rollout: slime reuses that forward's
-    # log-probs, actor.py can_reuse_log_probs_in_loss, so there is no separate log-prob pass)
-    assert all(c.samples == samples and c.differing == 0 for c in result.layers.values()), result.lines()
-    assert result.equal
+    _assert_same_key_sets(work, tp=1)
     cli = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "dsa-index-sets", str(work / "dsa" / "train"),
                           str(work / "dsa" / "rollout")], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "the same key sets on both sides" in cli.stdout, cli.stdout + cli.stderr
@@ -278,8 +286,9 @@ def test_glm5_layout_matches_the_one_rank_glm5_run(glm5_dir, glm5_reference, tmp
 
     shape, megatron_args = LAYOUTS[layout]
     work = tmp_path / layout
-    run = _run(glm5_dir, work, shape.flags())  # slime's gate asserted in each step of this run too
+    run = _run(glm5_dir, work, shape.flags(), dump_index_sets=True)  # slime's gate asserted in each step too
     assert _ranks(run) == shape.world, _ranks(run)
+    _assert_same_key_sets(work, tp=shape.tp)  # the key sets at this layout, read off its own run
     for name, value in megatron_args.items():  # the layout Megatron built, from its own argument dump
         assert _megatron_args(run, name) == {value}, (name, _megatron_args(run, name))
     ref_work, ref_run = glm5_reference
