@@ -158,9 +158,9 @@ def compare_dirs(train_dir: str | Path, rollout_dir: str | Path) -> IndexSetComp
     train, rollout = load_records(train_dir, TRAIN_GLOB), load_records(rollout_dir, ROLLOUT_GLOB)
     for records, directory, pattern in ((train, train_dir, TRAIN_GLOB), (rollout, rollout_dir, ROLLOUT_GLOB)):
         if not records:
-            raise ValueError(f"{directory}: no {pattern} records (set the dsa-determinism plugin's "
-                             "ascend_dsa_index_dump_dir for the train side, serve-torch --dump-dsa-index-sets for the "
-                             "rollout side)")
+            raise ValueError(f"{directory}: no {pattern} records. Fix: pass the directory a run wrote them to "
+                             "(the dsa-determinism plugin's ascend_dsa_index_dump_dir for the train side, serve-torch "
+                             "--dump-dsa-index-sets for the rollout side)")
     return compare(train, rollout)
 
 

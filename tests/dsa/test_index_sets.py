@@ -123,3 +123,19 @@ def test_the_dump_setting_is_off_by_default_and_refused_under_context_parallelis
     with pytest.raises(SettingsError) as info:
         validate(types.SimpleNamespace(context_parallel_size=2), on)
     assert "\n" not in str(info.value) and "ascend_dsa_index_dump_dir" in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_the_command_prints_each_layer_and_exits_1_where_sets_differ(tmp_path, capsys):
+    from slime_ascend.dsa.cli import main
+
+    train, rollout = _sides([7, 5])
+    torch.save(train, tmp_path / "train-rank0000-1-000000.pt")
+    for i, record in enumerate(rollout):
+        torch.save(record, tmp_path / f"rollout-1-{i:06d}.pt")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "layer 2: 10 query positions in 2 samples, 0 with another key set" in out and "the same key sets" in out
+    rollout[0]["layers"][2][3] = torch.tensor([3, 3, 3, 3], dtype=torch.int32)  # one set of four keys: now one
+    torch.save(rollout[0], tmp_path / "rollout-1-000000.pt")
+    assert main([str(tmp_path)]) == 1
+    assert "1 with another key set (first: position 3 of a 7-token sample)" in capsys.readouterr().out

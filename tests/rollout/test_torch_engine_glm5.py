@@ -123,5 +123,5 @@ def test_dump_dsa_index_sets_writes_each_requests_key_sets_per_layer(glm5_dir, t
 
 
 def test_dump_dsa_index_sets_refuses_a_model_without_dsa(tmp_path):
-    with pytest.raises(ValueError, match="needs a DSA model.*drop --dump-dsa-index-sets"):
+    with pytest.raises(ValueError, match="needs a DSA model.*Fix: drop --dump-dsa-index-sets"):
         TorchEngine(None, dump_dsa_index_sets=tmp_path / "sets")

@@ -391,7 +391,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             self._index_sets = IndexSetRecorder.for_model(self.model)
             if self._index_sets is None:
                 raise ValueError(f"dump_dsa_index_sets needs a DSA model (GLM-5, glm_moe_dsa); this checkpoint is a "
-                                 f"{self.model.config.model_type} (drop --dump-dsa-index-sets)")
+                                 f"{self.model.config.model_type}. Fix: drop --dump-dsa-index-sets, or serve a GLM-5 "
+                                 "checkpoint")
             self._index_dump = Path(dump_dsa_index_sets)
             self._index_dump.mkdir(parents=True, exist_ok=True)
             self._index_dump_count = itertools.count()
