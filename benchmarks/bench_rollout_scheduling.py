@@ -84,8 +84,8 @@ def _serve_paced(model: str, port: int, slots: int, step_s: float) -> None:
                 self._pace.next = None
             return answer
 
-        def _forward(self, past, ids, routes=None):
-            out = super()._forward(past, ids, routes)
+        def _forward(self, past, ids, *rest, **kwargs):  # the engine's decode step, whatever else it records
+            out = super()._forward(past, ids, *rest, **kwargs)
             due = getattr(self._pace, "next", None)
             if due is not None:  # a decode step of a request this thread runs
                 now = time.perf_counter()
