@@ -46,3 +46,11 @@ PLUGIN = Plugin(
              PatchUse("train.dsa_index_dump", "train", when="slime_ascend.patch.train.dsa_index_dump.wanted")),
     validate="slime_ascend.dsa.checks.validate",
 )
+
+
+def index_dump_dir(args) -> str | None:
+    """The ``ascend_dsa_index_dump_dir`` setting on slime's ``args`` (None: unset), as the train actors'
+    ``train.dsa_index_dump`` and the torch engines slime starts both read it."""
+    from ..plugins import runtime
+
+    return runtime.settings(args, PLUGIN.name).dsa_index_dump_dir or None

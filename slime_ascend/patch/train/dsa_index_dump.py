@@ -47,16 +47,11 @@ FORWARD_SNIPPETS = ("SparseMLA.apply(q, kv, topk_indices, self.softmax_scale)", 
 _CALL: contextvars.ContextVar[tuple[int, Any] | None] = contextvars.ContextVar("slime_ascend_dsa_layer", default=None)
 
 
-def dump_dir(args: Any) -> str | None:
-    """The ``dsa-determinism`` plugin's ``ascend_dsa_index_dump_dir`` (None: unset)."""
-    from slime_ascend.plugins import runtime
-
-    return runtime.settings(args, "dsa-determinism").dsa_index_dump_dir or None
-
-
 def wanted(args: Any) -> bool:
     """The ``dsa-determinism`` plugin's ``ascend_dsa_index_dump_dir`` is set."""
-    return dump_dir(args) is not None
+    from slime_ascend.dsa.plugin import index_dump_dir
+
+    return index_dump_dir(args) is not None
 
 
 class IndexSetWriter:
@@ -156,7 +151,9 @@ class DSAIndexDump(RuntimePatch):
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
         glm5, model = modules[GLM5], modules[MODEL]
-        writer = IndexSetWriter(dump_dir(args))
+        from slime_ascend.dsa.plugin import index_dump_dir
+
+        writer = IndexSetWriter(index_dump_dir(args))
         self.wrap(model, "get_batch", lambda original: _get_batch_remembered(original, writer))
         self.wrap(getattr(glm5, ATTENTION), "forward", _forward_in_context)
         for name in SPARSE:

@@ -42,11 +42,9 @@ class TorchEngineBackend(RolloutBackend):
     def options_from_args(self, args: Any) -> dict[str, Any]:
         """The plugin's options, and the ``dsa-determinism`` plugin's ``ascend_dsa_index_dump_dir`` (the engines
         write their side of the DSA key sets beside the train actors')."""
-        from ...dsa.plugin import PLUGIN as DSA
-        from ...plugins.settings import read
+        from ...dsa.plugin import index_dump_dir
 
-        (dump,) = (s for s in DSA.settings if s.key == "ascend_dsa_index_dump_dir")
-        return {**super().options_from_args(args), "dsa_index_dump_dir": read(dump, args)}
+        return {**super().options_from_args(args), "dsa_index_dump_dir": index_dump_dir(args)}
 
     def command(self, server_args: Mapping[str, Any], options: Mapping[str, Any]) -> list[str]:
         """``slime-ascend serve-torch`` for one engine from the ``ServerArgs`` fields slime computed
