@@ -1,4 +1,15 @@
-"""Teacher switch stall with background prefetch vs a cold load (CPU, TeacherPool).
+"""Teacher switches per rollout (slime's completion order vs teacher-grouped scoring) and the switch stall
+with background prefetch vs a cold load (CPU, TeacherPool).
+
+Switch order (row ``teacher_switch_order``): rollouts of samples routed to three switched teachers, whose
+generation finishes in a random long-tailed order, are scored through the opd plugin's
+:class:`~slime_ascend.opd.switching.SwitchGate` on one simulated engine (a switch sleeps ``switch_s``, a
+scoring request ``score_s``) twice in one run: in completion order (each sample asks the gate as it finishes,
+as the plugin did before) and grouped (:func:`~slime_ascend.opd.switching.score_grouped` on the rollout:
+resident teacher first). Printed side by side: switches per rollout and wall seconds per rollout. Target:
+grouped switches per rollout <= the teachers that rollout needs, every rollout.
+
+Stall (row ``teacher_switch``):
 
 Three teachers (>= 256 MiB of fp32 weights each; 32 MiB with --quick) are written as safetensors
 to a temporary directory on local disk and deleted at the end. One in-process model is driven by
@@ -22,7 +33,9 @@ bytes counter (resident + prefetched teacher tensors).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -37,9 +50,81 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slime_ascend.opd.loaders import TorchModuleLoader  # noqa: E402
 from slime_ascend.opd.pool import TeacherPool  # noqa: E402
+from slime_ascend.opd.switching import SwitchGate, score_grouped  # noqa: E402
 
 NAME = "teacher_switch"
 TARGET = 0.10
+ORDER_NAME = "teacher_switch_order"
+TEACHERS = ("A", "B", "C")
+
+
+async def _rollout_switches(routes: list[str], gen_s: list[float], grouped: bool, gate: SwitchGate,
+                            engine: dict, score_s: float) -> float:
+    """One rollout: samples finish generating after ``gen_s``; each is scored at its teacher. Returns its wall s."""
+    t0 = time.perf_counter()
+
+    async def score(name: str) -> None:
+        assert engine["resident"] == name
+        await asyncio.sleep(score_s)
+
+    async def sample(name: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if not grouped:
+            async with gate.use(name):
+                await score(name)
+
+    await asyncio.gather(*(sample(n, d) for n, d in zip(routes, gen_s, strict=True)))
+    if grouped:
+        results = await score_grouped(gate, [(n, lambda n=n: score(n)) for n in routes])
+        bad = [r for r in results if isinstance(r, Exception)]
+        if bad:
+            raise bad[0]
+    return time.perf_counter() - t0
+
+
+def switch_order(rollouts: int = 8, samples: int = 32, switch_s: float = 0.02, score_s: float = 0.001,
+                 gen_s: float = 0.03, seed: int = 0) -> dict:
+    """Switches per rollout and wall s per rollout, completion order vs grouped, on the same rollouts."""
+    rng = random.Random(seed)
+    plan = []
+    for r in range(rollouts):  # each rollout leans to one teacher, cycling A -> B -> C -> A
+        lean = TEACHERS[r % len(TEACHERS)]
+        routes = [lean if rng.random() < 0.5 else rng.choice(TEACHERS) for _ in range(samples)]
+        plan.append((routes, [gen_s * rng.lognormvariate(0, 0.8) for _ in range(samples)]))
+    out: dict = {"needed": [len(set(routes)) for routes, _ in plan]}
+    for grouped in (False, True):
+        engine: dict = {"resident": None}
+
+        async def switch(name: str, engine: dict = engine) -> None:
+            await asyncio.sleep(switch_s)
+            engine["resident"] = name
+
+        async def run_all(engine: dict = engine, switch=switch) -> tuple[list[int], list[float]]:
+            gate = SwitchGate(switch)
+            counts, walls = [], []
+            for routes, gens in plan:
+                before = gate.switches
+                walls.append(await _rollout_switches(routes, gens, grouped, gate, engine, score_s))
+                counts.append(gate.switches - before)
+            return counts, walls
+
+        counts, walls = asyncio.run(run_all())
+        out["grouped" if grouped else "completion"] = {"switches": counts, "wall_s": walls}
+    return out
+
+
+def order_row(quick: bool = False, rollouts: int | None = None, samples: int | None = None) -> dict:
+    m = switch_order(rollouts=rollouts or (6 if quick else 10), samples=samples or (24 if quick else 48))
+    c, g = m["completion"], m["grouped"]
+    ok = all(n <= k for n, k in zip(g["switches"], m["needed"], strict=True))
+    ratio = sum(g["switches"]) / max(1, sum(c["switches"]))
+    detail = (
+        f"switches per rollout ({len(TEACHERS)} switched teachers; teachers needed {m['needed']}):\n"
+        f"  completion order  {c['switches']}  total {sum(c['switches'])}  wall {statistics.mean(c['wall_s']):.3f} s/rollout\n"
+        f"  grouped           {g['switches']}  total {sum(g['switches'])}  wall {statistics.mean(g['wall_s']):.3f} s/rollout\n"
+        f"  grouped/completion switches {ratio:.3f}; goal: grouped <= teachers needed in every rollout"
+    )
+    return {"name": ORDER_NAME, "ratio": ratio, "target": "<=needed", "passed": ok, "detail": detail}
 
 
 def _model(width: int, layers: int) -> torch.nn.Module:
@@ -96,7 +181,14 @@ def _score(model: torch.nn.Module, width: int, seconds: float) -> int:
     return n
 
 
-def run(quick: bool = False, repeats: int | None = None, score_factor: float = 2.0, min_score_s: float = 0.5) -> list[dict]:
+def run(quick: bool = False, repeats: int | None = None, score_factor: float = 2.0, min_score_s: float = 0.5,
+        order: bool = True) -> list[dict]:
+    """Rows: the switch-order comparison (``order``), then the prefetched stall over a cold load."""
+    rows = [order_row(quick)] if order else []
+    return rows + _stall(quick, repeats, score_factor, min_score_s)
+
+
+def _stall(quick: bool, repeats: int | None, score_factor: float, min_score_s: float) -> list[dict]:
     width, layers = (1024, 8) if quick else (2048, 16)  # 32 MiB / 256 MiB of fp32 per teacher
     repeats = repeats or (3 if quick else 5)
     teacher_bytes = width * width * layers * 4
@@ -146,8 +238,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="32 MiB teachers instead of 256 MiB")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--order-only", action="store_true", help="only the switch-order comparison (no weights)")
+    ap.add_argument("--rollouts", type=int, default=None, help="rollouts of the switch-order comparison")
+    ap.add_argument("--samples", type=int, default=None, help="samples per rollout of the switch-order comparison")
     args = ap.parse_args()
-    for row in run(quick=args.quick, repeats=args.repeats):
+    rows = [order_row(args.quick, args.rollouts, args.samples)]
+    if not args.order_only:
+        rows += run(quick=args.quick, repeats=args.repeats, order=False)
+    for row in rows:
         print(row["detail"])
         print(f"RESULT {row['name']} ratio={row['ratio']:.3f} target={row['target']} {'PASS' if row['passed'] else 'FAIL'}")
 

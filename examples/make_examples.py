@@ -7,6 +7,7 @@ import argparse, os, sys, yaml
 from pathlib import Path
 from slime_ascend import config
 from slime_ascend.rollout.backends import sglang_npu
+from slime_ascend.weight_sync.funnel import PLUGIN_FORMATS
 
 ROOT = Path(__file__).resolve().parent
 ENV = sglang_npu.BACKEND.env(sglang_npu.BACKEND.defaults())
@@ -27,7 +28,20 @@ RECIPES = [
       "ascend_opd_default_teacher": "math",
       "ascend_opd_switch_engine_urls": ["http://127.0.0.1:30011"]}),
     ("qwen3-8b-int8-sync-npu", "Qwen3-8B, GRPO with INT8 (W8A8) rollout weights synced online on Ascend.", ["sglang-npu", "int8-sync"], QWEN, "grpo", None),
+    ("qwen3-8b-fp8-sync-npu", "Qwen3-8B, GRPO with FP8 block-wise rollout weights synced online on Ascend.", ["sglang-npu", "fp8-sync"], QWEN, "grpo", None),
+    ("qwen3-8b-int4-sync-npu", "Qwen3-8B, GRPO with INT4 group-wise (W4A16) rollout weights synced online on Ascend.", ["sglang-npu", "int4-sync"], QWEN, "grpo", None),
+    ("qwen3-8b-mxfp8-sync-npu", "Qwen3-8B, GRPO with MXFP8 (W8A8_MXFP8) rollout weights synced online on Ascend.", ["sglang-npu", "mxfp8-sync"], QWEN, "grpo", None),
 ]
+
+# the weight-sync plugins: the engines' checkpoint (its directory suffix and what it holds), made by
+# `slime-ascend quantize --format F` with F the plugin's own format (weight_sync.funnel.PLUGIN_FORMATS: the
+# format its start-up check asks of --hf-checkpoint), and any further converter flags
+SYNC = {
+    "int8-sync": ("-w8a8", "INT8 (W8A8)", ""),
+    "fp8-sync": ("-fp8", "FP8 block-wise (128x128 scales)", ""),
+    "int4-sync": ("-int4", "INT4 group-wise (W4A16)", " --group-size ${INT4_GROUP_SIZE:-128}"),
+    "mxfp8-sync": ("-mxfp8", "MXFP8 (W8A8_MXFP8)", ""),
+}
 
 WHY = {
     "sglang-npu": "SGLang on NPU (device npu, ascend attention backend, HCCL weight sync env; requires npu)",
@@ -36,6 +50,9 @@ WHY = {
     "compaction": "CompactionRL: compaction rollout + segment credit",
     "opd": "multi-teacher OPD: teacher routing/switching, teacher log-probs, OPD advantage term",
     "int8-sync": "INT8 online quantisation of the synced weights (quantize_params hook)",
+    "fp8-sync": "FP8 block-wise online quantisation of the synced weights (quantize_params hook)",
+    "int4-sync": "INT4 group-wise online quantisation of the synced weights (quantize_params hook)",
+    "mxfp8-sync": "MXFP8 online quantisation of the synced weights (quantize_params hook)",
 }
 
 def edit_yaml(text, edits):
@@ -91,11 +108,18 @@ def render(name, title, plugins, m, est, edits):
                '# would land on the actor\'s (the sao plugin refuses that at start)\n'
                'python -m slime_ascend.sao.critic -o "${HERE}/sao_megatron.yaml" --force --set '
                f'"save=${{BASE}}/{m["hf"]}_slime_critic/"\n\n')
-    if "int8-sync" in plugins:
-        hf_ckpt = "${BASE}/" + m["hf"] + "-w8a8"
-        pre = ('# [ascend:int8-sync] the engines serve the INT8 (W8A8) checkpoint and every weight update is quantised\n'
+    for sync in (p for p in plugins if p in SYNC):
+        suffix, label, extra = SYNC[sync]
+        hf_ckpt = "${BASE}/" + m["hf"] + suffix
+        group = ""
+        if "--group-size" in extra:
+            group = (f'# [ascend:{sync}] INT4_GROUP_SIZE (default 128) must divide the input size of every quantised linear;\n'
+                     '# the sync reads it from the checkpoint, so it is set here only\n')
+        pre = (f'# [ascend:{sync}] the engines serve the {label} checkpoint and every weight update is quantised\n'
                '# to it; made once from the BF16 model by the offline converter (the same bytes as each online sync)\n'
-               f'[ -f "{hf_ckpt}/config.json" ] || slime-ascend quantize "${{BASE}}/{m["hf"]}" "{hf_ckpt}" --format int8-w8a8\n\n')
+               + group +
+               f'[ -f "{hf_ckpt}/config.json" ] || slime-ascend quantize "${{BASE}}/{m["hf"]}" "{hf_ckpt}" '
+               f'--format {PLUGIN_FORMATS[sync][0]}{extra}\n\n')
     if "opd" in plugins:
         pre = ('# [ascend:opd] the teachers\' engines: "math" is served at the URL in ascend.yaml; "code" is loaded on\n'
                '# the switch engine (ascend_opd_switch_engine_urls) with /update_weights_from_disk when its domain comes up.\n'
@@ -109,14 +133,25 @@ def render(name, title, plugins, m, est, edits):
         "sao": "SAO runs PPO with one rollout per prompt; --advantage-estimator ppo and --n-samples-per-prompt 1 are what the plugin requires.",
         "opd": "The teachers section (ascend_opd_teachers) in ascend.yaml is edited for this example: two teachers routed by sample.metadata['domain'].",
         "int8-sync": "The engines load the W8A8 checkpoint that `slime-ascend quantize` makes from the BF16 model (first step below); each weight update is quantised to the same bytes.",
+        "fp8-sync": "The engines load the FP8 block-wise checkpoint that `slime-ascend quantize` makes from the BF16 model (first step below); each weight update is quantised to the same bytes.",
+        "int4-sync": "The engines load the INT4 group-wise checkpoint that `slime-ascend quantize` makes from the BF16 model (first step below); each weight update is quantised to the same bytes, with the checkpoint's group size and compressed-tensors' rounding (ascend_int4_sync_numerics).",
+        "mxfp8-sync": "The engines load the MXFP8 checkpoint (msModelSlim's W8A8_MXFP8 layout) that `slime-ascend quantize` makes from the BF16 model (first step below); each weight update is quantised to the same bytes. Not checked yet: whether SGLang's Ascend MXFP8 layer, which re-lays its weights out after loading, takes a weight update in place.",
         "compaction": "Compaction replaces the rollout's generate function and credits segments; the YAML carries every hook path.",
     }
     note = "".join(f"# Note: {notes[p]}\n" for p in plugins if p in notes)
-    cli_block = ("\n".join(added_cli) + "\n") if added_cli else ""
     actor_npus = "${NUM_NPUS}"
     if train == "train_async.py":  # slime's async loop does not colocate: split the NPUs
         colocate = "--rollout-num-gpus $((NUM_NPUS / 2))"
         actor_npus = "$((NUM_NPUS / 2))"
+    else:  # colocated on NPU: the train actors end around each rollout (no torch_memory_saver offload on NPU)
+        shared = " (a directory every node sees)" if m["nodes"] > 1 else ""
+        added_cli += [
+            "   --release-train  # [ascend:npu] --colocate on NPU: torch_memory_saver's NPU build cannot offload the "
+            "train actors (no preload hook), so slime ends them around each rollout and reloads them from --save "
+            "(every step)",
+            f"   --update-weight-transport disk --update-weight-disk-dir ${{BASE}}/slime_weight_sync  # [ascend:npu] "
+            f"what --release-train syncs the engines through{shared}"]
+    cli_block = ("\n".join(added_cli) + "\n") if added_cli else ""
     multinode = ("# Multi-node: on every other node run the same exports, then\n#   ray start --address=${MASTER_ADDR}:6379 --disable-usage-stats\n"
                  if m["nodes"] > 1 else "")
     ascend_block = ("# [ascend] flags slime reads before the YAML is applied (the plugins check them at start)\nASCEND_ARGS=(\n" + cli_block + ")\n\n") if added_cli else ""
@@ -142,8 +177,15 @@ export PYTHONUNBUFFERED=1
 
 # [ascend] the bootstrap (.pth) activates these plugins in every process: driver, Ray actors, SGLang servers
 export SLIME_ASCEND_PLUGINS={env_value}
+# [ascend:npu] CANN's environment first, in this shell, so that `ray start` below can import pyACL and count
+# the NPUs (without it Ray counts /dev/davinci? device files: at most 10)
+ASCEND_SET_ENV=${{ASCEND_SET_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}}
+if [ -z "${{ASCEND_HOME_PATH:-}}" ] && [ -f "${{ASCEND_SET_ENV}}" ]; then set +u; source "${{ASCEND_SET_ENV}}"; set -u; fi
+# [ascend:npu] torch_npu refuses to start its allocator with PYTORCH_ALLOC_CONF set beside PYTORCH_NPU_ALLOC_CONF
+unset PYTORCH_ALLOC_CONF
 # [ascend:sglang-npu] engine environment: FIA decode path, HCCL weight-update ports, no expandable
-# segments (breaks sleep mode). The sglang-npu launch bridge sets the same defaults where unset.
+# segments (breaks sleep mode). The sglang-npu launch bridge sets the same defaults where unset, and the
+# train actors get the same HCCL ports (every card of the weight-update group must).
 {chr(10).join(f'export {k}={v}' for k, v in ENV.items())}
 
 {pre}source "${{SLIME_DIR}}/scripts/models/{m['model_sh']}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What slime's own train.py / train_async.py import on a CPU-only host (Python 3.11, x86_64), at slime's
-# pins, plus this package with its test extras. Used by .ci/run and by the README's "slime on CPU"
-# section. It installs packages only; it never installs a package named `slime` (the PyPI namesake is
+# pins, plus this package with its test and docs extras (tests/test_docs.py builds the site). Used by .ci/run and by docs/cpu.md ("What slime
+# needs on the host"). It installs packages only; it never installs a package named `slime` (the PyPI namesake is
 # an unrelated project: real slime is a source tree on PYTHONPATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ pip install -q "torch==2.14.1" "torchvision==0.29.1"
 # transformers at slime's pin from the first install on: a newer one pulled in by the test extras brings
 # packages of its own (kernels 0.19) that stay behind when the pin below downgrades it, and transformers 5.12.1
 # does not import beside them (kernels' LayerRepository wants a revision that 5.12.1 does not give)
-pip install -q -e ".[test]" "transformers==5.12.1"
+pip install -q -e ".[test,docs]" "transformers==5.12.1"
 # slime's runtime imports on its tested paths (train.py / train_async.py, the rollout manager,
 # the router), then the pinned packages without their dependency trees; ipython: sglang.utils imports
 # IPython.display at start (every sglang import passes through it)

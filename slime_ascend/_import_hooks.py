@@ -112,6 +112,20 @@ class _Loader(importlib.abc.Loader):
         return getattr(self._wrapped, item)
 
 
+class _NamespaceLoader(importlib.abc.Loader):
+    """What the import system does for a namespace package: the default module, nothing to execute (its
+    ``__path__`` comes from the spec)."""
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+    def is_package(self, fullname: str) -> bool:
+        return True
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         with _lock:
@@ -129,7 +143,14 @@ class _Finder(importlib.abc.MetaPathFinder):
                     break
         finally:
             _resolving.active = False
-        if spec is None or spec.loader is None:
+        if spec is None:
+            return spec
+        if spec.loader is None and spec.submodule_search_locations is not None:
+            # a namespace package (megatron-core's ``megatron``: no __init__.py) has no loader to wrap, and the
+            # import system makes its module itself: give it one that creates nothing and executes nothing
+            spec.loader = _Loader(fullname, _NamespaceLoader())
+            return spec
+        if spec.loader is None:
             return spec
         spec.loader = _Loader(fullname, spec.loader)
         return spec

@@ -7,6 +7,7 @@ import json
 import sys
 
 from .command import TRACEBACK_ENV, ArgumentParser, run_command  # noqa: F401 (TRACEBACK_ENV: re-exported)
+from .quant.names import FORMATS as QUANT_FORMATS  # the one list of the converter's formats (no torch)
 
 
 def _cmd_plugins(ns: argparse.Namespace) -> int:
@@ -75,8 +76,13 @@ def _cmd_config(ns: argparse.Namespace) -> int:
     if path.exists() and not ns.force:
         print(f"error: {path} exists. Fix: pass --force to overwrite it, or choose another -o path", file=sys.stderr)
         return 2
+    # a directory of its own for this config (e.g. `-o sao-int8/ascend.yaml`): the companion files land there too,
+    # apart from another config's (sao's sao_megatron.yaml); a new directory holds nothing in the way
+    path.parent.mkdir(parents=True, exist_ok=True)
     generated.check_files(str(path.resolve().parent), force=ns.force)  # nothing written when one is in the way
-    path.write_text(generated.yaml_text)
+    from .files import write_file
+
+    write_file(path, generated.yaml_text)  # a full disk: one line naming the file
     written = generated.write_files(str(path.resolve().parent), force=ns.force)  # e.g. sao's critic role file
     print(generated.hint(str(path), written))
     return 0
@@ -87,7 +93,7 @@ def _cmd_doctor(ns: argparse.Namespace) -> int:
 
     lines = doctor.run(check_patches=not ns.no_patches, probe_ray=ns.ray)
     print(doctor.format_lines(lines))
-    return 1 if any(line.status == "fail" for line in lines) else 0
+    return doctor.exit_status(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="write the YAML for slime's --custom-config-path (or print the flags)")
     p.add_argument("plugins", nargs="+", help="plugin names (or 'all')")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("-o", "--output", help="YAML file to write ('-' for stdout)")
+    what.add_argument("-o", "--output", help="YAML file to write ('-' for stdout); its directory is created if "
+                      "missing, and the files the plugins need (sao's critic role file) are written beside it")
     what.add_argument("--flags", action="store_true",
                       help="print only the flags the plugins need on slime's command line, as one shell-quoted "
                       "line (nothing when none); writes no YAML")
@@ -113,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
     from .parallel_layout import add_arguments as add_layout_arguments
 
-    add_layout_arguments(p)
+    add_layout_arguments(p, "parallel layout (with --flags: slime's flags for it)")
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("doctor", help="versions, activation, and whether our patches fit this slime")
@@ -139,7 +146,7 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
     "check": ("slime_ascend.contracts.check_cli:main",
               "numerical-contract report on this device (log-prob mismatch, DIS/IcePop, top-k determinism)"),
     "quantize": ("slime_ascend.quant.cli:main_quantize",
-                 "offline converter: HF_DIR OUT_DIR --format fp8-block|int8-w8a8|int8-ct|int4-group"),
+                 f"offline converter: HF_DIR OUT_DIR --format {'|'.join(QUANT_FORMATS)}"),
     "verify-quant": ("slime_ascend.quant.cli:main_verify",
                      "check online-synced tensors against the offline converter's file, bit for bit"),
     "tito-fingerprint": ("slime_ascend.tito.cli:main",
@@ -149,6 +156,9 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
                "and layout"),
     "demo": ("slime_ascend.demo.cli:main",
              "the embedded closed loop on this machine (Ray, torch engine, tiny policy, every plugin)"),
+    "dryrun": ("slime_ascend.dryrun:main",
+               "-- <slime launch command>: what would fail on the Ascend cluster (flags, plugins, placement, "
+               "offload, environment), one line each, before booking NPU time"),
 }
 
 

@@ -260,8 +260,9 @@ def check_combination(selection: registry.Selection, overrides: dict[str, Any] |
     Each plugin's own check runs against the args the whole selection would produce (YAML plus the
     pasteable command-line flags). A failure that the same plugin does not have when generated with
     only its own requirements is a conflict, raised as :class:`PluginError` naming both. A failure it
-    has alone too is a value the user still has to fill in (e.g. the OPD teachers), left to the start.
-    Returns notes about checks that could not run here (e.g. a missing import).
+    has alone too is a value the user still has to fill in (e.g. the OPD teachers): the YAML is written, and a
+    note names the value and how to fill it (the job refuses to start until it is).
+    Returns notes: those values, and checks that could not run here (e.g. a missing import).
     """
     overrides = dict(overrides or {})
     notes: list[str] = []
@@ -277,12 +278,15 @@ def check_combination(selection: registry.Selection, overrides: dict[str, Any] |
             notes.append(f"plugin {plugin.name!r}: its start-up check could not run here ({type(exc).__name__}: "
                          f"{exc}); it runs at process start")
             continue
-        if alone is None:
-            raise registry.PluginError(
-                f"plugin {plugin.name!r} cannot be enabled with {_culprits(selection, plugin, overrides, together)} "
-                f"as configured; its start-up check would refuse this YAML: {together.rstrip('.')} "
-                "(to `slime-ascend config`, give a setting's value with --set KEY=VALUE)"
-            )
+        if alone is not None:  # the user's value to fill in, whatever the other plugins: say so now, not at start
+            notes.append(f"plugin {plugin.name!r} needs a value before the job can start: {together.rstrip('.')} "
+                         "(or give it here with --set KEY=VALUE)")
+            continue
+        raise registry.PluginError(
+            f"plugin {plugin.name!r} cannot be enabled with {_culprits(selection, plugin, overrides, together)} "
+            f"as configured; its start-up check would refuse this YAML: {together.rstrip('.')} "
+            "(to `slime-ascend config`, give a setting's value with --set KEY=VALUE)"
+        )
     return notes
 
 

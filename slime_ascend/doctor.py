@@ -19,7 +19,7 @@ PTH_NAME = "slime_ascend_bootstrap.pth"
 @dataclasses.dataclass
 class Line:
     topic: str
-    status: str  # ok | warn | fail | info
+    status: str  # ok | warn | fail | info | skip (not checkable on this host: not a failure)
     detail: str
 
 
@@ -63,8 +63,10 @@ def versions() -> list[Line]:
     slime = slime_version()
     spec = importlib.util.find_spec("slime")
     where = next(iter(spec.submodule_search_locations)) if spec and spec.submodule_search_locations else ""
-    lines.append(Line("slime", "ok" if slime != "absent" else "warn",
-                      f"{slime} at {where}" if where else "not importable (install THUDM/slime from source)"))
+    lines.append(Line("slime", "ok" if slime != "absent" else "skip",
+                      f"{slime} at {where}" if where else
+                      "not importable: the patch targets in slime are not checked here (install THUDM/slime from "
+                      "source and put it on PYTHONPATH to check them)"))
     dists = ("ray", "megatron-core", "sglang", "mindspeed", "transformers")
     return lines + [Line(dist, "info", _dist_version(dist) or "not installed") for dist in dists]
 
@@ -119,17 +121,26 @@ def ray_probe() -> Line:
 
 
 def patch_targets() -> list[Line]:
+    """One line per patch this host can check (ok or fail); the patches it cannot check (the package their targets
+    live in is not importable, or the device runtime they need is not loaded) as one ``skip`` line per reason,
+    naming the patches: a fresh host without slime is not a failure."""
     from . import patch
 
-    lines = []
+    lines, unchecked = [], {}
     for p in patch.all_patches():
-        problems = p.verify()
+        reason = p.not_checkable()
+        problems = [] if reason else p.verify()
         if problems and all(pr.startswith("cannot import target") for pr in problems):
-            lines.append(Line(f"patch {p.id}", "info", f"not checkable here: {problems[0]}"))
+            reason = f"a target cannot be imported here ({problems[0].removeprefix('cannot import target: ')})"
+        if reason:
+            unchecked.setdefault(reason, []).append(p.id)
         elif problems:
             lines.append(Line(f"patch {p.id}", "fail", "; ".join(problems)))
         else:
             lines.append(Line(f"patch {p.id}", "ok", f"target matches (checked on slime {', '.join(p.checked_on)})"))
+    for reason, ids in unchecked.items():
+        lines.append(Line("patches not checked", "skip",
+                          f"{reason}: {len(ids)} patch{'es' if len(ids) > 1 else ''} ({', '.join(ids)})"))
     return lines
 
 
@@ -141,8 +152,29 @@ def plugins() -> list[Line]:
     return lines
 
 
+def ascend_environment(environ=None, dev: str = "/dev") -> list[Line]:
+    """What an Ascend job started from this shell would inherit (``slime-ascend dryrun`` checks a whole launch):
+    both allocator variables (torch_npu refuses to start), and NPUs ``ray start`` here would not count."""
+    from .accelerator import launch
+
+    environ = os.environ if environ is None else environ
+    lines = []
+    clash = launch.alloc_conf_problem(environ)
+    if clash:
+        lines.append(Line("allocator variables", "fail", clash.removeprefix("npu: ")))
+    ray = launch.ray_npu_detection_problem(dev)
+    if ray:
+        lines.append(Line("ray NPU count", "fail", ray.removeprefix("ray: ")))
+    return lines
+
+
+def exit_status(lines: list[Line]) -> int:
+    """1 where a check found a real problem (a ``fail`` line), else 0: what this host cannot check is no failure."""
+    return 1 if any(line.status == "fail" for line in lines) else 0
+
+
 def run(check_patches: bool = True, probe_ray: bool = False) -> list[Line]:
-    lines = versions() + activation() + plugins()
+    lines = versions() + activation() + plugins() + ascend_environment()
     if check_patches:
         lines += patch_targets()
     if probe_ray:
@@ -152,5 +184,5 @@ def run(check_patches: bool = True, probe_ray: bool = False) -> list[Line]:
 
 def format_lines(lines: list[Line]) -> str:
     width = max(len(l.topic) for l in lines)
-    marks = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "info": "    "}
+    marks = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "info": "    ", "skip": "SKIP"}
     return "\n".join(f"[{marks[l.status]}] {l.topic:<{width}}  {l.detail}" for l in lines)

@@ -138,6 +138,11 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
         fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 
 
+def before_log_prob(args, model, store_prefix) -> None:
+    for _, fn in _contributions(args, "before_log_prob"):
+        fn(args, model, store_prefix)
+
+
 def quantize_params(args, megatron_name, converted_named_params, quantization_config, transform_ue8m0=True):
     """Our formats for the weight-sync funnel. Returns None when the config is not ours."""
     return _exclusive(args, "quantize_params")(

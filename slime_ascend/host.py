@@ -18,6 +18,11 @@ def module_installed(name: str) -> bool:
         return False
 
 
+#: the allocator settings torch_npu reads (it refuses to start its allocator when both are set): the npu plugin
+#: refuses the clash at parse_args, the sglang-npu bridge strips what the NPU build does not support from both
+ALLOC_CONF_ENVS = ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 def torch_npu_installed() -> bool:
     return module_installed("torch_npu")
 

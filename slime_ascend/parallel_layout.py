@@ -103,12 +103,13 @@ class Layout:
         return (f"{self.world} train rank(s): on a host with fewer cores than {cpus}, export "
                 f"RAY_OVERRIDE_RESOURCES='{{\"CPU\": {cpus}}}' (logical CPUs for the train ranks, slime's "
                 "RolloutManager and its lock, one external engine; add one per rollout device without "
-                "--rollout-external)")
+                "--rollout-external-engine-addrs)")
 
 
-def add_arguments(parser) -> None:
-    """``--tp --pp --cp --ep --dp --sp --allgather-cp`` on ``parser``."""
-    group = parser.add_argument_group("parallel layout (with --flags: slime's flags for it)")
+def add_arguments(parser, title: str = "parallel layout") -> None:
+    """``--tp --pp --cp --ep --dp --sp --allgather-cp`` on ``parser``, in a help group titled ``title`` (what the
+    command does with the layout; it may name only the command's own options)."""
+    group = parser.add_argument_group(title)
     for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--cp", "context"), ("--ep", "expert")):
         group.add_argument(flag, type=int, default=1, metavar="N", help=f"{what}-parallel size (default 1)")
     group.add_argument("--dp", type=int, default=None, metavar="N",

@@ -224,3 +224,45 @@ def test_launch_line_keeps_values_only_the_user_knows_in_capitals():
     line = config.build(["npu", "vllm-ascend"]).launch_line("/x/ascend.yaml")
     assert line.startswith("SLIME_ASCEND_PLUGINS=npu,vllm-ascend python $SLIME_SRC/train.py <your slime flags> ")
     assert "--rollout-external-engine-addrs HOST:PORT ..." in line and "--update-weight-disk-dir DIR" in line
+
+
+def test_config_opd_names_the_empty_teacher_list_and_how_to_fill_it(tmp_path, capsys):
+    """The YAML is written with ``ascend_opd_teachers: []`` (only the user knows the teachers), and one note line
+    says so with the fix; given teachers, no such note."""
+    from slime_ascend import cli
+
+    assert cli.main(["config", "opd", "-o", str(tmp_path / "opd.yaml")]) == 0
+    assert yaml.safe_load((tmp_path / "opd.yaml").read_text())["ascend_opd_teachers"] == []
+    notes = [line for line in capsys.readouterr().err.splitlines() if "ascend_opd_teachers" in line]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith("note: plugin 'opd' needs a value before the job can start: setting "
+                               "ascend_opd_teachers is empty. Fix: add a teachers section to the YAML")
+    assert "ascend_opd_teachers: [{name: math, checkpoint_dir:" in notes[0] and "--set KEY=VALUE" in notes[0]
+
+    teachers = "ascend_opd_teachers=[{name: math, checkpoint_dir: /ckpt/math, domains: [math], url: 'http://h:1'}]"
+    assert cli.main(["config", "opd", "--set", teachers, "-o", str(tmp_path / "filled.yaml")]) == 0
+    assert "needs a value" not in capsys.readouterr().err
+
+
+def test_two_sao_configs_each_in_its_own_directory(tmp_path, capsys):
+    """SAO's config writes its critic role file (sao_megatron.yaml) beside the YAML, so two SAO configs in one
+    directory collide: the second is refused, naming the file, and writes nothing. `-o DIR/ascend.yaml` gives each
+    its own directory (created), and each launch line names its own role file."""
+    from slime_ascend import cli
+
+    assert cli.main(["config", "npu", "sglang-npu", "sao", "int8-sync", "-o", str(tmp_path / "sao.yaml")]) == 0
+    capsys.readouterr()
+    assert cli.main(["config", "npu", "sglang-npu", "sao", "staleness", "-o", str(tmp_path / "other.yaml")]) == 2
+    assert f"{tmp_path / 'sao_megatron.yaml'} exists. Fix:" in capsys.readouterr().err
+    assert not (tmp_path / "other.yaml").exists()
+
+    lines = {}
+    for name, plugins in (("sao-int8", ["sao", "int8-sync"]), ("sao-staleness", ["sao", "staleness"])):
+        out = tmp_path / "own" / name / "ascend.yaml"
+        assert cli.main(["config", "npu", "sglang-npu", *plugins, "-o", str(out)]) == 0
+        assert (out.parent / "sao_megatron.yaml").is_file()
+        lines[name] = capsys.readouterr().out.splitlines()[-1]
+    for name, line in lines.items():
+        own = tmp_path / "own" / name
+        assert f"--custom-config-path {own / 'ascend.yaml'}" in line
+        assert f"--megatron-config-path {own / 'sao_megatron.yaml'}" in line

@@ -40,3 +40,20 @@ def test_before_callback_that_imports_the_module(tmp_path, monkeypatch):
     for n in ("ih_core", "ih_adaptor"):
         sys.modules.pop(n, None)
     del builtins.ih_core_execs
+
+
+def test_before_and_after_callbacks_of_a_namespace_package(tmp_path, monkeypatch):
+    """megatron-core's ``megatron`` has no __init__.py: its before-import callbacks (MindSpeed's adaptor,
+    torch_npu's transfer_to_npu) used to never run, since a namespace package has no loader to wrap."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "ih_namespace").mkdir()
+    _write(tmp_path / "ih_namespace", "core", "VALUE = 2\n")
+    order = []
+    assert _import_hooks.before_import("ih_namespace", lambda: order.append("before"))
+    _import_hooks.when_imported("ih_namespace", lambda m: order.append(("after", list(m.__path__))))
+    import ih_namespace.core
+
+    assert order == ["before", ("after", [str(tmp_path / "ih_namespace")])]
+    assert ih_namespace.core.VALUE == 2 and sys.modules["ih_namespace"].core is ih_namespace.core
+    for n in ("ih_namespace.core", "ih_namespace"):
+        sys.modules.pop(n, None)

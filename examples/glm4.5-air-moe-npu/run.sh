@@ -20,8 +20,15 @@ export PYTHONUNBUFFERED=1
 
 # [ascend] the bootstrap (.pth) activates these plugins in every process: driver, Ray actors, SGLang servers
 export SLIME_ASCEND_PLUGINS=npu,sglang-npu
+# [ascend:npu] CANN's environment first, in this shell, so that `ray start` below can import pyACL and count
+# the NPUs (without it Ray counts /dev/davinci? device files: at most 10)
+ASCEND_SET_ENV=${ASCEND_SET_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}
+if [ -z "${ASCEND_HOME_PATH:-}" ] && [ -f "${ASCEND_SET_ENV}" ]; then set +u; source "${ASCEND_SET_ENV}"; set -u; fi
+# [ascend:npu] torch_npu refuses to start its allocator with PYTORCH_ALLOC_CONF set beside PYTORCH_NPU_ALLOC_CONF
+unset PYTORCH_ALLOC_CONF
 # [ascend:sglang-npu] engine environment: FIA decode path, HCCL weight-update ports, no expandable
-# segments (breaks sleep mode). The sglang-npu launch bridge sets the same defaults where unset.
+# segments (breaks sleep mode). The sglang-npu launch bridge sets the same defaults where unset, and the
+# train actors get the same HCCL ports (every card of the weight-update group must).
 export ASCEND_USE_FIA=1
 export HCCL_HOST_SOCKET_PORT_RANGE=60000-60050
 export HCCL_NPU_SOCKET_PORT_RANGE=61000-61050
@@ -91,6 +98,12 @@ SGLANG_ARGS=(
    --sglang-mem-fraction-static 0.7
 )
 
+# [ascend] flags slime reads before the YAML is applied (the plugins check them at start)
+ASCEND_ARGS=(
+   --release-train  # [ascend:npu] --colocate on NPU: torch_memory_saver's NPU build cannot offload the train actors (no preload hook), so slime ends them around each rollout and reloads them from --save (every step)
+   --update-weight-transport disk --update-weight-disk-dir ${BASE}/slime_weight_sync  # [ascend:npu] what --release-train syncs the engines through (a directory every node sees)
+)
+
 MISC_ARGS=(
    --attention-dropout 0.0
    --hidden-dropout 0.0
@@ -136,4 +149,5 @@ ray job submit --address="http://127.0.0.1:8265" \
    "${OPTIMIZER_ARGS[@]}" \
    "${SGLANG_ARGS[@]}" \
    "${MISC_ARGS[@]}" \
+   "${ASCEND_ARGS[@]}" \
    --custom-config-path "${HERE}/ascend.yaml"  # [ascend] the added slime flag: our hooks, settings, sglang-npu

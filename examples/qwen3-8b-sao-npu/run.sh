@@ -22,8 +22,15 @@ export PYTHONUNBUFFERED=1
 
 # [ascend] the bootstrap (.pth) activates these plugins in every process: driver, Ray actors, SGLang servers
 export SLIME_ASCEND_PLUGINS=npu,sglang-npu,sao
+# [ascend:npu] CANN's environment first, in this shell, so that `ray start` below can import pyACL and count
+# the NPUs (without it Ray counts /dev/davinci? device files: at most 10)
+ASCEND_SET_ENV=${ASCEND_SET_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}
+if [ -z "${ASCEND_HOME_PATH:-}" ] && [ -f "${ASCEND_SET_ENV}" ]; then set +u; source "${ASCEND_SET_ENV}"; set -u; fi
+# [ascend:npu] torch_npu refuses to start its allocator with PYTORCH_ALLOC_CONF set beside PYTORCH_NPU_ALLOC_CONF
+unset PYTORCH_ALLOC_CONF
 # [ascend:sglang-npu] engine environment: FIA decode path, HCCL weight-update ports, no expandable
-# segments (breaks sleep mode). The sglang-npu launch bridge sets the same defaults where unset.
+# segments (breaks sleep mode). The sglang-npu launch bridge sets the same defaults where unset, and the
+# train actors get the same HCCL ports (every card of the weight-update group must).
 export ASCEND_USE_FIA=1
 export HCCL_HOST_SOCKET_PORT_RANGE=60000-60050
 export HCCL_NPU_SOCKET_PORT_RANGE=61000-61050

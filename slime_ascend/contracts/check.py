@@ -185,6 +185,12 @@ def _build_model(model_dir: str | None, seed: int) -> tuple[torch.nn.Module, dic
         raise ValueError(f"model_dir {model_dir!r} is not a directory")
     if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
         raise ValueError(f"model_dir {model_dir!r} has no *.safetensors file (pickle checkpoints are not loaded)")
+    from ..opd.safetensors_dir import validate_safetensors_dir
+
+    try:  # each shard's header read first: a truncated or foreign file is named, not a loader's bare error
+        validate_safetensors_dir(model_dir)
+    except ValueError as exc:
+        raise ValueError(f"--model: {exc}. Fix: write or download the checkpoint again") from None
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -486,15 +492,19 @@ def run_check(
     report.meta["dsa_shape"] = list(dsa_shape)
     report.meta["elapsed_s"] = round(time.perf_counter() - t0, 3)
 
+    from ..files import write_file  # a full disk: one line naming the file
+
     if out_json is not None:
-        with open(out_json, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2, allow_nan=False)
+        write_file(out_json, json.dumps(report.to_dict(), indent=2, allow_nan=False))
     if plot is not None:
-        _plot(deltas, plot)
+        write_file(plot, _plot(deltas))
     return report
 
 
-def _plot(deltas: Mapping[str, torch.Tensor], path: str) -> None:
+def _plot(deltas: Mapping[str, torch.Tensor]) -> bytes:
+    """The log-ratio histogram as PNG bytes (written by the caller: matplotlib's own writer can lose an error)."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -509,8 +519,10 @@ def _plot(deltas: Mapping[str, torch.Tensor], path: str) -> None:
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
+    return buf.getvalue()
 
 
 def format_table(report: CheckReport) -> str:

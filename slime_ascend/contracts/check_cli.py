@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG histogram of the log-ratio")
     p.add_argument("--verifiers", metavar="CONFIG", default=None,
                    help="instead: run the verifier gate (oracle rewarded, no-action and unfinished runs given nothing) "
-                        "over the verifiers of the job this YAML (the --custom-config-path YAML) describes")
+                        "over the verifiers of the job this YAML (the one given to slime's --custom-config-path) describes")
     return p
 
 

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=DemoConfig.lr, help="policy learning rate (default %(default)s)")
     p.add_argument("--slime-src", metavar="DIR", default=None,
                    help="run the plugins in slime's own train_async.py from this THUDM/slime source tree (cpu "
-                        "plugin; slime's dependencies must be installed: README, 'slime on CPU')")
+                        "plugin; slime's dependencies must be installed: docs/cpu.md)")
     p.add_argument("--loop", choices=("auto", "slime", "mini"), default="auto",
                    help="slime: slime's own loop (--slime-src, $SLIME_SRC or an importable slime); mini: the "
                         "embedded miniature loop; auto (default): slime's loop when slime and its dependencies "
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="plain per-step lines, no progress bar")
     from ..parallel_layout import add_arguments
 
-    add_arguments(p)  # the actor's (and SAO's critic's) layout in slime's loop
+    add_arguments(p, "parallel layout (of the actor, and of SAO's critic; in slime's loop only)")
     return p
 
 
@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.steps < 1:
         print(f"error: --steps {ns.steps} is not a positive number of rollouts. Fix: pass --steps 1 or more",
               file=sys.stderr)
+        return 2
+    from ..compat import transformers_stack
+
+    stack = transformers_stack.problem()  # a transformers outside the range, or a leftover `kernels`: one line
+    if stack is not None:
+        print(f"error: {stack}", file=sys.stderr)
         return 2
     plugins = (default_plugins(ns.model) if ns.plugins is None
                else tuple(p.strip() for p in ns.plugins.split(",") if p.strip()))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -207,6 +208,16 @@ def prepare_task(cfg: DemoConfig, out: Path) -> tuple[dict[str, str], dict[str, 
     return paths, start, seconds
 
 
+def _verifier_gate(args: argparse.Namespace, plugins: tuple[str, ...]) -> str:
+    """The ``verifier-gate`` plugin's checks on the verifiers this run trains with, as slime's ``parse_args`` runs
+    them (a verifier that fails is refused in one line: the run stops before its first rollout)."""
+    from slime_ascend.verifiers.job import gate
+
+    checked = gate(args, [*plugins, "verifier-gate"])
+    return "; ".join(f"{v.kind} {v.name} passed oracle, no_action and unfinished ({len(results)} runs)"
+                     for v, results in checked) or "no verifier in this run"
+
+
 def _step_line(step: int, steps: int, m: dict[str, Any]) -> str:
     def f(key: str, fmt: str = "{:.3f}") -> str:
         v = m.get(key)
@@ -236,6 +247,10 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, A
     os.environ["SLIME_ASCEND_PLUGINS"] = ",".join(plugins)
     try:
         return _run(cfg, log, out, plugins, notes, t_start)
+    except OSError as exc:  # a full disk under --out: the one line names the directory (the writer may not)
+        if exc.filename is not None or exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+            raise
+        raise OSError(exc.errno, f"{exc.strerror} (writing the demo's files under --out)", str(out)) from None
     finally:
         if previous_env is None:
             os.environ.pop("SLIME_ASCEND_PLUGINS", None)
@@ -275,6 +290,8 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
         rollout = ray.remote(num_cpus=1)(RolloutWorker).remote(paths["policy"], paths["copy"], cfg.seed)
         urls = ray.get(rollout.urls.remote())
         args = build_args(cfg, plugins, paths, urls)
+        summary["verifier_gate"] = _verifier_gate(args, plugins)
+        log(f"verifier gate: {summary['verifier_gate']}")
         sampling = {"temperature": 1.0, "max_new_tokens": cfg.max_new_tokens}
         trainer = ray.remote(num_cpus=1)(Trainer).remote(
             args, paths["policy"], str(out), lr=cfg.lr, critic_lr=cfg.critic_lr, seed=cfg.seed,
@@ -317,6 +334,7 @@ def _run(cfg: DemoConfig, log, out: Path, plugins: tuple[str, ...], notes: list[
             bar.close()
         ray.shutdown()
     summary.update(_summarise(history))
+    summary["plugin_lines"] = plugin_summary_lines(history, plugins)
     if history:
         from slime_ascend.demo.plots import plot_curves
 
@@ -365,10 +383,60 @@ def _summarise(history: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def plugin_summary_lines(history: list[dict[str, Any]], plugins: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """One line per enabled plugin: what the run's metrics show it did (first -> last step where it moves)."""
+    def series(key: str) -> list[float]:
+        return [h[key] for h in history if isinstance(h.get(key), int | float)]
+
+    def first_last(key: str, fmt: str = "{:.3f}") -> str:
+        values = series(key)
+        return f"{fmt.format(values[0])} -> {fmt.format(values[-1])}" if values else "not logged"
+
+    def mean(key: str) -> float:
+        values = series(key)
+        return sum(values) / len(values) if values else 0.0
+
+    last = history[-1] if history else {}
+    lines: dict[str, str] = {}
+    for plugin in plugins:
+        if not history:
+            lines[plugin] = "no step finished"
+        elif plugin == "sao":
+            lines[plugin] = (f"critic value loss {first_last('critic/value_loss')}, DIS masked {mean('masked_frac'):.3f} "
+                             f"of trained tokens on average (max {max(series('masked_frac'), default=0.0):.3f})")
+        elif plugin == "compaction":
+            lines[plugin] = (f"{sum(series('compactions')):.0f} compactions, up to "
+                             f"{max(series('segments_max'), default=0):.0f} segments in one episode")
+        elif plugin == "opd":
+            routed: dict[str, int] = {}
+            for h in history:
+                for teacher, n in (h.get("teacher_routing") or {}).items():
+                    routed[teacher] = routed.get(teacher, 0) + int(n)
+            lines[plugin] = (f"{len(routed)} teachers ({', '.join(f'{t} {n}' for t, n in sorted(routed.items()))} "
+                             f"samples), {last.get('teacher_switches', 0)} switches, {last.get('teacher_prefetch_hits') or 0} "
+                             f"prefetch hits, KL to the routed teacher {first_last('kl', '{:.2f}')}")
+        elif plugin == "staleness":
+            report = last.get("staleness_report") or {}
+            lag = max((h.get("staleness_report") or {}).get("max_lag", 0) for h in history)
+            lines[plugin] = (f"tau {report.get('tau', '?')}: {sum(series('staleness_drops')):.0f} rollouts dropped, "
+                             f"max weight-version lag {lag}")
+        elif plugin.endswith("-sync"):
+            lines[plugin] = (f"{len(history)} versions pushed (engine at v{last.get('engine_version')}), "
+                             f"{last.get('sync_bytes', 0) / max(1, last.get('sync_unquantised_bytes', 1)):.2f}x the "
+                             f"fp32 bytes, train/rollout log-prob gap {first_last('mismatch', '{:.4f}')}")
+        elif plugin in ("dis", "icepop"):
+            lines[plugin] = f"masked {mean('masked_frac'):.3f} of trained tokens on average"
+        else:
+            lines[plugin] = "enabled; the miniature loop logs no metric of its own for it"
+    return lines
+
+
 def _summary_text(s: dict[str, Any], out: Path) -> str:
     if not s.get("steps_done"):
         return f"no step finished; outputs in {out}"
-    return (f"\nreward {s['reward_first']:.3f} -> {s['reward_last']:.3f} over {s['steps_done']} steps; "
+    evidence = "".join(f"\n  {plugin}: {line}" for plugin, line in s.get("plugin_lines", {}).items())
+    return (f"\nwhat each plugin showed:{evidence}"
+            f"\nreward {s['reward_first']:.3f} -> {s['reward_last']:.3f} over {s['steps_done']} steps; "
             f"teacher switches {s['teacher_switches']}; compactions {s['compactions']}; staleness drops "
             f"{s['staleness_drops']}; synced versions up to {s['sync_versions'][-1]} "
             f"({s['sync_bytes_ratio']:.2f}x the unquantised fp32 bytes, median {s['sync_gbps_median']:.3f} GB/s)\n"

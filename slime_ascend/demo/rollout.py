@@ -5,9 +5,10 @@
 teachers with ``/update_weights_from_disk``. Per rollout step it mirrors slime's
 ``generate_and_rm``: ``hooks.generate`` (the compaction plugin's segmenting generate) or, without a
 generate plugin, slime's default single ``/generate`` call; then ``hooks.rollout_sample_hook``;
-then ``hooks.reward_model`` (the opd plugin: teacher scoring + the task reward) for samples without
+then ``hooks.reward_model`` (the opd plugin: routing + the task reward) for samples without
 a reward; then slime's sample -> train-data conversion, whose reward post-process is
-``hooks.reward_post_process`` (staleness, opd, compaction). Where slime is importable its own
+``hooks.reward_post_process`` (staleness, opd, compaction): there the opd plugin scores the batch at
+the switched teachers, grouped by teacher (at most one switch per teacher a step needs). Where slime is importable its own
 ``Sample`` and ``RolloutManager._convert_samples_to_train_data`` are used.
 
 Late long episodes: a fully asynchronous rollout delivers long episodes after later weight updates.

@@ -247,7 +247,7 @@ def slime_flags(model_dir: Path, prompts: Path, engines: list[Engine], work: Pat
       --optimizer adam --lr 1e-4 --lr-decay-style constant --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98
       --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1
       --actor-num-nodes 1 --actor-num-gpus-per-node 1 --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1
-      --rollout-external --rollout-external-engine-addrs {' '.join(e.addr for e in engines)}
+      --rollout-external-engine-addrs {' '.join(e.addr for e in engines)}
       --update-weight-mode full --update-weight-transport disk --update-weight-disk-dir {disk}
       --attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32
       --attention-softmax-in-fp32 --bf16 --seed 1234

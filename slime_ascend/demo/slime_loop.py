@@ -72,7 +72,7 @@ def resolve_slime(explicit: str | None) -> tuple[Path | None, str]:
     missing = missing_dependencies()
     if missing:
         return None, (f"slime at {src} needs {', '.join(missing)} (not importable here); install slime's "
-                      "dependencies as the README's 'slime on CPU' section says")
+                      "dependencies as docs/cpu.md says")
     return src, ""
 
 
@@ -171,7 +171,7 @@ def _base_flags(cfg: DemoConfig, job: _Job, engine: Engine) -> dict[str, str | N
         "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1", "--context-parallel-size": "1",
         "--actor-num-nodes": "1", "--actor-num-gpus-per-node": "1", "--rollout-num-gpus": "1",
         "--rollout-num-gpus-per-engine": "1",
-        "--rollout-external": None, "--rollout-external-engine-addrs": engine.addr,
+        "--rollout-external-engine-addrs": engine.addr,
         "--update-weight-mode": "full", "--update-weight-transport": "disk",
         "--update-weight-disk-dir": str(job.out / "weights"),
         "--attention-dropout": "0.0", "--hidden-dropout": "0.0", "--accumulate-allreduce-grads-in-fp32": None,

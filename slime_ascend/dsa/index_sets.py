@@ -147,10 +147,34 @@ def compare(train: Iterable[Mapping[str, Any]], rollout: Iterable[Mapping[str, A
     return IndexSetComparison(layers=layers, train_samples=len(seen), unmatched=len(unmatched))
 
 
+RECORD_KEYS = {TRAIN_GLOB: ("layer", "cu_seqlens", "tokens", "indices"),
+               ROLLOUT_GLOB: ("tokens", "start", "layers")}
+
+
 def load_records(directory: str | Path, pattern: str) -> list[dict[str, Any]]:
-    """The records of one side in ``directory`` (``train-*.pt`` or ``rollout-*.pt``), in name order."""
-    paths = sorted(Path(directory).glob(pattern))
-    return [torch.load(p, weights_only=True) for p in paths]
+    """The records of one side in ``directory`` (``train-*.pt`` or ``rollout-*.pt``), in name order. Each is opened
+    only if it is a regular file (a FIFO, socket or device named like a record is refused, never waited on or read)
+    and must be a record of that side (ValueError naming the file otherwise)."""
+    from ..files import open_regular
+
+    fix = "Fix: remove it from the directory (only the records a run wrote belong there)"
+    records = []
+    for path in sorted(Path(directory).glob(pattern)):
+        try:
+            f = open_regular(path)
+        except ValueError as exc:  # a FIFO, socket, device or directory
+            raise ValueError(f"{str(exc).rstrip('.')}. {fix}") from None
+        with f:
+            try:
+                record = torch.load(f, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - whatever torch cannot read, the file is not a record
+                raise ValueError(f"{path}: not a record torch.save wrote ({type(exc).__name__}: "
+                                 f"{' '.join(str(exc).split()).split('. ')[0][:160]}). {fix}") from None
+        missing = [key for key in RECORD_KEYS[pattern] if not isinstance(record, Mapping) or key not in record]
+        if missing:
+            raise ValueError(f"{path}: not a {pattern} record (no {', '.join(missing)}). {fix}")
+        records.append(record)
+    return records
 
 
 def compare_dirs(train_dir: str | Path, rollout_dir: str | Path) -> IndexSetComparison:

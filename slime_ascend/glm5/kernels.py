@@ -10,8 +10,10 @@ device                 ops
 ``cuda`` (or ROCm)     none: slime's own tilelang kernels stay (:func:`device_neutral_ops_wanted` is False)
 ``cpu``                the torch ops of :mod:`slime_ascend.glm5.ops`
 ``npu`` (torch_npu)    the sparse-MLA forward through ``torch_npu.npu_sparse_flash_attention`` where the installed
-                       torch_npu has it with the parameters of :data:`NPU_SPARSE_ATTENTION_PARAMS` (checked by
-                       signature) and a call fits the op (:mod:`.npu_sparse_attention`); everything else the torch
+                       torch_npu has it with the parameters of :data:`NPU_SPARSE_ATTENTION_PARAMS` (read from the
+                       op's schema: torch_npu exposes it as a ``torch.ops.npu`` OpOverloadPacket, whose Python
+                       signature is ``(*args, **kwargs)``) and a call fits the op (:mod:`.npu_sparse_attention`),
+                       logged once either way; everything else the torch
                        ops. torch_npu's ``npu_lightning_indexer`` returns the top-k indices, not the ``[T, T_kv]``
                        logits slime's ``IndexerFunction`` gathers its scores from and differentiates, so the indexer
                        stays torch's (and selects by the ``dsa-determinism`` rule), as do both backwards.
@@ -23,11 +25,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 from collections.abc import Callable
 from types import ModuleType
 
 __all__ = ["KERNEL_MODULES", "NPU_SPARSE_ATTENTION_PARAMS", "device_kind", "device_neutral_ops_wanted",
            "kernel_functions", "npu_sparse_attention_op", "param_names"]
+
+logger = logging.getLogger("slime_ascend.glm5")
+_LOGGED: set[str] = set()
 
 #: slime's tilelang module (under ``slime_plugins.models.glm5.ops``) -> the names its wrappers import from it.
 KERNEL_MODULES: dict[str, tuple[str, ...]] = {
@@ -37,10 +43,10 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "tilelang_sparse_mla_bwd": ("sparse_mla_bwd",),
 }
 
-#: The parameters :mod:`.npu_sparse_attention` passes to ``torch_npu.npu_sparse_flash_attention`` (torch_npu's
-#: documented signature: ``(query, key, value, sparse_indices, scale_value, *, block_table, actual_seq_lengths_query,
-#: actual_seq_lengths_kv, query_rope, key_rope, sparse_block_size, layout_query, layout_kv, sparse_mode, pre_tokens,
-#: next_tokens, attention_mode, return_softmax_lse)``).
+#: The parameters :mod:`.npu_sparse_attention` passes to ``torch_npu.npu_sparse_flash_attention`` (op-plugin's schema,
+#: ``op_plugin_functions.yaml``: ``(query, key, value, sparse_indices, scale_value, *, block_table,
+#: actual_seq_lengths_query, actual_seq_lengths_kv, query_rope, key_rope, sparse_block_size, layout_query, layout_kv,
+#: sparse_mode, pre_tokens, next_tokens, attention_mode, return_softmax_lse, sinks)``).
 NPU_SPARSE_ATTENTION_PARAMS = ("query", "key", "value", "sparse_indices", "scale_value", "actual_seq_lengths_query",
                                "actual_seq_lengths_kv", "query_rope", "key_rope", "sparse_block_size", "layout_query",
                                "layout_kv", "sparse_mode", "attention_mode", "return_softmax_lse")
@@ -67,28 +73,41 @@ def device_neutral_ops_wanted() -> bool:
 
 
 def param_names(fn: Callable) -> tuple[str, ...] | None:
-    """The parameter names of ``fn``: from its Python signature, else from a torch op's schema
-    (``fn._schema`` / ``fn.default._schema``); None when neither can be read."""
-    try:
-        return tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        pass
+    """The parameter names of ``fn``: from a torch op's schema (an OpOverload's ``_schema``, an
+    OpOverloadPacket's ``default`` overload), else from its Python signature; None when neither can be read.
+    The schema comes first: a ``torch.ops`` op's Python signature is ``(*args, **kwargs)``."""
     for holder in (fn, getattr(fn, "default", None)):
         schema = getattr(holder, "_schema", None)
         if schema is not None and hasattr(schema, "arguments"):
             return tuple(a.name for a in schema.arguments)
-    return None
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
 
 
 def npu_sparse_attention_op(torch_npu: ModuleType | None) -> Callable | None:
     """``torch_npu.npu_sparse_flash_attention`` when ``torch_npu`` has it with every parameter of
-    :data:`NPU_SPARSE_ATTENTION_PARAMS`, else None."""
+    :data:`NPU_SPARSE_ATTENTION_PARAMS`, else None; logs (once per outcome) which sparse-MLA forward GLM-5
+    training takes and why."""
     op = getattr(torch_npu, "npu_sparse_flash_attention", None) if torch_npu is not None else None
     if op is None:
+        _log_once("GLM-5 sparse-MLA forward: the torch op (torch_npu has no npu_sparse_flash_attention)")
         return None
     names = param_names(op)
-    if names is None or not set(NPU_SPARSE_ATTENTION_PARAMS) <= set(names):
+    missing = [p for p in NPU_SPARSE_ATTENTION_PARAMS if names is None or p not in names]
+    if missing:
+        _log_once("GLM-5 sparse-MLA forward: the torch op (this torch_npu's npu_sparse_flash_attention lacks "
+                  f"{', '.join(missing)}: an older op without MLA-absorb)")
         return None
+    _log_once("GLM-5 sparse-MLA forward: torch_npu.npu_sparse_flash_attention (MLA-absorb, TND), where a call "
+              "fits the op's limits; the torch op otherwise")
     return op
 
 

@@ -10,12 +10,18 @@ call goes to the fused op when it fits the op's documented limits, else to the t
 * the packed micro-batch is passed as one ``TND`` sequence of length T (slime's indices are positions in the
   packed stream and never point past their query, so ``sparse_mode=3``'s causal limit holds), indices int32 with
   their ``-1`` padding last (the selection puts valid keys first);
+* every tensor contiguous: the op never accepts a non-contiguous ``query``, ``query_rope`` or ``sparse_indices``,
+  and on Atlas A2/A3 no non-contiguous ``key``, ``value`` or ``key_rope`` either (op-plugin's
+  ``torch_npu-npu_sparse_flash_attention.md``), while the nope/rope parts are slices of ``q`` and ``kv``: each is
+  copied out (``key`` once, passed as ``value`` too: MLA-absorb shares one tensor);
 * ``return_softmax_lse=True``: slime's ``lse`` (base 2, [T, H]) is ``(softmax_max + ln softmax_sum) / ln 2``,
-  the op's two [.., T, H]-ordered statistics read as [T, H].
+  the op's two [N2=1, T, H] statistics read as [T, H] (``softmax_max`` is the max of the scaled scores, the
+  convention op-plugin's KL-loss test reads them back with).
 
 The backward stays the torch op (:func:`slime_ascend.glm5.ops.sparse_mla_bwd`), which needs only ``out`` and
-``lse``. Not run on an Ascend device here (no torch_npu on the CPU host): the unit test drives a fake
-``torch_npu`` and checks the arguments and the result against the torch op.
+``lse``. Not run on an Ascend device here: the tests call the emulated ``torch.ops.npu`` op
+(:mod:`slime_ascend.npu_emulation.ops`: op-plugin's schema, a host reference body that enforces the documented
+limits) and compare the result with the torch op.
 """
 
 from __future__ import annotations
@@ -54,11 +60,11 @@ def make_sparse_mla_fwd_interface(op: Callable) -> Callable:
         scale = dim ** -0.5 if sm_scale is None else float(sm_scale)
         lengths_q = torch.tensor([seq_len], dtype=torch.int32, device=q.device)
         lengths_kv = torch.tensor([kv.shape[0]], dtype=torch.int32, device=q.device)
-        latent = kv[..., :D_V]
+        latent = kv[..., :D_V].contiguous()  # key and value: one tensor (MLA-absorb)
         out, softmax_max, softmax_sum = op(
-            q[..., :D_V], latent, latent, indices.to(torch.int32), scale,
+            q[..., :D_V].contiguous(), latent, latent, indices.to(torch.int32).contiguous(), scale,
             actual_seq_lengths_query=lengths_q, actual_seq_lengths_kv=lengths_kv,
-            query_rope=q[..., D_V:], key_rope=kv[..., D_V:], sparse_block_size=1,
+            query_rope=q[..., D_V:].contiguous(), key_rope=kv[..., D_V:].contiguous(), sparse_block_size=1,
             layout_query="TND", layout_kv="TND", sparse_mode=3, attention_mode=2, return_softmax_lse=True)
         lse = (softmax_max.float() + torch.log(softmax_sum.float())).reshape(seq_len, heads) / _LN2
         return out.reshape(seq_len, heads, D_V).to(q.dtype), lse

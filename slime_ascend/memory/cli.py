@@ -3,8 +3,8 @@
     slime-ascend memory --config CONFIG_JSON_OR_HF_DIR [--tp N --pp N --cp N --ep N --dp N]
         [--max-tokens-per-gpu N | --micro-batch-size N --seq-length N] [--recompute full|selective|none]
         [--kv-cache-tokens N | --mem-fraction F --device-gib G] [--teachers N --teacher-config C]
-        [--sync-format none|fp8-block|int8-w8a8|int4-group] [--kernels fused|cpu] [--slime-args "..."] [--json]
-        [--measure]
+        [--sync-format none|fp8-block|int8-w8a8|int4-group] [--qat none|int4-group|...] [--kernels fused|cpu]
+        [--slime-args "..."] [--json] [--measure]
 
 ``--slime-args`` takes the layout from a slime command line (the flags slime and Megatron use); flags given
 here as well win. No torch is imported, except by ``--measure``: it runs the measurement job of
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 
 from ..command import ArgumentParser
-from .ledger import KERNELS, RECOMPUTE, SYNC_FORMATS, Layout, build_ledger, format_table
+from .ledger import KERNELS, RECOMPUTE, SYNC_FORMATS, Layout, ModelShape, build_ledger, format_table
 
 # slime / Megatron flag -> Layout field (value flags)
 SLIME_FLAGS: dict[str, str] = {
@@ -89,17 +89,26 @@ def _layout_from_slime(text: str) -> tuple[dict, str | None]:
     return out, hf
 
 
-def _read_config(path: str) -> dict:
+def _read_config(path: str, flag: str = "--config") -> dict:
+    """The model config ``path`` names (``flag``: the option that named it), with every field the ledger reads
+    checked here, where the error can name the file."""
     from ..files import read_json_object
 
     p = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(p):
-        raise ValueError(f"--config {path!r}: {p} does not exist. Fix: pass an HF config.json or the checkpoint "
+        raise ValueError(f"{flag} {path!r}: {p} does not exist. Fix: pass an HF config.json or the checkpoint "
                          f"directory that holds one")
     try:  # a regular file of at most 16 MiB (a FIFO or /dev/zero is refused before it is read)
-        return read_json_object(p)
+        cfg = read_json_object(p)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--config: {exc}. Fix: pass an HF config.json") from None
+        raise ValueError(f"{flag}: {exc}. Fix: pass an HF config.json") from None
+    try:
+        ModelShape.from_hf(cfg)
+    except (ValueError, TypeError) as exc:  # a field missing or of the wrong type (a list where a number goes)
+        text = " ".join(str(exc).split()).rstrip(".")
+        raise ValueError(f"{flag} {p}: {text}" + ("" if "Fix:" in text else ". Fix: correct that field of the "
+                         "config (an HF config.json of a decoder-only model)")) from None
+    return cfg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,15 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
                         ("--dp", "data parallel size"), ("--max-tokens-per-gpu", "tokens per micro-batch per GPU"),
                         ("--micro-batch-size", "sequences per micro-batch (without --max-tokens-per-gpu)"),
                         ("--seq-length", "longest sequence"), ("--num-microbatches", "micro-batches per step"),
-                        ("--rollout-tp", "rollout engine TP (--rollout-num-gpus-per-engine)"),
+                        ("--rollout-tp", "rollout engine TP (slime's --rollout-num-gpus-per-engine)"),
                         ("--kv-cache-tokens", "KV pool tokens per engine (default: from --mem-fraction)"),
                         ("--teachers", "OPD teacher engines"), ("--teacher-tp", "teacher engine TP"),
-                        ("--sync-bucket-bytes", "--update-weight-buffer-size (default 512 MiB)"),
+                        ("--sync-bucket-bytes", "slime's --update-weight-buffer-size (default 512 MiB)"),
                         ("--chunked-prefill-tokens", "SGLang chunked prefill size (default 8192)"),
                         ("--running-requests", "SGLang decode batch (default 256)")):
         p.add_argument(flag, type=int, default=None, help=help_)
     p.add_argument("--recompute", default=None, help="full|selective|none (default none)")
     p.add_argument("--sync-format", default=None, help=f"weight-sync quantisation: {'|'.join(SYNC_FORMATS)}")
+    p.add_argument("--qat", default=None, help=f"the qat plugin's fake-quant format: {'|'.join(SYNC_FORMATS)} "
+                                               "(default none)")
     p.add_argument("--param-dtype", default=None, help="bf16|fp16|fp32 (default bf16)")
     p.add_argument("--grad-dtype", default=None, help="fp32|bf16 (default fp32 main_grad)")
     p.add_argument("--kv-dtype", default=None, help="bf16|fp8|fp32 (default bf16)")
@@ -167,8 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not path:
         raise ValueError("no model config. Fix: pass --config CONFIG_JSON_OR_HF_DIR (or --hf-checkpoint in "
                          "--slime-args)")
-    cfg = _read_config(path)
-    teacher = _read_config(ns.teacher_config) if ns.teacher_config else None
+    cfg = _read_config(path, "--config" if ns.config else "--hf-checkpoint (in --slime-args)")
+    teacher = _read_config(ns.teacher_config, "--teacher-config") if ns.teacher_config else None
     led = build_ledger(cfg, layout, teacher)
     measured = _measure(cfg, layout) if ns.measure else None
     if ns.json:

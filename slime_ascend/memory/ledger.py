@@ -148,7 +148,10 @@ class ModelShape:
                 shared = opt("n_shared_experts") * moe_ffn
             else:  # Qwen-MoE / Mixtral
                 step = opt("decoder_sparse_step") or 1
-                only = set(cfg.get("mlp_only_layers") or ())
+                only = cfg.get("mlp_only_layers") or ()
+                if not isinstance(only, (list, tuple)) or not all(isinstance(i, int) for i in only):
+                    raise ValueError(f"config field 'mlp_only_layers' must be a list of layer numbers, got {only!r}")
+                only = set(only)
                 moe_layers = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
                 shared = opt("shared_expert_intermediate_size")
             moe_ffn = moe_ffn or need("intermediate_size")
@@ -324,6 +327,7 @@ class Layout:
     teachers: int = 0                  # OPD teacher engines
     teacher_tp: int = 0                # their engine TP (0: rollout_tp)
     sync_format: str = "none"          # weight-sync quantisation: none|fp8-block|int8-w8a8|int4-group
+    qat: str = "none"                  # the qat plugin's fake-quant format: none|fp8-block|int8-w8a8|int4-group
     sync_bucket_bytes: int = 512 * 1024**2  # --update-weight-buffer-size
     margin: float = 0.10               # allocator fragmentation margin, fraction of the role's peak
 
@@ -339,7 +343,8 @@ class Layout:
                                      f"{'0 or ' if low == 0 else ''}a positive integer")
         for name, allowed in (("param_dtype", ("bf16", "fp16", "fp32")), ("grad_dtype", ("fp32", "bf16", "fp16")),
                               ("recompute", RECOMPUTE), ("attention", ("flash", "eager")), ("kernels", KERNELS),
-                              ("kv_dtype", ("bf16", "fp16", "fp32", "fp8")), ("sync_format", SYNC_FORMATS)):
+                              ("kv_dtype", ("bf16", "fp16", "fp32", "fp8")), ("sync_format", SYNC_FORMATS),
+                              ("qat", SYNC_FORMATS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not known. Fix: use one "
                                  f"of {', '.join(allowed)}")
@@ -719,12 +724,62 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
     # live IO
     add("micro-batch inputs (tokens, masks, log-probs, advantages, returns)", "live IO", 32 * T,
         "slime train data (per micro-batch)", "train step", "8 B token id + 4 B loss mask + 5 fp32 per token")
+    if lay.qat != "none":
+        _qat_rows(led, add, m, lay, layers, inflight)
     # log-prob forward (slime recomputes old log-probs; no saved activations)
     if not value_head:
         add("forward transients (one layer) + logits fp32", "operator workspace",
             biggest + (e + 4) * m.vocab / lay.tp * T * (1 if last else 0), "slime compute_log_prob (no grad)",
             "log-prob forward", "one layer's activations + (e + 4) V/t per token")
     return dense + expert, last
+
+
+QUANT_CHUNK_ELEMS = 1 << 20  # slime_ascend.quant._common.DEFAULT_CHUNK_ELEMS: the quantiser's fp32 staging rows
+
+
+def qat_weights(m: ModelShape, lay: Layout, layers: list[int]) -> list[float]:
+    """Elements, on one rank, of each weight of ``layers`` the ``qat`` plugin fake-quantises: the exporter's default
+    name policy (:func:`slime_ascend.quant.name_policy.is_default_quantized`) over :func:`param_shapes`, dense
+    weights / TP, routed experts whole on their EP rank (expert TP 1)."""
+    from ..quant.name_policy import is_default_quantized
+
+    wanted = {f"model.layers.{i}." for i in layers}
+    out = []
+    for name, shape in param_shapes(m):
+        if is_default_quantized(name, len(shape)) and name[: name.index(".", len("model.layers.")) + 1] in wanted:
+            out.append(math.prod(shape) / (1 if ".mlp.experts." in name else lay.tp))
+    return out
+
+
+def _qat_rows(led: Ledger, add: Callable[..., None], m: ModelShape, lay: Layout, layers: list[int],
+              inflight: int) -> None:
+    """The ``qat`` plugin's objects in a train process. The master weights are the params row above (the floating
+    parameters, unchanged); each hooked linear's forward makes a fake-quantised copy (``e`` bytes per element) which
+    autograd saves for the input gradient until that layer's backward, so a train step holds the stage's copies for
+    every micro-batch in flight (with full recompute: one layer's, recomputed in its backward); making one copy
+    takes int8 codes (1 B per element), its scales and the quantiser's fp32 staging rows. A forward-only pass holds one
+    copy at a time."""
+    e = DTYPE_BYTES[lay.param_dtype]
+    weights = qat_weights(m, lay, layers)
+    if not weights:
+        return
+    per_layer = [sum(qat_weights(m, lay, [i])) for i in layers]
+    largest = max(weights)
+    if lay.recompute == "full":
+        saved, how = max(per_layer) * e, "one layer's quantised weights x e (recomputed in its backward)"
+    else:
+        saved, how = sum(weights) * e * inflight, f"quantised weights of the stage x e x {inflight} in flight"
+    add(f"QAT fake-quant weights ({lay.qat}, {lay.param_dtype}) saved for backward", "saved activations", saved,
+        "slime-ascend qat (autograd keeps each linear's fake-quantised weight)", "train step", how)
+    scale = 4 / (128 * 128) if lay.qat == "fp8-block" else (4 / 128 if lay.qat == "int4-group" else 0.0)
+    work = largest * (1 + scale) + 4 * min(largest, QUANT_CHUNK_ELEMS)
+    formula = "largest weight: 1 B codes + scales + 4 B x min(weight, 2^20) fp32 staging"
+    add(f"QAT quantiser temporaries ({lay.qat})", "operator workspace", work, "slime-ascend qat (quantize_int / "
+        "quantize_fp8_block)", "train step", formula)
+    add(f"QAT fake-quant copy of one weight + quantiser temporaries ({lay.qat})", "operator workspace",
+        work + largest * e, "slime-ascend qat (no-grad forward)", "log-prob forward", formula + " + e x weight")
+    led.notes.append(f"qat ({lay.qat}): {len(weights)} weights fake-quantised per rank; the master weights are the "
+                     f"params row, each forward adds the fake-quantised copies")
 
 
 def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sync: str) -> None:

@@ -64,6 +64,9 @@ class OPDContext:
     same_origin: dict[str, Any] | None = None
     last_step: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: the first switched teacher other than the resident one that this rollout's samples asked for (prefetched)
+    hint: str | None = None
+    scoring_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def uniform_coef(self) -> float | None:
@@ -82,6 +85,39 @@ class OPDContext:
                 self.gates[key] = gate
             return gate
 
+    def resident(self) -> str | None:
+        """The switched engine's teacher as the grouped scoring left it (None before the first switch)."""
+        loop = self.scoring_loop
+        gate = self.gates.get(id(loop)) if loop is not None else None
+        return gate.active if gate is not None else None
+
+    def note_deferred(self, name: str) -> None:
+        """A sample for switched teacher ``name`` waits for the rollout's grouped scoring: the first teacher
+        other than the resident one asked for in a rollout is prefetched now, while generation goes on."""
+        if self.switcher is None or name == self.resident():
+            return
+        with self.lock:
+            if self.hint is not None:
+                return
+            self.hint = name
+        self.switcher.prefetch_now(name)
+
+    def take_hint(self) -> str | None:
+        """The teacher :meth:`note_deferred` prefetched this rollout (scored right after the resident one); resets it."""
+        with self.lock:
+            hint, self.hint = self.hint, None
+        return hint
+
+    def run_scoring(self, coro: Any) -> Any:
+        """Run ``coro`` on this context's scoring loop (one thread, kept for the process: the switch gate and
+        its resident teacher, and the HTTP connections, live across rollouts) and wait for its result."""
+        with self.lock:
+            if self.scoring_loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="opd-scoring", daemon=True).start()
+                self.scoring_loop = loop
+        return asyncio.run_coroutine_threadsafe(coro, self.scoring_loop).result()
+
 
 _CONTEXTS: dict[int, OPDContext] = {}
 
@@ -93,6 +129,9 @@ _RULE_ARGS: dict[int, Any] = {}
 def reset_state() -> None:
     """Forget per-process contexts (tests)."""
     with _CONTEXTS_LOCK:
+        for ctx in _CONTEXTS.values():
+            if ctx.scoring_loop is not None:
+                ctx.scoring_loop.call_soon_threadsafe(ctx.scoring_loop.stop)
         _CONTEXTS.clear()
         _RULE_ARGS.clear()
     from .compat import clear_cache

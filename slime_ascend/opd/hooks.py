@@ -4,8 +4,11 @@ Rollout manager:
 
 * :func:`teacher_reward` (``reward_model``): route, score at the routed teacher, return the task
   reward. The sliced teacher log-probs travel in ``sample.metadata["opd_teacher_log_probs"]``
-  (and the routed name in ``sample.metadata["opd_teacher"]``).
-* :func:`fill_teacher_log_probs` (``reward_post_process``, order 300): moves them to
+  (and the routed name in ``sample.metadata["opd_teacher"]``). A sample routed to a *switched*
+  teacher is only routed here (``metadata["opd_pending_teacher"]``): it is scored with its rollout.
+* :func:`fill_teacher_log_probs` (``reward_post_process``, order 300): first scores the rollout's
+  samples that wait for a switched teacher, grouped by teacher with the resident one first (at
+  most one switch per teacher the rollout needs; :mod:`.switching` says why there); then moves the log-probs to
   ``sample.teacher_log_probs`` (fp32 tensor, length ``response_length``, the same values slime's
   ``post_process_rewards`` produces), writes ``train_metadata["opd_teacher"/"opd_coef"]``, logs
   routing counts and per-teacher KL, and runs the same-origin check once.
@@ -36,10 +39,12 @@ from .context import (  # noqa: F401  (coefs_differ, needs_metadata, topk_mode, 
     TRAIN_META_TOPK, OPDContext, _student_info, _teachers, coefs_differ, get_context, logger, needs_metadata,
     opd_stats, reset_state, rule_args, topk_mode,
 )
-from .scoring import _score, _task_reward, meta_info, response_teacher_log_probs
+from .scoring import _score, _task_reward, is_switched, meta_info, response_teacher_log_probs, score_switched
 
 # sample.metadata key: why the sample's teacher could not score it (the sample is then FAILED, removed)
 META_FAILURE = "opd_failure"
+# sample.metadata key: the switched teacher the sample waits for (scored with its rollout, then removed)
+META_PENDING = "opd_pending_teacher"
 
 
 def validate(args: Any, settings: Mapping[str, Any]) -> None:
@@ -141,25 +146,55 @@ async def _reward_one(args: Any, ctx: OPDContext, sample: Any, **kwargs: Any) ->
     if getattr(sample, "metadata", None) is None:
         sample.metadata = {}
     spec = ctx.router.route(sample.metadata, sample_id=getattr(sample, "index", None))
+    if is_switched(args, spec):  # scored with its rollout, grouped by teacher (:func:`_score_pending`)
+        reward = await _task_reward(args, ctx, sample, **kwargs)
+        sample.metadata[META_TEACHER] = spec.name
+        sample.metadata[META_PENDING] = spec.name
+        ctx.note_deferred(spec.name)
+        return reward
     scored, reward = await asyncio.gather(_score(args, ctx, spec, sample), _task_reward(args, ctx, sample, **kwargs),
                                           return_exceptions=True)
     if isinstance(reward, BaseException):
         raise reward
     sample.metadata[META_TEACHER] = spec.name
-    if isinstance(scored, JSONRequestError):  # the teacher did not answer (after its retries)
-        return _teacher_failed(sample, spec.name, scored, reward)
+    _apply_scored(ctx, spec.name, sample, scored)
+    return reward
+
+def _apply_scored(ctx: OPDContext, teacher: str, sample: Any, scored: Any) -> None:
+    """Put the teacher's reply for ``sample`` into its metadata (log-probs; top-k in topk mode); a teacher that
+    did not answer (after its retries) makes the sample an environment failure; other errors are raised."""
+    if isinstance(scored, JSONRequestError):
+        _teacher_failed(sample, teacher, scored)
+        return
     if isinstance(scored, BaseException):
         raise scored
-    sample.metadata[META_LOG_PROBS] = response_teacher_log_probs(scored, sample.response_length, spec.name)
+    sample.metadata[META_LOG_PROBS] = response_teacher_log_probs(scored, sample.response_length, teacher)
     if ctx.settings["ascend_opd_mode"] == "topk":
         from ..algorithms.opd import topk_payload_from_sglang
 
-        top = meta_info(scored, "input_top_logprobs", spec.name, "in ascend_opd_mode topk the endpoint must be an "
+        top = meta_info(scored, "input_top_logprobs", teacher, "in ascend_opd_mode topk the endpoint must be an "
                         "SGLang /generate that honours top_logprobs_num with return_logprob")
         sample.metadata[META_TOPK] = topk_payload_from_sglang(top, sample.response_length, ctx.settings["ascend_opd_topk"])
-    return reward
 
-def _teacher_failed(sample: Any, teacher: str, error: Exception, reward: Any) -> Any:
+def _score_pending(args: Any, ctx: OPDContext, samples: Sequence[Any]) -> None:
+    """Score the samples of this rollout that wait for a switched teacher, grouped by teacher with the resident
+    one first (at most one switch per teacher the rollout needs). A sample already removed (zero loss mask)
+    is not scored."""
+    prefer = ctx.take_hint()
+    specs = {t.name: t for t in ctx.teachers}
+    items = []
+    for sample in samples:
+        md = getattr(sample, "metadata", None)
+        name = md.pop(META_PENDING, None) if isinstance(md, dict) else None
+        if name is not None and not getattr(sample, "remove_sample", False):
+            items.append((specs[name], sample))
+    if not items:
+        return
+    results = ctx.run_scoring(score_switched(args, ctx, items, prefer))
+    for (spec, sample), scored in zip(items, results, strict=True):
+        _apply_scored(ctx, spec.name, sample, scored)
+
+def _teacher_failed(sample: Any, teacher: str, error: Exception) -> None:
     """A teacher that could not score ``sample`` (unreachable, timed out, HTTP error after the retries) makes it an
     environment failure, not a zero reward: status FAILED and ``remove_sample`` (slime trains nothing on it; the
     dispatcher's group normalisation leaves it out), the reason in ``metadata["opd_failure"]``. Its task reward is
@@ -171,7 +206,6 @@ def _teacher_failed(sample: Any, teacher: str, error: Exception, reward: Any) ->
     reason = f"teacher {teacher!r} did not score it: {' '.join(str(error).split())[:300]}"
     sample.metadata[META_FAILURE] = reason
     logger.warning("opd: sample index=%s failed as an environment failure (%s)", getattr(sample, "index", None), reason)
-    return reward
 
 
 async def teacher_reward(args: Any, sample: Any, **kwargs: Any) -> Any:
@@ -189,6 +223,7 @@ def fill_teacher_log_probs(args: Any, samples: list[Any], raw_rewards: list[Any]
     import torch
 
     ctx = get_context(args, rollout_side=True)
+    _score_pending(args, ctx, samples)
     counts: Counter[str] = Counter()
     kl_sum: Counter[str] = Counter()
     kl_tokens: Counter[str] = Counter()

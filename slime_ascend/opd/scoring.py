@@ -81,27 +81,48 @@ def _teacher_url(args: Any, spec: TeacherSpec) -> str | None:
         return get_model_url(args, spec.name, "/generate")
     return None
 
+def is_switched(args: Any, spec: TeacherSpec) -> bool:
+    """The teacher has no endpoint of its own: it is scored on the switched engine(s), grouped per rollout."""
+    return _teacher_url(args, spec) is None
+
+
 _rr = itertools.count()
 
-async def _score(args: Any, ctx: OPDContext, spec: TeacherSpec, sample: Any) -> Any:
+async def _request(args: Any, ctx: OPDContext, spec: TeacherSpec, sample: Any, url: str) -> Any:
     s = ctx.settings
     top_k = s["ascend_opd_topk"] if s["ascend_opd_mode"] == "topk" else None
     payload = build_score_payload(args, sample, top_k)
-    timeout, retries = s["ascend_opd_request_timeout_s"], s["ascend_opd_request_retries"]
     t0 = time.perf_counter()
-    url = _teacher_url(args, spec)
-    if url is not None:
-        resp = await _post_json(url, payload, timeout, retries, ctx)
-    else:
-        urls = s["ascend_opd_switch_engine_urls"]
-        if not urls:
-            raise RuntimeError(f"teacher {spec.name!r} has no url, no --sglang-config model and no switched engine")
-        async with ctx.gate().use(spec.name):
-            url = urls[next(_rr) % len(urls)].rstrip("/") + "/generate"
-            resp = await _post_json(url, payload, timeout, retries, ctx)
+    resp = await _post_json(url, payload, s["ascend_opd_request_timeout_s"], s["ascend_opd_request_retries"], ctx)
     ctx.requests[spec.name] += 1
     ctx.request_s[spec.name] += time.perf_counter() - t0
     return resp
+
+async def _score(args: Any, ctx: OPDContext, spec: TeacherSpec, sample: Any) -> Any:
+    """Score ``sample`` at a teacher with its own endpoint (its url or its ``--sglang-config`` model)."""
+    url = _teacher_url(args, spec)
+    if url is None:
+        raise RuntimeError(f"teacher {spec.name!r} is switched: its samples are scored by score_switched")
+    return await _request(args, ctx, spec, sample, url)
+
+async def score_switched(args: Any, ctx: OPDContext, items: list[tuple[TeacherSpec, Any]],
+                         prefer: str | None = None) -> list[Any]:
+    """Score ``(teacher, sample)`` pairs on the switched engine(s), grouped by teacher with the resident one
+    first, then ``prefer`` (:func:`~slime_ascend.opd.switching.score_grouped`); each result is the reply or the
+    exception it raised."""
+    from .switching import score_grouped
+
+    urls = ctx.settings["ascend_opd_switch_engine_urls"]
+    if not urls:
+        names = sorted({spec.name for spec, _ in items})
+        raise RuntimeError(f"teachers {names} have no url, no --sglang-config model and no switched engine")
+
+    def job(spec: TeacherSpec, sample: Any) -> Any:
+        return lambda: _request(args, ctx, spec, sample, urls[next(_rr) % len(urls)].rstrip("/") + "/generate")
+
+    return await score_grouped(ctx.gate(), [(spec.name, job(spec, sample)) for spec, sample in items],
+                               prefetch=ctx.switcher.prefetch if ctx.switcher is not None else None,
+                               prefer=prefer)
 
 async def _task_reward(args: Any, ctx: OPDContext, sample: Any, **kwargs: Any) -> Any:
     path = ctx.settings["ascend_opd_task_rm_path"]

@@ -27,6 +27,9 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.cpu_streams | torch.cuda.{Stream,Event,current_stream,default_stream,stream,set_stream} | megatron/megatron-device-neutral-placement.md |
 | train.cpu_device_map | torch factories' device=, Tensor.new_*, Tensor/Module.to: cuda -> cpu | megatron/megatron-device-neutral-placement.md |
 | train.cpu_tensor_type | Tensor.type() of a CPU tensor reads torch.cuda.*Tensor | megatron/megatron-device-neutral-placement.md |
+| train.npu_tensor_type | Tensor.type() of an npu tensor reads torch.cuda.*Tensor (MindSpeed's type_wrapper; Ascend without MindSpeed) | megatron/megatron-device-neutral-placement.md |
+| train.npu_cuda_rng_state | megatron tensor_parallel.random._set_cuda_rng_state on torch.npu.default_generators (MindSpeed's; Ascend without MindSpeed) | megatron/megatron-device-neutral-placement.md |
+| train.npu_device_arch_version | megatron.training get_device_arch_version (3 bindings) answers 8 (MindSpeed's; Ascend without MindSpeed) | megatron/megatron-device-arch-version.md |
 | train.cpu_device_properties | torch.cuda.get_device_properties: the host's (Megatron's get_device_arch_version) | megatron/megatron-device-arch-version.md |
 | train.cpu_moe_splits | megatron moe_utils.maybe_move_tensor_to_cpu (and token_dispatcher's by-name import): numpy split sizes from CPU tensors | megatron/megatron-moe-host-splits.md |
 | train.distrib_optimizer_step | megatron DistributedOptimizer.state_dict / load_state_dict over torch's Adam (no TE / Apex): step 0 before the first step (checkpoint loads), one step counter per param after a load | megatron/megatron-distrib-optimizer-torch-adam-step.md |
@@ -49,6 +52,7 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.validate_at_actor_init | TrainRayActor.init: train role recorded, validation and train patches first | 0016-role-entry-hook |
 | driver.allgather_cp_local_spec | slime.backends.megatron_utils.arguments._validate_allgather_cp_supported: --allgather-cp of a dense model with the cpu spec | 0015-allgather-cp-layer-spec-opt-in |
 | engine.sglang_npu_launch | SGLangEngine._init_normal: NPU ServerArgs + engine env (HCCL ports, FIA, no expandable segments) | 0010-accelerator-engine-launch-defaults |
+| train.hccl_port_env | TrainRayActor.init (train moment): the engines' HCCL port ranges where the job left them unset, before the actor's process groups | slime/train-actors-get-the-engines-communicator-env.md |
 | engine.sglang_dsa_deterministic_topk | SGLang's dsa_topk_backend._topk_unfused (its torch top-k backend): the dsa-determinism rule in place of torch.topk, in SGLang's processes | sglang/sglang-dsa-torch-topk-deterministic.md |
 | engine.torch_engine_launch | SGLangEngine._init_normal: the torch engine started in place of SGLang's server (slime's ports, router, health check, shutdown) | 0019-engine-launcher-hook |
 | driver.resumed_weight_version | RayTrainGroup.create: after --load, disk weight versions go on from the resumed rollout | 0018-resumed-weight-version |
@@ -78,6 +82,7 @@ LEDGER: dict[str, str] = {
     "train.rollout_log_metadata": "slime_ascend.patch.train.rollout_log_metadata",
     "train.loss_batch_metadata": "slime_ascend.patch.train.loss_batch_metadata",
     "engine.sglang_npu_launch": "slime_ascend.patch.engine.sglang_npu_launch",
+    "train.hccl_port_env": "slime_ascend.patch.train.hccl_port_env",
     "engine.torch_engine_launch": "slime_ascend.patch.engine.torch_engine_launch",
     "engine.sglang_dsa_deterministic_topk": "slime_ascend.patch.engine.sglang_dsa_deterministic_topk",
     "driver.acknowledged_weight_update": "slime_ascend.patch.driver.acknowledged_weight_update",
@@ -91,6 +96,9 @@ LEDGER: dict[str, str] = {
     "train.cpu_streams": "slime_ascend.patch.train.cpu_streams",
     "train.cpu_device_map": "slime_ascend.patch.train.cpu_device_map",
     "train.cpu_tensor_type": "slime_ascend.patch.train.cpu_tensor_type",
+    "train.npu_tensor_type": "slime_ascend.patch.train.npu_tensor_type",
+    "train.npu_cuda_rng_state": "slime_ascend.patch.train.npu_cuda_rng_state",
+    "train.npu_device_arch_version": "slime_ascend.patch.train.npu_device_arch_version",
     "train.cpu_device_properties": "slime_ascend.patch.train.cpu_device_properties",
     "train.cpu_moe_splits": "slime_ascend.patch.train.cpu_moe_splits",
     "train.distrib_optimizer_step": "slime_ascend.patch.train.distrib_optimizer_step",

@@ -168,6 +168,28 @@ class RuntimePatch:
         AttributeStack.of(owner, attr).wrap(self.id, wrapper)
 
     # -- lifecycle -----------------------------------------------------------------------
+    #: modules the process must have loaded for :meth:`check` to mean anything (e.g. ``torch_npu``: the patch
+    #: runs only where the device runtime is up); where one is not, this host cannot check the patch
+    needs_loaded: tuple[str, ...] = ()
+
+    def not_checkable(self) -> str | None:
+        """Why this host cannot check the targets at all (the package they live in is not importable, or a module
+        in :attr:`needs_loaded` is not loaded), else None. Finds, never imports: ``slime-ascend doctor`` reports
+        these as not checked, not as failures."""
+        import sys
+
+        from ..host import module_installed as _findable
+
+        for package in dict.fromkeys(name.split(".", 1)[0] for name in self.target_modules):
+            if not _findable(package):
+                return f"{package} is not importable"
+        for name in self.needs_loaded:
+            if name not in sys.modules or sys.modules[name] is None:
+                return (f"{name} is not loaded in this process" if _findable(name)
+                        else f"{name} is not installed (not an Ascend host)" if name == "torch_npu"
+                        else f"{name} is not installed")
+        return None
+
     @property
     def target_modules(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(t.split(":", 1)[0] for t in self.targets))

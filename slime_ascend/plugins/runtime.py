@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import registry
@@ -55,6 +55,12 @@ def ignoring_environment() -> Iterator[None]:
         yield
     finally:
         _ignore_env.reset(token)
+
+
+def environ() -> Mapping[str, str]:
+    """The process environment a plugin's check reads: empty while `slime-ascend config` checks a YAML
+    (:func:`ignoring_environment`), whose job runs later elsewhere."""
+    return {} if _ignore_env.get() else os.environ
 
 
 def enabled_names(args: Any = None) -> list[str]:

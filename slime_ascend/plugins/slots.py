@@ -66,6 +66,9 @@ SLOTS: dict[str, HookSlot] = {
                  "fn(args) -> None (after mpu init, before model and optimizer)"),
         HookSlot("before_train_step", "custom_megatron_before_train_step_hook_path", _H + "before_train_step", "all",
                  "train", "fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None"),
+        HookSlot("before_log_prob", "custom_megatron_before_log_prob_hook_path", _H + "before_log_prob", "all",
+                 "train", "fn(args, model, store_prefix) -> None before each forward-only pass (store_prefix '', "
+                 "'ref_' or 'teacher_')"),
         HookSlot("quantize_params", None, _H + "quantize_params", "exclusive", "train",
                  "fn(args, megatron_name, converted_named_params, quantization_config, transform_ue8m0=True) "
                  "-> list[(name, tensor)] | None (None: not ours, fall through to slime)"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..files import json_object
 from ._common import all_finite, raise_if_not_finite
 from ._outdir import check_out_dir, staged_dir
 from ._source import INDEX_SUFFIX, SourceFile, check_source, copy_no_wider, open_checked, publish_mode
@@ -33,6 +35,18 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
 # ----------------------------------------------------------------------------- reading
+def open_safetensors(path: str, device: str = "cpu") -> Any:
+    """``safe_open`` of the file ``path``; a file whose header safetensors cannot read (truncated, empty, not
+    safetensors) is a ValueError naming it."""
+    try:
+        return safe_open(path, framework="pt", device=device)
+    except OSError:
+        raise  # names the path itself
+    except Exception as exc:  # noqa: BLE001 - SafetensorError is not exported as a stable type
+        raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(exc).split())}). Fix: write or "
+                         "download it again (a truncated, empty or non-safetensors file cannot be read)") from None
+
+
 class CheckpointReader:
     """Name -> tensor access over every `*.safetensors` file in a directory (lazy, mmap)."""
 
@@ -53,7 +67,7 @@ class CheckpointReader:
         self._handles: dict[str, Any] = {}
         self.file_of: dict[str, str] = {}
         for fname in files:
-            h = safe_open(os.path.join(self.path, fname), framework="pt", device=device)
+            h = open_safetensors(os.path.join(self.path, fname), device)
             self._handles[fname] = h
             for k in h.keys():
                 if k in self.file_of:
@@ -106,7 +120,15 @@ class _ShardWriter:
 
     def _flush(self) -> None:
         tmp = os.path.join(self.out_dir, f".{self.prefix}-part{len(self.tmp_names):05d}.tmp")
-        save_file(self.pending, tmp, metadata={"format": "pt"})
+        try:
+            save_file(self.pending, tmp, metadata={"format": "pt"})
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors reports a full disk as its own error type
+            code = re.search(r"os error (\d+)", str(exc))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), tmp) from None
         self.tmp_names.append(tmp)
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
@@ -147,8 +169,8 @@ def convert_checkpoint(
     progress: Callable[[int, int, int], None] | None = None,
     names: tuple[str, str, str] = ("hf_dir", "out_dir", "overwrite=True"),
 ) -> ConvertReport:
-    """Quantise an HF BF16 safetensors checkpoint into `fmt` ('fp8-block', 'int8-w8a8',
-    'int8-ct', 'int4-group' or a QuantSpec).
+    """Quantise an HF BF16 safetensors checkpoint into `fmt` (a format name of `quant.names.FORMATS`, or a
+    QuantSpec).
 
     Writes quantised safetensors shards (`model-*.safetensors`, or msModelSlim's
     `quant_model_weights*.safetensors` for Ascend) with an index, config.json with
@@ -175,7 +197,11 @@ def convert_checkpoint(
     if "config.json" not in files:
         raise ValueError(f"{src}: no config.json; expected an HF checkpoint directory")
     with open_checked(files["config.json"]) as f:
-        config = json.load(f)
+        raw = f.read()
+    try:
+        config = json_object(raw, files["config.json"].path)
+    except ValueError as exc:
+        raise ValueError(f"{exc}. Fix: restore the checkpoint's config.json (an HF config, a JSON object)") from None
     if read_checkpoint_quant_config(src):
         raise ValueError(f"{src}: checkpoint is already quantised; convert from the BF16 checkpoint")
 

@@ -1,6 +1,6 @@
 """``slime-ascend quantize`` (offline converter) and ``slime-ascend verify-quant`` (bit-exact check).
 
-    slime-ascend quantize HF_DIR OUT_DIR --format {fp8-block,int8-w8a8,int8-ct,int4-group,mxfp8} [--force]
+    slime-ascend quantize HF_DIR OUT_DIR --format FORMAT [--force]     (FORMAT: one of quant.names.FORMATS)
     slime-ascend verify-quant OFFLINE_DIR ONLINE_DIR_OR_FILE [--names NAME ...] [--partial]
 
 ``verify-quant`` compares tensors an online sync produced (a disk-sync directory such as
@@ -112,8 +112,10 @@ def main_quantize(argv: Sequence[str] | None = None) -> int:
                                     names=("HF_DIR", "OUT_DIR", "--force"))
     except ValueError as exc:
         return _fail(str(exc))
-    except OSError as exc:
-        return _fail(f"{exc}; OUT_DIR {ns.out_dir!r} was left as it was")
+    except OSError as exc:  # a full disk: named, with its own Fix
+        from ..command import fix_for, one_line
+
+        return _fail(f"{one_line(exc)}; OUT_DIR {ns.out_dir!r} was left as it was", fix_for(exc))
     except KeyboardInterrupt:
         print(f"error: interrupted; OUT_DIR {ns.out_dir!r} was left as it was", file=sys.stderr)
         return 130
@@ -136,15 +138,13 @@ def _verify_parser() -> argparse.ArgumentParser:
 
 
 def _online_tensors(path: str):
-    from safetensors import safe_open
-
-    from .checkpoint import CheckpointReader
+    from .checkpoint import CheckpointReader, open_safetensors
 
     if os.path.isdir(path):
         return CheckpointReader(path)
     if not path.endswith(".safetensors") or not os.path.isfile(path):
         raise ValueError(f"ONLINE {path!r} must be a directory or a .safetensors file")
-    handle = safe_open(path, framework="pt", device="cpu")
+    handle = open_safetensors(path)
 
     class _File:
         def keys(self):

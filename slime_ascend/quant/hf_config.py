@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -174,15 +173,23 @@ def read_checkpoint_quant_config(path: str | os.PathLike[str]) -> dict[str, Any]
     path = os.fspath(path)
     cfg_file = os.path.join(path, "config.json")
     if os.path.exists(cfg_file):
-        with open(cfg_file) as f:
-            qc = json.load(f).get("quantization_config")
+        qc = _json_file(cfg_file).get("quantization_config")
         if qc:
             return copy.deepcopy(qc)
     desc_file = os.path.join(path, ASCEND_DESCRIPTION_FILE)
     if os.path.exists(desc_file):
-        with open(desc_file) as f:
-            return json.load(f)
+        return _json_file(desc_file)
     return None
+
+
+def _json_file(path: str) -> dict[str, Any]:
+    """A checkpoint's JSON-object file; ValueError naming it (bad JSON, not an object, a FIFO, too big)."""
+    from ..files import read_json_object
+
+    try:
+        return read_json_object(path)
+    except ValueError as exc:
+        raise ValueError(f"{exc}. Fix: restore the checkpoint's {os.path.basename(path)} (a JSON object)") from None
 
 
 def format_from_checkpoint(path: str | os.PathLike[str]) -> str | None:

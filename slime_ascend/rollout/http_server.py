@@ -37,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from .sglang_protocol import WORK_PATHS, RequestError, SGLangEngine, check_positive_ints, routes
+from .sglang_protocol import WORK_PATHS, HeldAnswer, RequestError, SGLangEngine, check_positive_ints, routes
 
 __all__ = ["CONTROL_CONNECTIONS", "BoundedThreadingHTTPServer", "add_server_flags", "make_server", "positive_float",
            "positive_int", "serve_until_interrupted", "server_options"]
@@ -202,21 +202,32 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._send(code, {"error": explain or message or self.responses.get(code, ("", ""))[1], "success": False})
 
-    def _send(self, status: int, body: Any) -> None:
+    def _send(self, status: int, body: Any, retry_after: int | None = None) -> None:
+        """Answer ``body`` as JSON; a :class:`HeldAnswer`'s budget is released once it is sent (or failed to)."""
         self._answered = True
         self._linger = self._linger or status in (408, 413, 431)  # refused before its bytes were read
-        data = json.dumps(body).encode()
+        held = body if isinstance(body, HeldAnswer) else None
         try:
-            self.connection.settimeout(self.timeout)  # the whole answer within --timeout (sendall's total)
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:  # tell the client, so it does not reuse a connection we are closing
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # client gone or stalled past the timeout; nothing left to tell it
-            self.close_connection = True
+            data = json.dumps(body if held is None else held.value).encode()
+            try:
+                self.connection.settimeout(self.timeout)  # the whole answer within --timeout (sendall's total)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if retry_after is not None:
+                    self.send_header("Retry-After", str(retry_after))
+                if self.close_connection:  # tell the client, so it does not reuse a connection we are closing
+                    self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:  # client gone or stalled past the timeout; nothing left to tell it
+                self.close_connection = True
+        finally:
+            if held is not None:
+                held.release()
+
+    def _refuse(self, exc: RequestError) -> None:
+        self._send(exc.status, {"error": str(exc), "success": False}, retry_after=exc.retry_after)
 
     def _read_body(self) -> dict[str, Any]:
         length_header = self.headers.get("Content-Length")
@@ -273,7 +284,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if not self.server.end_serving(self.request, keep_alive=not self.close_connection):
                     self.close_connection = True
         except RequestError as exc:
-            self._send(exc.status, {"error": str(exc), "success": False})
+            self._refuse(exc)
 
     def _serve(self, method: str, path: str, body: dict[str, Any]) -> None:
         try:
@@ -289,7 +300,7 @@ class _Handler(BaseHTTPRequestHandler):
                 status, result = handler(body)
             self._send(status, result)
         except RequestError as exc:
-            self._send(exc.status, {"error": str(exc), "success": False})
+            self._refuse(exc)
         except Exception as exc:  # noqa: BLE001 - keep serving; report the failure to the client
             logger.exception("%s failed on %s %s", self.server_version, method, path)
             self._send(500, {"error": f"{type(exc).__name__}: {exc}", "success": False})

@@ -4,7 +4,8 @@
 (:mod:`slime_ascend.patch.engine.sglang_npu_launch`) fills in the NPU server arguments and
 environment from these settings in each ``SGLangEngine`` actor, right before it spawns the
 server. A value you pass yourself as ``--sglang-<flag>`` (or in ``--sglang-config`` overrides)
-wins over the setting, except ``device``, which must be ``npu``.
+wins over the setting, except ``device``, which must be ``npu``. The train actors, which share the HCCL
+weight-update group with those engines, get the same HCCL port ranges as they start (``train.hccl_port_env``).
 
 ``vllm-ascend``: vLLM with vllm-ascend, attached through slime's external-engine addresses with
 the adapter of :mod:`slime_ascend.rollout.backends.vllm_ascend` (SGLang's HTTP surface on top of
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plugins.base import CommandLineFlag, Plugin
+from ..plugins.base import CommandLineFlag, PatchUse, Plugin
 from ..plugins.settings import Setting
 
 
@@ -50,11 +51,16 @@ SGLANG_NPU = Plugin(
                 "ASCEND_USE_FIA=1: decode through npu_fused_infer_attention_score (the path slime's NPU fork "
                 "forced by patching ascend_backend.py)"),
         Setting("ascend_rollout_hccl_host_port_range", str, "60000-60050",
-                "HCCL_HOST_SOCKET_PORT_RANGE for the engine (HCCL weight-update group)", check=_port_range),
+                "HCCL_HOST_SOCKET_PORT_RANGE where the job leaves it unset, in the engines slime launches and the "
+                "train actors alike (CANN: every card of an HCCL communicator, or none)", check=_port_range),
         Setting("ascend_rollout_hccl_npu_port_range", str, "61000-61050",
-                "HCCL_NPU_SOCKET_PORT_RANGE for the engine (HCCL weight-update group)", check=_port_range),
+                "HCCL_NPU_SOCKET_PORT_RANGE where the job leaves it unset, in the engines slime launches and the "
+                "train actors alike", check=_port_range),
     ),
-    patches=("engine.sglang_npu_launch",),  # in whatever process imports slime's engine actor
+    patches=("engine.sglang_npu_launch",  # in whatever process imports slime's engine actor
+             # the train actors share the weight-update group with those engines: the same port ranges
+             PatchUse("train.hccl_port_env", "train",
+                      when="slime_ascend.rollout.backends.sglang_npu.launches_engines")),
     validate="slime_ascend.rollout.backends.sglang_npu.validate_plugin",
 )
 

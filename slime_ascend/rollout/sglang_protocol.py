@@ -33,8 +33,8 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["ONE_SERVER_INFO", "RequestError", "SGLangEngine", "WORK_PATHS", "abort_matches", "check_generate_keys",
-           "check_positive_ints", "check_weight_version", "next_weight_version", "routes"]
+__all__ = ["HeldAnswer", "ONE_SERVER_INFO", "RequestError", "SGLangEngine", "WORK_PATHS", "abort_matches",
+           "check_generate_keys", "check_positive_ints", "check_weight_version", "next_weight_version", "routes"]
 
 # the routes that start engine work (a server keeps a reserve of connections for the others: control calls)
 WORK_PATHS = frozenset({"/generate"})
@@ -65,11 +65,29 @@ ROUTER_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 
 
 class RequestError(ValueError):
-    """A client (4xx) or upstream (5xx) error: the server answers it with ``status`` and ``{"error": message}``."""
+    """A client (4xx) or upstream (5xx) error: the server answers it with ``status`` and ``{"error": message}``
+    (and a ``Retry-After: retry_after`` header when given: a 503 of a server-wide budget that frees soon)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
+
+
+class HeldAnswer:
+    """An answer that holds a share of a server-wide budget (e.g. bytes of answers in flight) until the server has
+    sent it, or failed to: the server calls :meth:`release` once, after the send (an engine's ``value`` is what
+    the server encodes)."""
+
+    __slots__ = ("_release", "value")
+
+    def __init__(self, value: Any, release: Callable[[], None]) -> None:
+        self.value, self._release = value, release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 # /server_info fields of an engine that is one unsharded server (slime's external-engine discovery reads them)

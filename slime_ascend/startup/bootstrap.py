@@ -1,7 +1,9 @@
 """Process-start activation, imported by ``slime_ascend_bootstrap.pth`` in every interpreter.
 
-Inert unless ``SLIME_ASCEND_PLUGINS`` is set: then it loads the named plugins (entry-point group
-``slime_ascend.plugins``), runs each plugin's process-start actions once, registers their import-moment
+Inert unless ``SLIME_ASCEND_PLUGINS`` is set: then it arms the emulated Ascend device when
+``SLIME_ASCEND_EMULATE_NPU=1`` asks for it (:func:`slime_ascend.npu_emulation.arm_from_environment`, before any
+plugin runs), loads the named plugins (entry-point group ``slime_ascend.plugins``), runs each plugin's process-start
+actions once, registers their import-moment
 runtime patches (:mod:`.patch_plan`) and the runtime's own role-entry patches, which validate the plugins as
 soon as slime's ``args`` exist in this process (:mod:`.early`). It never parses argv and never imports
 torch, ray, megatron or slime itself; plugins register import hooks (:mod:`slime_ascend._import_hooks`) for
@@ -43,6 +45,9 @@ def activate(value: str | None = None) -> list[str]:
     ran: list[str] = []
     with _lock:
         try:
+            from ..npu_emulation import arm_from_environment
+
+            arm_from_environment()  # SLIME_ASCEND_EMULATE_NPU: torch_npu findable before any plugin looks for it
             selection = registry.resolve_selection(registry.parse_names(value))
             for plugin in selection.plugins:
                 if plugin.name in _started:

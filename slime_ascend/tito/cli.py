@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="slime-ascend tito-fingerprint",
                             description="print the tokenizer/chat-template revision of a checkpoint "
                             "(the value for ascend_tito_tokenizer_revision)")
-    parser.add_argument("hf_checkpoint", help="checkpoint directory or hub id (what --hf-checkpoint gets)")
+    parser.add_argument("hf_checkpoint", help="checkpoint directory or hub id (what slime's --hf-checkpoint gets)")
     target = parser.parse_args(argv).hf_checkpoint
     if target.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(target)):
         print(f"error: {target} is not a directory. Fix: pass the checkpoint directory --hf-checkpoint gets "

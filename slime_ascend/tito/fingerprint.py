@@ -71,8 +71,12 @@ def tokenizer_fingerprint(path: str) -> dict[str, str]:
         cfg_path = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(cfg_path):
             found = True
-            with open(cfg_path, encoding="utf-8") as f:
-                cfg = json.load(f)
+            from ..files import read_json_object
+
+            try:
+                cfg = read_json_object(cfg_path)
+            except ValueError as exc:
+                raise TitoError(f"{exc}. Fix: restore the checkpoint's tokenizer_config.json (a JSON object)") from None
             template = cfg.pop("chat_template", None)
             tok.update(b"tokenizer_config.json\0" + json.dumps(cfg, sort_keys=True).encode())
             if template is not None:

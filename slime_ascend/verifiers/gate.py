@@ -5,15 +5,22 @@ callable (:mod:`.scoring` builds it the way training scores). The rules:
 
 * ``oracle``: every oracle case gets a finite reward above 0;
 * ``no_action`` and ``unfinished``: every case gets nothing, i.e. ``None`` or a finite reward of at most 0
-  (a penalty is allowed, a reward is not).
+  (a penalty is allowed, a reward is not). An environment's ``no_action`` run is played to the end of its episode
+  (its last action, the no-op, repeated up to the turn limit), and an ``unfinished`` one is scored as the
+  environment itself scores the episode as it stands (:mod:`.scoring`): the harness makes no reward up.
 
-A verifier that raises on a case fails that check (training would fail or lose the sample there too).
+A verifier that raises on a case fails that check (training would fail or lose the sample there too); so does one
+that calls ``sys.exit`` (a ``SystemExit`` or ``KeyboardInterrupt`` raised by the verifier is its failure, not the
+end of the process that runs the gate) and one that does not answer within its deadline (``timeout_s``, the
+``ascend_verifier_gate_timeout_s`` setting): each call runs in a daemon thread the gate stops waiting for (Python
+cannot stop a thread: a verifier looping for ever is left behind, and none of its later cases is scored).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +29,7 @@ from ..command import UserError
 
 CHECKS = ("oracle", "no_action", "unfinished")
 MAX_CASES = 64  # per check: the gate runs at start-up, so it is bounded
+TIMEOUT_SETTING = "ascend_verifier_gate_timeout_s"  # the deadline of one verifier call (the plugin's setting)
 
 
 class VerifierGateError(UserError):
@@ -35,6 +43,7 @@ class EnvRun:
     actions: tuple[str, ...]
     seed: int | None = None
     task: Any = None
+    until_done: bool = False  # go on with the last action until the episode ends (the gate sets it on no_action runs)
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,52 @@ def declare_cases(producer: Callable[[], GateCases]):
 
 
 @dataclass(frozen=True)
+class Call:
+    """How one verifier call ended: ``finished`` with its ``value`` or the ``error`` it raised (any
+    ``BaseException``), or not finished by its deadline."""
+
+    finished: bool
+    value: Any = None
+    error: BaseException | None = None
+
+
+def call_within(fn: Callable[[], Any], timeout_s: float | None) -> Call:
+    """``fn()`` in a daemon thread, waited for at most ``timeout_s`` seconds (None: for ever).
+
+    Whatever ``fn`` raises is caught in its thread, ``SystemExit`` and ``KeyboardInterrupt`` included (the
+    verifier's own, not the user's: a Ctrl-C arrives in the waiting thread and stops the wait)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - a verifier's sys.exit() is its failure, not ours
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="verifier-gate-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return Call(False)
+    return Call(True, box.get("value"), box.get("error"))
+
+
+def raised(exc: BaseException) -> str:
+    """What a verifier's exception says, in a few words on one line."""
+    if isinstance(exc, SystemExit):
+        return f"the verifier called sys.exit({exc.code!r})"
+    text = " ".join(str(exc).split())[:200]
+    return f"the verifier raised {type(exc).__name__}" + (f": {text}" if text else "")
+
+
+def timed_out(timeout_s: float) -> tuple[str, str]:
+    """The detail and the fix of a verifier call that did not answer by its deadline."""
+    return (f"no answer within {timeout_s:g} s ({TIMEOUT_SETTING}; the call is left running and the verifier's "
+            "later cases are not scored)",
+            f"make the verifier answer sooner (does it loop or wait for ever?), or raise {TIMEOUT_SETTING}")
+
+
+@dataclass(frozen=True)
 class CheckResult:
     verifier: str
     check: str
@@ -136,6 +191,7 @@ class CheckResult:
     reward: float | None
     passed: bool
     detail: str = ""
+    fix: str = ""  # the refusal's Fix where it is not "correct the verifier"
 
 
 def _passes(check: str, reward: float | None) -> tuple[bool, str]:
@@ -151,18 +207,30 @@ def _passes(check: str, reward: float | None) -> tuple[bool, str]:
     return True, ""
 
 
-def run_gate(verifier: str, score: Callable[[Any], float | None], cases: GateCases) -> list[CheckResult]:
-    """Score every case of every check; one :class:`CheckResult` per case, in check order."""
+def run_gate(verifier: str, score: Callable[[Any], float | None], cases: GateCases,
+             timeout_s: float | None = None) -> list[CheckResult]:
+    """Score every case of every check, each call within ``timeout_s`` seconds (None: no deadline); one
+    :class:`CheckResult` per case, in check order, up to a call that did not answer (its failure is the last)."""
     results = []
     for check in CHECKS:
         for i, run in enumerate(getattr(cases, check)):
-            try:
-                value = score(run)
-            except Exception as exc:  # noqa: BLE001 - the verifier's own failure is the finding
-                results.append(CheckResult(verifier, check, i, None, False,
-                                           f"the verifier raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
+            if check == "no_action" and isinstance(run, EnvRun):  # played to the end, not stopped where declared
+                run = dataclasses.replace(run, until_done=True)
+            call = call_within(lambda run=run: score(run), timeout_s)
+            if not call.finished:
+                detail, fix = timed_out(timeout_s)
+                results.append(CheckResult(verifier, check, i, None, False, detail, fix))
+                return results
+            if call.error is not None:  # the verifier's own failure is the finding
+                results.append(CheckResult(verifier, check, i, None, False, raised(call.error)))
                 continue
-            reward = None if value is None else float(value)
+            value = call.value
+            try:
+                reward = None if value is None else float(value)
+            except (TypeError, ValueError):
+                results.append(CheckResult(verifier, check, i, None, False,
+                                           f"the verifier returned {type(value).__name__}, not a number"))
+                continue
             ok, detail = _passes(check, reward)
             results.append(CheckResult(verifier, check, i, reward, ok, detail))
     return results
@@ -175,4 +243,4 @@ def failures(results: Sequence[CheckResult]) -> list[CheckResult]:
 def refusal(result: CheckResult) -> str:
     """The one line a failed check is refused with."""
     return (f"verifier {result.verifier!r} fails the {result.check} check (case {result.case}): {result.detail}. "
-            "Fix: correct the verifier (or its declared cases) before training with it")
+            f"Fix: {result.fix or 'correct the verifier (or its declared cases) before training with it'}")

@@ -10,6 +10,9 @@ What counts as a verifier, by plugin (the first that owns the reward wins, as in
 Cases come from the verifier itself (an environment's ``verifier_cases()``, a function marked with
 :func:`~.gate.declare_cases`) or from ``ascend_verifier_gate_cases`` (verifier name -> ``module.fn`` returning
 :class:`~.gate.GateCases`; names: the environment spec, the function's dotted path, ``rm_type:NAME``).
+
+Every call into a verifier (building an environment, producing its cases, scoring a case) has the deadline
+``ascend_verifier_gate_timeout_s`` (:func:`~.gate.call_within`), read whether or not the plugin is enabled.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plugins.base import resolve
-from .gate import EnvRun, GateCases, SampleRun, VerifierGateError, coerce_cases, failures, refusal, run_gate
-from .scoring import env_scorer, reward_fn_scorer
+from ..command import UserError
+from .gate import (TIMEOUT_SETTING, EnvRun, GateCases, SampleRun, VerifierGateError, call_within, coerce_cases,
+                   failures, raised, refusal, run_gate, timed_out)
+from .scoring import env_scorer, preload, reward_fn_scorer
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,24 @@ def _settings(plugin_name: str, args: Any) -> dict[str, Any]:
     return runtime.settings_values(registry.available()[plugin_name], args)
 
 
+def _timeout(args: Any) -> float:
+    return _settings("verifier-gate", args)[TIMEOUT_SETTING]
+
+
+def _within(what: str, fn: Callable[[], Any], timeout_s: float) -> Any:
+    """``fn()`` (a call into a verifier's code) within the deadline; a timeout, a ``sys.exit`` or an exception
+    that is not already one line for the user is a :class:`VerifierGateError` naming ``what``."""
+    call = call_within(fn, timeout_s)
+    if not call.finished:
+        detail, fix = timed_out(timeout_s)
+        raise VerifierGateError(f"{what}: {detail}. Fix: {fix}")
+    if call.error is None:
+        return call.value
+    if isinstance(call.error, (UserError, ValueError)):
+        raise call.error
+    raise VerifierGateError(f"{what}: {raised(call.error)}. Fix: correct the verifier before training with it")
+
+
 def _load(what: str, path: str) -> Any:
     try:
         return resolve(path)
@@ -50,6 +73,8 @@ def _load(what: str, path: str) -> Any:
 
 
 def _rule_scorer(rm_type: str, args: Any) -> Callable:
+    preload("slime.rollout.rm_hub")
+
     async def rule(args_: Any, sample: Any) -> Any:
         from slime.rollout.rm_hub import async_rm
 
@@ -65,6 +90,7 @@ def verifiers_of(args: Any, names: list[str]) -> list[Verifier]:
     """The verifiers the job ``args`` trains with (see the module docstring), with their cases if declared."""
     found: list[Verifier] = []
     overrides: Mapping[str, str] = {}
+    timeout_s = _timeout(args)
     if "verifier-gate" in names:
         overrides = _settings("verifier-gate", args)["ascend_verifier_gate_cases"] or {}
 
@@ -83,8 +109,9 @@ def verifiers_of(args: Any, names: list[str]) -> list[Verifier]:
             def factory(spec=spec, kwargs=kwargs):
                 return make_env(spec, kwargs)
 
-            found.append(Verifier(spec, "environment", env_scorer(factory),
-                                  producer(spec, getattr(factory(), "verifier_cases", None))))
+            declared = _within(f"environment {spec!r} (built to read its verifier_cases)",
+                               lambda: getattr(factory(), "verifier_cases", None), timeout_s)
+            found.append(Verifier(spec, "environment", env_scorer(factory), producer(spec, declared)))
     paths: list[str] = []
     rules: list[str] = []
     if "opd" in names:
@@ -117,6 +144,7 @@ def gate(args: Any, names: list[str], *, require_cases: bool = True,
     failure (``refuse``; else every result is returned), or for a verifier without cases when ``require_cases``.
     Returns each verifier with its results."""
     done = []
+    timeout_s = _timeout(args)
     for verifier in verifiers_of(args, names):
         if verifier.cases is None:
             if require_cases:
@@ -127,9 +155,10 @@ def gate(args: Any, names: list[str], *, require_cases: bool = True,
                     "ascend_verifier_gate_require_cases: false")
             logger.warning("verifier gate: %s %r declares no cases; not checked", verifier.kind, verifier.name)
             continue
-        cases = coerce_cases(verifier.cases(), EnvRun if verifier.kind == "environment" else SampleRun,
-                             f"the verifier-gate cases of {verifier.name!r}")
-        results = run_gate(verifier.name, verifier.score, cases)
+        where = f"the verifier-gate cases of {verifier.name!r}"
+        cases = coerce_cases(_within(where, verifier.cases, timeout_s),
+                             EnvRun if verifier.kind == "environment" else SampleRun, where)
+        results = run_gate(verifier.name, verifier.score, cases, timeout_s)
         bad = failures(results)
         if bad and refuse:
             raise VerifierGateError(refusal(bad[0]))
@@ -170,7 +199,14 @@ def check_config(path: str) -> list[tuple[Verifier, list]]:
     from ..files import MAX_JSON_BYTES, read_regular_file
     from ..plugins import registry, runtime
 
-    data = yaml.safe_load(read_regular_file(path, max_bytes=MAX_JSON_BYTES))
+    try:
+        data = yaml.safe_load(read_regular_file(path, max_bytes=MAX_JSON_BYTES))
+    except yaml.YAMLError as exc:
+        mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+        where = (f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None and problem
+                 else " ".join(str(exc).split())[:300])
+        raise VerifierGateError(f"--verifiers {path}: not valid YAML ({where}). Fix: give the YAML `slime-ascend "
+                                "config` writes") from None
     if not isinstance(data, dict):
         raise VerifierGateError(f"--verifiers {path}: the YAML is not a mapping of settings. Fix: give the YAML "
                                 "`slime-ascend config` writes")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..plugins.base import Plugin
 from ..plugins.settings import Setting
+from .gate import TIMEOUT_SETTING
 
 
 def _check_cases(value):
@@ -27,6 +28,9 @@ PLUGIN = Plugin(
                      "dotted path, or rm_type:NAME for slime's --rm-type rules"),
         Setting("ascend_verifier_gate_require_cases", bool, True,
                 help="refuse a verifier that declares no cases (false: warn and train with it unchecked)"),
+        Setting(TIMEOUT_SETTING, float, 60.0, minimum=0.1,
+                help="seconds one call into a verifier (building it, declaring its cases, scoring one case) may "
+                     "take; a verifier that does not answer in time fails the gate"),
     ),
     validate="slime_ascend.verifiers.job.validate",
 )

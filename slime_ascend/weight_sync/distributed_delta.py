@@ -8,7 +8,9 @@ same way, so a changed block travels with its scale whenever the scale changed).
 
 On the wire, a delta bucket is one ``/update_weights_from_distributed`` call and three broadcasts:
 
-* ``load_format`` = ``"slime_ascend.quant_delta:<block_bytes>:<base version>"``;
+* ``load_format`` = ``"slime_ascend.quant_delta:<block_bytes>:<base version>:<base digest>"``: the digest
+  (:func:`version_digest`, 32 hex digits: blake2b of each tensor's dtype, shape and bytes, over the names in order)
+  of the base as the sender holds it, i.e. as every engine acknowledged serving it;
 * ``names`` / ``dtypes`` / ``shapes``: every tensor of the bucket as a full push lists it (the engine checks them
   against the version it serves, as for a full bucket), then the three wire tensors :data:`WIRE_NAMES`:
   ``counts`` (int64, one per tensor: how many of its blocks changed, or -1: the tensor is sent whole, all its
@@ -21,7 +23,11 @@ it serves and stages the result as a full bucket: the version serves only when a
 checked, with the same checks and atomic switch as a full push, byte-identical to it
 (``tests/weight_sync/test_distributed_delta.py``). A delta against a version the engine does not serve is
 refused (answer ``delta_refused``; the bytes are still taken, so the broadcast completes) and :class:`DeltaSender`
-sends that bucket, and the rest of the version, in full. The held copy is replaced only when every engine
+sends that bucket, and the rest of the version, in full. So is a delta whose base digest is not the digest of what
+the engine serves under the base's label (an engine restarted from another checkpoint under that label, say):
+applied, its blocks would have made a wrong tensor without an error. Both sides compute the digest once per version
+(the sender as it sends the version, the engine at its first delta against it); it covers the whole version, so a
+mismatch shows at the version's first delta bucket. The held copy is replaced only when every engine
 answered that the version serves (``serving``); a push that breaks off leaves it at the version still serving.
 An engine that does not answer ``serving`` (SGLang's server) never gets a delta: every version goes whole. With
 several engines in a group, one refusal sends the version whole to all (an engine that staged the delta bucket
@@ -33,6 +39,7 @@ with it. The runtime patch ``train.gloo_float8_broadcast`` calls :func:`push_buc
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +52,7 @@ from .quant_delta import _blocks
 from .wire import wire_view
 
 __all__ = ["BLOCK_BYTES", "DELTA_FORMAT", "WIRE_NAMES", "DeltaSender", "decode_delta", "delta_load_format",
-           "encode_delta", "parse_delta_format", "push_bucket"]
+           "encode_delta", "parse_delta_format", "push_bucket", "tensor_digest", "version_digest"]
 
 logger = logging.getLogger("slime_ascend.weight_sync")
 
@@ -54,18 +61,41 @@ WIRE_NAMES = ("__quant_delta_counts__", "__quant_delta_index__", "__quant_delta_
 BLOCK_BYTES = 32  # an OCP MX block of e4m3 values
 
 
-def delta_load_format(base_version: str, block_bytes: int = BLOCK_BYTES) -> str:
-    return f"{DELTA_FORMAT}:{int(block_bytes)}:{base_version}"
+_DIGEST_HEX = 32
 
 
-def parse_delta_format(load_format: Any) -> tuple[int, str] | None:
-    """``(block_bytes, base version)`` of a delta bucket's ``load_format``; None for anything else."""
+def delta_load_format(base_version: str, base_digest: str, block_bytes: int = BLOCK_BYTES) -> str:
+    return f"{DELTA_FORMAT}:{int(block_bytes)}:{base_version}:{base_digest}"
+
+
+def parse_delta_format(load_format: Any) -> tuple[int, str, str] | None:
+    """``(block_bytes, base version, base digest)`` of a delta bucket's ``load_format``; None for anything else."""
     if not isinstance(load_format, str) or not load_format.startswith(DELTA_FORMAT + ":"):
         return None
-    block, _, base = load_format[len(DELTA_FORMAT) + 1:].partition(":")
-    if not block.isdigit() or int(block) < 1 or not base:
-        raise ValueError(f"load_format={load_format!r}: expected '{DELTA_FORMAT}:<block_bytes>:<base version>'")
-    return int(block), base
+    block, _, rest = load_format[len(DELTA_FORMAT) + 1:].partition(":")
+    base, _, digest = rest.rpartition(":")
+    if (not block.isdigit() or int(block) < 1 or not base or len(digest) != _DIGEST_HEX
+            or digest.strip("0123456789abcdef")):
+        raise ValueError(f"load_format={load_format[:200]!r}: expected '{DELTA_FORMAT}:<block_bytes>:<base version>:"
+                         f"<base digest, {_DIGEST_HEX} hex digits>' (a sender without the base digest: update it)")
+    return int(block), base, digest
+
+
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """blake2b (16 bytes) of a tensor's dtype, shape and bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{str(t.dtype)[6:]}{list(t.shape)}".encode())
+    if t.numel():
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.digest()
+
+
+def version_digest(digests: Mapping[str, bytes]) -> str:
+    """The digest of a version from its tensors' :func:`tensor_digest` (names in sorted order), hex."""
+    h = hashlib.blake2b(digest_size=_DIGEST_HEX // 2)
+    for name in sorted(digests):
+        h.update(name.encode() + b"\0" + digests[name])
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- encoding
@@ -177,6 +207,8 @@ class _Version:
     base: str | None = None  # the version its delta buckets were against
     sent: int = 0  # bytes broadcast for it (delta buckets: counts, indices and blocks)
     whole: int = 0  # bytes of its tensors
+    digests: dict[str, bytes] = field(default_factory=dict)  # each tensor's tensor_digest, as sent
+    digest: str | None = None  # version_digest, set once every engine serves it (held)
 
 
 class DeltaSender:
@@ -219,7 +251,7 @@ class DeltaSender:
             refs = _send(engines, group, group_name, version, names + list(WIRE_NAMES),
                          dtypes + [torch.int64, torch.int64, torch.uint8],
                          shapes + [[counts.numel()], [index.numel()], list(blocks.shape)], [counts, index, blocks],
-                         delta_load_format(held.version, self.block_bytes), backend, skip_empty=True)
+                         delta_load_format(held.version, held.digest, self.block_bytes), backend, skip_empty=True)
             answers = get(refs)
             refused = [a.get("message") for a in answers if not (isinstance(a, dict) and a.get("success", True))]
             if not refused:
@@ -240,6 +272,7 @@ class DeltaSender:
     def _received(self, group_name: str, pending: _Version, named: Sequence[tuple[str, torch.Tensor]],
                   answers: list[Any], sent: int | None = None) -> None:
         pending.tensors.update((n, t.clone()) for n, t in named)  # the bytes sent (a view of a param changes)
+        pending.digests.update((n, tensor_digest(pending.tensors[n])) for n, _ in named)
         whole = sum(t.numel() * t.element_size() for _, t in named)
         pending.whole += whole
         pending.sent += whole if sent is None else sent
@@ -249,6 +282,7 @@ class DeltaSender:
                         "(density %.4f)", pending.version, group_name, len(answers),
                         "whole" if pending.base is None else f"delta against version {pending.base}",
                         pending.sent, pending.whole, pending.sent / max(1, pending.whole))
+            pending.digest = version_digest(pending.digests)  # what a delta against it carries
             with self._lock:
                 self.held[group_name] = pending
                 if self._pending.get(group_name) is pending:

@@ -122,17 +122,35 @@ def spec_for(args: Any, quantization_config: Mapping[str, Any] | None) -> QuantS
     return spec
 
 
+def checkpoint_spec(args: Any, plugin: str | None, numerics: str = "compressed-tensors") -> QuantSpec | None:
+    """The spec sync plugin ``plugin`` (None: none enabled) pushes for ``--hf-checkpoint``'s format (its group size,
+    symmetry, ignore rules; ``numerics``: int4-sync's setting), or None: no sync plugin, no checkpoint directory, or a
+    format that is not the plugin's. The ``qat`` plugin fake-quantises with this spec, so training and the push share
+    one quantiser. (Arguments, not :func:`sync_plugin`: it runs inside the plugins' own validation.)"""
+    path = getattr(args, "hf_checkpoint", None)
+    if plugin is None or not path or not os.path.isdir(path):
+        return None
+    ckpt = checkpoint_format(args)
+    if ckpt.config is None or ckpt.fmt not in PLUGIN_FORMATS[plugin]:
+        return None
+    spec = _spec_of(ckpt.config, numerics if plugin == "int4-sync" else "compressed-tensors")
+    return spec if spec is not None and spec.fmt in PLUGIN_FORMATS[plugin] else None
+
+
 # ---------------------------------------------------------------------------------------------- funnel
 def _synchronize(tensors: list[Any]) -> None:
+    """Wait for the device of the first device tensor: its device module's ``synchronize`` (``torch.cuda``,
+    ``torch.npu``), else ``torch.accelerator``'s (a Python-registered backend such as the emulated npu has no
+    device-wide synchronize behind ``torch.accelerator``: it raises there)."""
     for t in tensors:
         if getattr(t, "device", None) is not None and t.device.type != "cpu":
             import torch
 
-            acc = getattr(torch, "accelerator", None)
-            if acc is not None and hasattr(acc, "synchronize"):
-                acc.synchronize(t.device)
+            module = getattr(torch, t.device.type, None)
+            if module is not None and hasattr(module, "synchronize"):
+                module.synchronize(t.device)
             else:
-                torch.get_device_module(t.device).synchronize(t.device)
+                torch.accelerator.synchronize(t.device)
             return
 
 

@@ -25,6 +25,31 @@ BATCH = ([5, 17, 300, 2, 999, 41, 7, 7, 64, 512, 3, 88, 1000],
          [(37 * i + 11) % 1024 for i in range(130)])
 
 
+def tiny_model():
+    """The tiny Qwen3 in fp32 with every weight drawn at a scale that makes the logits and gradients large (norm
+    weights around 1, not all 1: a norm applied on the wrong shard shows)."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_ascend.rollout.torch_engine.model import tiny_qwen3_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1 + 0.2 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
+    return model
+
+
+def batch_log_probs(model) -> torch.Tensor:
+    """transformers' log-probs of each BATCH sequence's next tokens, concatenated (with autograd)."""
+    log_probs = []
+    for tokens in BATCH:
+        ids = torch.tensor(tokens)[None]
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+        log_probs.append(logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1))
+    return torch.cat(log_probs)
+
+
 def _config(tp: int, sp: bool):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig

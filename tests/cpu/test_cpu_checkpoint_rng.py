@@ -11,7 +11,7 @@ import inspect
 import json
 import shlex
 
-from conftest import run_python
+from conftest import need, run_python
 from slime_ascend import config
 from slime_ascend.cpu import plugin
 
@@ -30,6 +30,7 @@ def test_config_cpu_flags_carry_no_save_rng_and_the_check_refuses_its_absence():
 
 
 def test_the_inference_tracker_keeps_no_states_and_megatron_skips_rng_of_a_checkpoint_saved_without():
+    need("megatron.core", "Megatron-core: bash scripts/install-slime-cpu.sh")
     proc = run_python(
         "import json, socket, torch, torch.distributed as dist\n"
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"

@@ -31,7 +31,7 @@ def no_cluster(monkeypatch):
 
 @pytest.mark.slime
 @pytest.mark.parametrize(("kw", "bundles", "need"), [
-    ({}, 1, 1 + 2 + 0.2),  # the README's job: one actor device, one external engine
+    ({}, 1, 1 + 2 + 0.2),  # the job of docs/cpu.md ('Your own job'): one actor device, one external engine
     ({"rollout_external": False, "rollout_external_engine_addrs": None, "rollout_num_gpus": 2}, 3, 3 + 2),
     ({"rollout_external": False, "rollout_external_engine_addrs": None, "colocate": True,
       "actor_num_gpus_per_node": 4, "rollout_num_gpus": 2}, 4, 4 + 2),

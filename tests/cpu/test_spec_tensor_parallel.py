@@ -21,7 +21,7 @@ need("megatron.core")
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from spec_tp_worker import BATCH  # noqa: E402
+from spec_tp_worker import batch_log_probs, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +30,11 @@ def checkpoint(tmp_path_factory):
     (norm weights around 1, not all 1: a norm applied on the wrong shard shows), its transformers log-probs
     of BATCH, and the gradients of their negative sum saved as an HF checkpoint of the same names."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from slime_ascend.rollout.torch_engine.model import tiny_qwen3_config
 
     root = tmp_path_factory.mktemp("tp")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1 + 0.2 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
+    model = tiny_model()
     model.save_pretrained(str(root / "model"), safe_serialization=True)
-    log_probs = []
-    for tokens in BATCH:
-        ids = torch.tensor(tokens)[None]
-        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-        log_probs.append(logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1))
-    log_probs = torch.cat(log_probs)
+    log_probs = batch_log_probs(model)
     (-log_probs.sum()).backward()
     (root / "grads").mkdir()
     save_file({n: p.grad.contiguous() for n, p in model.named_parameters()}, str(root / "grads" / "model.safetensors"))

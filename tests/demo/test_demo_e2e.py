@@ -68,6 +68,11 @@ def test_every_plugin_leaves_evidence(demo_run):
         assert history[-1]["teacher_switches"] > 0
         assert all(set(h["teacher_routing"]) <= {"copy", "next"} for h in history)
         assert any(len(h["teacher_routing"]) == 2 for h in history)
+        # teacher-grouped scoring: per step at most one switch per teacher routed in it (the history's
+        # teacher_switches is cumulative)
+        switches = [h["teacher_switches"] for h in history]
+        per_step = [b - a for a, b in zip([0] + switches, switches)]
+        assert all(n <= len(h["teacher_routing"]) for n, h in zip(per_step, history, strict=True)), per_step
     if "compaction" in plugins:
         assert sum(h["compactions"] for h in history) > 0
         assert max(h["segments_max"] for h in history) >= 2
@@ -75,6 +80,30 @@ def test_every_plugin_leaves_evidence(demo_run):
         assert all("staleness_report" in h for h in history)
         # late long episodes arrive with an older weight version than the fresh ones of their batch
         assert any(len(h["weight_versions"]) >= 2 for h in history[2:])
+
+
+@pytest.mark.slow
+def test_closing_lines_say_what_each_plugin_showed(demo_run):
+    """One line per enabled plugin, printed at the end, with the figures the run's metrics hold."""
+    _, summary, history = demo_run
+    lines = summary["plugin_lines"]
+    assert list(lines) == list(summary["plugins"])
+    printed = "\n".join(LOG)
+    for plugin, line in lines.items():
+        assert f"\n  {plugin}: {line}" in printed
+    assert summary["verifier_gate"].startswith("reward function slime_ascend.demo.task.task_reward passed oracle, "
+                                               "no_action and unfinished")
+    assert f"verifier gate: {summary['verifier_gate']}" in printed
+    if "opd" in lines:
+        assert lines["opd"].startswith("2 teachers (copy ") and f", {history[-1]['teacher_switches']} switches" in lines["opd"]
+        assert f"KL to the routed teacher {history[0]['kl']:.2f} -> {history[-1]['kl']:.2f}" in lines["opd"]
+    if "compaction" in lines:
+        assert lines["compaction"].startswith(f"{sum(h['compactions'] for h in history)} compactions")
+    if "int8-sync" in lines:
+        assert lines["int8-sync"].startswith(f"{STEPS} versions pushed (engine at v{STEPS})")
+    if "sao" in lines:
+        first, last = history[0]["critic/value_loss"], history[-1]["critic/value_loss"]
+        assert lines["sao"].startswith(f"critic value loss {first:.3f} -> {last:.3f}")
 
 
 def test_demo_leaves_the_callers_environment_alone(demo_run):
@@ -115,17 +144,17 @@ def test_same_seed_gives_the_same_rewards(demo_run, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_readme_sample_output_has_the_shape_of_what_the_demo_prints(demo_run):
-    """The README's sample output (scripts/readme_demo_output.py puts a real run there) may not drift from
-    what the demo prints: every line it shows has the shape (numbers masked) of a line printed here."""
+def test_quickstart_sample_output_has_the_shape_of_what_the_demo_prints(demo_run):
+    """The Quick start page's sample output (scripts/demo_output_sample.py puts a real run there) may not drift
+    from what the demo prints: every line it shows has the shape (numbers masked) of a line printed here."""
     import importlib.util
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("readme_demo_output", root / "scripts" / "readme_demo_output.py")
+    spec = importlib.util.spec_from_file_location("demo_output_sample", root / "scripts" / "demo_output_sample.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    shown = script.shown_in_readme((root / "README.md").read_text())
+    shown = script.shown_on_page((root / "docs" / "quickstart.md").read_text())
     printed = {script.shape(line) for text in LOG for line in text.splitlines()}
     assert len(shown) >= 8, shown
     for line in shown:

@@ -11,7 +11,7 @@ from slime_ascend.demo import plots  # noqa: E402
 
 def test_each_panel_is_one_quantity_with_a_unit():
     titles = [name for _, name, _, _ in plots.PANELS]
-    assert "Distance to the routed teacher" in titles  # the teacher KL the README's story is about
+    assert "Distance to the routed teacher" in titles  # the teacher KL the Quick start's story is about (docs/quickstart.md)
     for series, name, ylabel, _ in plots.PANELS:
         keys = {key.split("_")[0] for key, _ in series}
         assert len(keys) == 1, (name, series)  # reward / reward_short: one quantity, two subsets

@@ -139,3 +139,54 @@ def test_the_command_prints_each_layer_and_exits_1_where_sets_differ(tmp_path, c
     torch.save(rollout[0], tmp_path / "rollout-1-000000.pt")
     assert main([str(tmp_path)]) == 1
     assert "1 with another key set (first: position 3 of a 7-token sample)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "directory", "truncated", "not a record", "no tokens"])
+def test_a_file_named_like_a_record_that_is_not_one_is_refused_in_one_line(kind, tmp_path, capsys):
+    """A FIFO named like a dump once made the command wait for ever: each is refused before it is read."""
+    import os
+    import socket
+
+    from slime_ascend.dsa.cli import main
+
+    train, rollout = _sides([5])
+    torch.save(train, tmp_path / "train-rank0000-1-000000.pt")
+    torch.save(rollout[0], tmp_path / "rollout-1-000000.pt")
+    bad = tmp_path / "rollout-1-000001.pt"
+    held = None
+    if kind == "fifo":
+        os.mkfifo(bad)
+    elif kind == "socket":
+        held = socket.socket(socket.AF_UNIX)
+        held.bind(str(bad))
+    elif kind == "directory":
+        bad.mkdir()
+    elif kind == "truncated":
+        bad.write_bytes((tmp_path / "rollout-1-000000.pt").read_bytes()[:100])
+    elif kind == "not a record":
+        bad.write_bytes(b"not a torch file at all")
+    else:
+        torch.save({"start": 0, "layers": {}}, bad)
+    try:
+        with pytest.raises(ValueError) as info:
+            main([str(tmp_path)])
+    finally:
+        if held is not None:
+            held.close()
+    line = str(info.value)
+    assert "\n" not in line and str(bad) in line and "Fix: remove it" in line
+    assert ("not a regular file" in line) == (kind in ("fifo", "socket", "directory"))
+    assert kind != "no tokens" or "no tokens" in line
+
+
+def test_the_command_on_a_fifo_answers_at_once_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "train-rank0000-1-000000.pt")
+    proc = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "dsa-index-sets", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "is a FIFO, not a regular file" in lines[0], proc.stderr
+    assert "Fix:" in lines[0] and "Traceback" not in proc.stderr

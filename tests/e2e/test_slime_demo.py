@@ -16,7 +16,7 @@ import yaml
 from slime_ascend.demo.loop import DEFAULT_PLUGINS
 from slime_ascend.demo.slime_job import job_env, slime_src
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1800)]
 
 STEPS = 2
 

@@ -33,7 +33,7 @@ import yaml
 from slime_ascend.demo.loop import default_plugins
 from slime_ascend.demo.slime_job import job_env, slime_src
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(2400)]
 
 STEPS = 2
 GLM5_SPEC = ["slime_plugins.models.glm5.glm5", "get_glm5_spec"]
@@ -86,6 +86,7 @@ def test_demo_runs_its_plugins_on_slimes_glm5_spec(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "demo", "--model", "glm5", "--slime-src",
                            str(src), "--steps", str(STEPS), "--batch", "8", "--out", str(out), "--no-progress"],
                           capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=2300)
+    assert (out / "summary.json").exists(), f"rc {proc.returncode}\n" + proc.stdout[-4000:] + proc.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     print(f"\ndemo --model glm5: rc {proc.returncode}, {summary.get('elapsed_s', 0) / 60:.2f} min")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

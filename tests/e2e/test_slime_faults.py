@@ -27,7 +27,7 @@ from slime_ascend.demo.slime_job import (make_prompts, parse_rollout_metrics, ru
                                      start_engines, stop)
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixture)
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
 
 def _config(tmp_path: Path, *plugins: str, settings: dict[str, object] | None = None) -> Path:

@@ -73,7 +73,7 @@ from slime_ascend.demo.slime_job import TINY_QWEN3_ARGS, make_prompts, run_slime
 from slime_ascend.demo.slime_loop import MODEL_JOBS
 from slime_ascend.parallel_layout import Layout
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1800)]
 
 PLUGINS = ("cpu", "dis", "staleness", "dsa-determinism")
 # opd's top-k loss is a custom loss, which dis (inside slime's policy loss) cannot share a job with: its own run, which

@@ -78,7 +78,7 @@ from parallel_evidence import megatron_args as _megatron_args, pushes as _pushes
 from slime_ascend.demo.slime_job import TINY_QWEN3_MOE_ARGS, make_prompts, run_slime, slime_flags, start_engine, stop
 from slime_ascend.parallel_layout import Layout
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1800)]
 
 PLUGINS = ("cpu", "sao", "fp8-sync")
 QUANT_FORMAT = "fp8-block"

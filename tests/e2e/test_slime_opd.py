@@ -32,7 +32,7 @@ import pytest
 
 from slime_ascend.demo.slime_job import make_model, make_prompts, run_slime, slime_flags, start_engine, stop
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
 PLUGINS = ("cpu", "opd")
 COEFS = {"math": 1.0, "code": 0.5}

@@ -63,7 +63,7 @@ from parallel_evidence import train_ranks as _ranks
 from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags, start_engine, stop
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixtures)
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1800)]
 
 PLUGINS = ("cpu", "dis", "staleness", "tito", "reward-mix", "int8-sync")
 QUANT_FORMAT = "int8-w8a8"

@@ -59,7 +59,7 @@ from parallel_evidence import OPD_COEFS, opd_settings, train_ranks as _ranks
 from slime_ascend.demo.slime_job import make_model, make_prompts, run_slime, slime_flags, start_engine, stop
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixtures)
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1800)]
 
 HERE = Path(__file__).parent
 NUM_ROLLOUT = 2

@@ -44,7 +44,7 @@ from slime_ascend.json_client import JSONRequestError, request_json
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixture)
 from test_slime_compaction import BATCH, EPISODE, N_SAMPLES
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
 PLUGINS = ("cpu", "compaction", "staleness", "cosched")
 NUM_ROLLOUT = 2

@@ -24,6 +24,12 @@ answered; ``--save-debug-train-data``: the train-side log-probs):
 * the teeth: the same reference routing by itself differs from the train-side log-probs by more than 1e-4 on at
   least one sample, and by more than 2e-5 only on samples whose engine routes differ from its own. A train side
   that ignored the replay (routing by itself) fails the first check on those samples.
+
+The same job with the ``qat`` plugin (one more run, 1.6 min) closes the int4 loop: the trainer's forward uses
+dequant(quant(W)) with the spec ``int4-sync`` pushes, i.e. the engine's weights, so every sample's train-side
+log-probs equal the engine's within 1e-5 in both rollouts (measured 4.8e-7; slime's
+``train/train_rollout_logprob_abs_diff`` 7e-8 and 1.6e-7), while the job above, without ``qat``, is 1.2e-2 to 4.7e-2
+apart on every sample (slime's mean 1.3e-2).
 """
 
 from __future__ import annotations
@@ -36,23 +42,26 @@ import pytest
 from slime_ascend.demo.slime_job import (TINY_QWEN3_MOE_ARGS, make_model, make_prompts, run_slime, slime_flags,
                                          start_engine, stop)
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
-PLUGINS = ("cpu", "int4-sync")
+PLUGINS = ("cpu", "int4-sync")  # the control job; the qat job adds "qat"
 HERE = Path(__file__).parent
 LOGPROB_ATOL = 2e-5
 OWN_ROUTES_GAP = 1e-4
+QAT_ATOL = 1e-5  # qat: train-side vs engine log-prob, every token
+CONTROL_GAP = 1e-3  # no qat: at least this far apart on some token of every sample
+CONTROL_MEAN_GAP = 1e-3  # no qat: slime's mean |train - rollout| log-prob of each step
 NUM_ROLLOUT, BATCH, N_SAMPLES = 2, 4, 2
 MOE = shlex.split(TINY_QWEN3_MOE_ARGS) + ["--moe-layer-freq", "[1,1]"]  # later flags win: both layers MoE
 
 
-def _config(work: Path) -> Path:
+def _config(work: Path, plugins: tuple[str, ...] = PLUGINS) -> Path:
     import yaml
 
     from slime_ascend.cli import main
 
     out = work / "ascend.yaml"
-    assert main(["config", *PLUGINS, "-o", str(out)]) == 0
+    assert main(["config", *plugins, "-o", str(out)]) == 0
     cfg = yaml.safe_load(out.read_text())
     cfg["bf16"] = False  # fp32 training: the reference forward is compared to 2e-5
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -78,25 +87,34 @@ def int4_engine_checkpoint(all_moe_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def replay_job(all_moe_model_dir, int4_engine_checkpoint, tmp_path_factory):
-    work = tmp_path_factory.mktemp("routing-replay")
+def _run_job(model_dir: Path, engine_checkpoint: Path, work: Path, plugins: tuple[str, ...]):
     prompts = make_prompts(work / "prompts.jsonl")
-    engine = start_engine(int4_engine_checkpoint, work / "engine.log", ready=False,
+    engine = start_engine(engine_checkpoint, work / "engine.log", ready=False,
                           engine_args=("--enable-return-routed-experts",))
-    flags = [f for f in slime_flags(all_moe_model_dir, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
+    flags = [f for f in slime_flags(model_dir, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
                                     n_samples=N_SAMPLES, save=False) if f != "--bf16"]
-    flags[flags.index("--hf-checkpoint") + 1] = str(int4_engine_checkpoint)  # the format int4-sync pushes
+    flags[flags.index("--hf-checkpoint") + 1] = str(engine_checkpoint)  # the format int4-sync pushes
     flags += [*MOE, "--use-rollout-routing-replay", "--sglang-enable-deterministic-inference",
               "--save-debug-rollout-data", str(work / "dump" / "rollout_{rollout_id}.pt"),
               "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt")]
     try:
-        run = run_slime("train.py", flags, work, PLUGINS, custom_config=_config(work))
+        run = run_slime("train.py", flags, work, plugins, custom_config=_config(work, plugins))
     finally:
         stop(engine.proc)
-    print(f"\nrouting replay: rc {run.returncode}, {run.seconds / 60:.2f} min")
+    print(f"\n{'+'.join(plugins)}: rc {run.returncode}, {run.seconds / 60:.2f} min")
     assert run.returncode == 0, run.log[-6000:]
     return work, run
+
+
+@pytest.fixture(scope="module")
+def replay_job(all_moe_model_dir, int4_engine_checkpoint, tmp_path_factory):
+    return _run_job(all_moe_model_dir, int4_engine_checkpoint, tmp_path_factory.mktemp("routing-replay"), PLUGINS)
+
+
+@pytest.fixture(scope="module")
+def qat_job(all_moe_model_dir, int4_engine_checkpoint, tmp_path_factory):
+    """The same job with ``qat``: the trainer's forward uses dequant(quant(W)) of int4-sync's spec."""
+    return _run_job(all_moe_model_dir, int4_engine_checkpoint, tmp_path_factory.mktemp("qat"), (*PLUGINS, "qat"))
 
 
 def _dump(work: Path, kind: str, rollout_id: int) -> dict:
@@ -186,3 +204,52 @@ def test_the_train_side_replays_the_engines_routes(replay_job, all_moe_model_dir
           ", ".join(f"{g:.1e}/{m}" for g, m in gaps))
     assert sum(g > OWN_ROUTES_GAP for g, _ in gaps) >= 1, ("no sample's engine routes change its log-probs: "
                                                           "the check has no teeth", gaps)
+
+
+def _gaps(work: Path, rollout_id: int) -> list[float]:
+    """Per sample of ``rollout_id``: max |train-side log-prob - engine log-prob| over its response tokens, from
+    slime's dumps (the train side's recomputed log-probs, the engine's ``rollout_log_probs``)."""
+    import torch
+
+    engine = {tuple(s["tokens"]): torch.as_tensor(s["rollout_log_probs"]).float()
+              for s in _dump(work, "rollout", rollout_id)["samples"]}
+    train = _dump(work, "train", rollout_id)["samples"]
+    assert len(train) == len(engine) == BATCH * N_SAMPLES
+    gaps = []
+    for sample in train:
+        have = torch.as_tensor(sample["log_probs"]).float()
+        want = engine[tuple(map(int, sample["tokens"]))]
+        assert have.shape == want.shape and have.numel() > 0
+        gaps.append((have - want).abs().max().item())
+    return gaps
+
+
+def _tracked_gap(run) -> list[float]:
+    """slime's own mismatch figure, ``train/train_rollout_logprob_abs_diff`` (mean |old - rollout| log-prob of
+    each train step), as its trackers got it."""
+    values = [v for _, v in run.tracked().get("train/train_rollout_logprob_abs_diff", [])]
+    assert len(values) == NUM_ROLLOUT, run.tracked().keys()
+    return values
+
+
+def test_qat_makes_the_trainer_see_the_int4_engines_weights(qat_job, replay_job):
+    """``qat`` + ``int4-sync`` against the int4 torch engine: every sample's train-side log-probs equal the engine's
+    within QAT_ATOL in both rollouts (the trainer's forward uses dequant(quant(W)) with the spec int4-sync pushes:
+    the engine's weights, exactly); the job without ``qat`` (the routing-replay job above) is the control: the fp32
+    trainer against the int4 engine, more than CONTROL_GAP apart on every sample.
+
+    The control is comparable: both jobs replay the engine's routes (``--use-rollout-routing-replay``), so neither
+    gap has a route flip in it; what is left is the weights the two sides compute with (and fp32 rounding of two
+    implementations, Megatron's and transformers'), which is what QAT changes."""
+    qat_work, qat_run = qat_job
+    control_work, control_run = replay_job
+    assert "qat: fake-quantising" in qat_run.log and "qat: fake-quantising" not in control_run.log
+    for rollout_id in range(NUM_ROLLOUT):
+        qat, control = _gaps(qat_work, rollout_id), _gaps(control_work, rollout_id)
+        print(f"rollout {rollout_id}: per-sample max |train - engine| log-prob, qat",
+              ", ".join(f"{g:.1e}" for g in qat), "| control", ", ".join(f"{g:.1e}" for g in control))
+        assert max(qat) <= QAT_ATOL, (rollout_id, qat)
+        assert min(control) >= CONTROL_GAP, (rollout_id, control)
+    qat_metric, control_metric = _tracked_gap(qat_run), _tracked_gap(control_run)
+    print("train/train_rollout_logprob_abs_diff: qat", qat_metric, "control", control_metric)
+    assert max(qat_metric) <= QAT_ATOL and min(control_metric) >= CONTROL_MEAN_GAP, (qat_metric, control_metric)

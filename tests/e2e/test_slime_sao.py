@@ -24,7 +24,7 @@ import pytest
 from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags
 from e2e_fixtures import engine, model_dir  # noqa: F401  (pytest fixtures)
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
 PLUGINS = ("cpu", "sao")
 K = 2

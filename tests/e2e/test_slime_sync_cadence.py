@@ -10,7 +10,7 @@ import pytest
 from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags
 from e2e_fixtures import engine, model_dir  # noqa: F401  (pytest fixtures)
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
 
 def test_train_async_py_pushes_every_two_updates_and_resets_the_optimizer_after_each(model_dir, engine, tmp_path):

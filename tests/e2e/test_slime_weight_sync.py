@@ -52,7 +52,7 @@ from slime_ascend.demo.slime_job import (
     stop,
 )
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
 NUM_ROLLOUT = 2
 
@@ -223,9 +223,9 @@ def slime_managed(flags: list[str], qdir: Path) -> list[str]:
     the engines) and without ``--update-weight-transport`` (slime's default), serving the quantised checkpoint
     ``qdir`` (``--hf-checkpoint``)."""
     flags = list(flags)
-    at = flags.index("--rollout-external")
-    assert flags[at + 1] == "--rollout-external-engine-addrs" and flags[at + 2].startswith("--"), flags[at:at + 3]
-    del flags[at:at + 2]
+    at = flags.index("--rollout-external-engine-addrs")
+    end = next(i for i in range(at + 1, len(flags)) if flags[i].startswith("--"))  # the addresses, if any
+    del flags[at:end]
     at = flags.index("--update-weight-transport")
     assert flags[at + 1:at + 3] == ["disk", "--update-weight-disk-dir"], flags[at:at + 4]
     del flags[at:at + 4]

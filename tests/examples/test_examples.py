@@ -139,13 +139,62 @@ def test_recipe_passes_the_plugins_own_start_up_validation(name):
         runtime.check(_args_of(name), command_line=False)
 
 
+def _sync_plugin(name: str) -> str | None:
+    from slime_ascend.weight_sync.plugin import NAMES
+
+    found = [p for p in load(name)[0]["ascend_plugins"] if p in NAMES]
+    assert len(found) <= 1, f"{name}: {found}: the sync plugins conflict"
+    return found[0] if found else None
+
+
+def test_every_weight_sync_plugin_has_a_recipe():
+    from slime_ascend.weight_sync.plugin import NAMES
+
+    covered = {_sync_plugin(name) for name in RECIPES} - {None}
+    assert covered == set(NAMES), f"no recipe in examples/ for {sorted(set(NAMES) - covered)}"
+
+
 def test_recipes_that_need_a_prepared_checkpoint_or_file_make_it_themselves():
-    int8 = (EXAMPLES / "qwen3-8b-int8-sync-npu" / "run.sh").read_text()
-    target = re.search(r"--hf-checkpoint (\S+)", int8).group(1)
-    assert f'slime-ascend quantize "${{BASE}}/Qwen3-8B" "{target}" --format int8-w8a8' in int8  # the engines' format
+    from slime_ascend.quant.names import FORMATS
+    from slime_ascend.weight_sync.funnel import PLUGIN_FORMATS
+
+    for name in RECIPES:  # the engines' checkpoint, in the format the sync plugin's start-up check asks of it
+        sync = _sync_plugin(name)
+        if sync is None:
+            continue
+        script = load(name)[2]
+        target = re.search(r"--hf-checkpoint (\S+)", script).group(1)
+        steps = re.findall(rf'^\[ -f "{re.escape(target)}/config.json" \] \|\| slime-ascend quantize '
+                           rf'"\$\{{BASE\}}/Qwen3-8B" "{re.escape(target)}" --format (\S+)', script, flags=re.M)
+        assert steps == [PLUGIN_FORMATS[sync][0]], (name, steps)
+        assert steps[0] in FORMATS  # a choice `slime-ascend quantize --format` has
+    int4 = load("qwen3-8b-int4-sync-npu")[2]
+    assert "--format int4-group --group-size ${INT4_GROUP_SIZE:-128}\n" in int4
     sao = (EXAMPLES / "qwen3-8b-sao-npu" / "run.sh").read_text()
     assert re.search(r"python -m slime_ascend.sao.critic -o \S+ --force", sao)  # a second launch under set -e
     for name in RECIPES:  # never stops a Ray cluster it did not start, unless asked
         script = (EXAMPLES / name / "run.sh").read_text()
         assert 'if [ "${RESTART_RAY:-0}" = 1 ]; then ray stop' in script and script.index("ray status") < script.index(
             "ray start --head")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_passes_the_npu_launch_checks(name):
+    """Offload and environment as the npu plugin checks them at start (slime.accelerator.launch): the recipe's
+    switches (--colocate, --release-train), its YAML (offload_train), PPO's critic, and the variables run.sh
+    exports with PYTORCH_ALLOC_CONF unset; the same recipe without --release-train is refused."""
+    from slime_ascend.accelerator import launch
+
+    data, _, script = load(name)
+    args = _args_of(name)
+    words = set(re.findall(r"^\s+(--[a-z0-9-]+)", script, flags=re.M))
+    args.colocate, args.release_train = "--colocate" in words, "--release-train" in words
+    args.use_critic = getattr(args, "advantage_estimator", None) == "ppo"
+    args.offload_train = data.get("offload_train", True if (args.colocate or args.use_critic) else None)
+    exported = dict(re.findall(r"^export ([A-Z_]+)=(\S+)$", script, flags=re.M))
+    start = re.search(r"^ray start --head", script, flags=re.M).start()
+    assert 0 <= script.find("\nunset PYTORCH_ALLOC_CONF\n") < start  # gone from ray's environment, and the job's
+    assert launch.problems(args, exported) == []
+    if args.colocate:
+        args.release_train = False
+        assert launch.problems(args, exported)[0].startswith("npu: --colocate without --release-train")

@@ -11,6 +11,8 @@ colocated, ``update_weights_from_distributed`` over gloo otherwise; no recipe na
 at TP 2, and the MoE recipes' expert parallelism (EP 2, expert TP 1) on a tiny MoE model.
 
 Inputs (the recipes read them; nothing of the recipe changes): ``NUM_NPUS=2`` (the devices of one node);
+``INT4_GROUP_SIZE=32`` (the INT4 recipe's converter step: 128, its default, does not divide the tiny model's 64
+inputs of a linear; the sync takes the group size from that checkpoint);
 ``$SLIME_DIR/scripts/models/qwen3-8B.sh`` is the tiny Qwen3 (``TINY_QWEN3_ARGS``) and ``glm4.5-106B-A12B.sh`` the
 tiny Qwen3-MoE (``TINY_QWEN3_MOE_ARGS``: 4 experts, top 2, layer 0 dense; the MoE stand-in of GLM-4.5-Air, made
 as ``test_slime_moe_cpu``'s); every checkpoint under ``$BASE`` is the matching tiny model (``_torch_dist`` too:
@@ -78,8 +80,13 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STANDIN = Path(__file__).resolve().parent / "recipe_standin.py"
 RECIPES = sorted(p.parent.name for p in EXAMPLES.glob("*/run.sh"))
 GLM = ("glm4.5-air-moe-npu", "glm4.5-air-opd-npu")
+# the weight-sync recipes: the checkpoint their first step converts (the engines serve it) and its format
+SYNC_CHECKPOINTS = {"qwen3-8b-int8-sync-npu": ("Qwen3-8B-w8a8", "int8-w8a8"),
+                    "qwen3-8b-fp8-sync-npu": ("Qwen3-8B-fp8", "fp8-block"),
+                    "qwen3-8b-int4-sync-npu": ("Qwen3-8B-int4", "int4-group"),
+                    "qwen3-8b-mxfp8-sync-npu": ("Qwen3-8B-mxfp8", "mxfp8")}
 COLOCATED = ("glm4.5-air-moe-npu", "glm4.5-air-opd-npu", "qwen3-8b-compaction-npu", "qwen3-8b-grpo-npu",
-             "qwen3-8b-int8-sync-npu")
+             *SYNC_CHECKPOINTS)
 # a chat template for the tiny model (the recipes apply the model's chat template)
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -87,7 +94,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 EVIDENCE = {
     "glm4.5-air-opd-npu": ("rollout/opd_",),
     "qwen3-8b-compaction-npu": ("compaction",),
-    "qwen3-8b-int8-sync-npu": ("perf/weight_sync_",),
     # skip-observation GAE's per-token lambdas, DIS's masked fraction, the critic's own steps
     "qwen3-8b-sao-npu": ("rollout/gae_lambdas", "train/dis_masked_frac", "train/critic-value_loss"),
 }
@@ -164,7 +170,10 @@ def _run_recipe(name: str, root: Path, work: Path, extra_env: dict[str, str] | N
     shutil.copytree(EXAMPLES / name, recipe)
     env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
     env.update({"SLIME_DIR": str(root / "slime"), "BASE": str(_base(root, work)), "NUM_NPUS": "2",
-                "STANDIN_WORK": str(work), "PATH": f"{root / 'bin'}{os.pathsep}{env['PATH']}",
+                "INT4_GROUP_SIZE": "32",
+                "STANDIN_WORK": str(work),
+                # the recipe calls slime-ascend and python: this interpreter's (its venv need not be activated)
+                "PATH": os.pathsep.join([str(root / "bin"), str(Path(sys.executable).parent), env["PATH"]]),
                 **(extra_env or {})})
     done = subprocess.run(["bash", str(recipe / "run.sh")], env=env, cwd=str(work), capture_output=True, text=True,
                           timeout=1200, check=False)
@@ -221,7 +230,10 @@ def _settings_keys(*plugins: str) -> set[str]:
 def expected_yaml_changes(recipe_yaml: dict) -> set[str]:
     """The keys the stand-in's YAML differs in: ``ascend_plugins``, sglang-npu's settings (gone), cpu's and
     torch-engine's (added), and the OPD recipe's teacher engines."""
-    keys = {"ascend_plugins"} | _settings_keys("sglang-npu") | _settings_keys("cpu") | _settings_keys("torch-engine")
+    # npu's own keys stay (npu still runs; offload_train: false is cpu's value too)
+    npu_keys = _settings_keys("npu")
+    keys = {"ascend_plugins"} | ((_settings_keys("sglang-npu") | _settings_keys("cpu")) - npu_keys) | \
+        _settings_keys("torch-engine")
     if "opd" in recipe_yaml["ascend_plugins"]:
         keys |= {"ascend_opd_teachers", "ascend_opd_switch_engine_urls"}
     return keys
@@ -234,23 +246,6 @@ def _megatron_args(log: str, name: str) -> set[str]:
     return found
 
 
-def served_tensors(checkpoint: Path) -> int:
-    """How many tensors a complete version of ``checkpoint`` is for the torch engine: a quantised checkpoint's
-    safetensors tensors (what the sync plugins push), else the engine model's state (experts stacked)."""
-    from safetensors import safe_open
-
-    from slime_ascend.quant.hf_config import format_from_checkpoint
-    from slime_ascend.rollout.torch_engine.model import load_model
-
-    if format_from_checkpoint(checkpoint) is None:
-        return len(load_model(str(checkpoint)).state_dict())
-    n = 0
-    for f in sorted(checkpoint.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            n += len(list(st.keys()))
-    return n
-
-
 def test_the_rewrites_of_the_docstring_are_the_ones_checked():
     """Every flag the test lets differ is named, with its reason, in the module docstring."""
     for name, rewrites in FLAG_REWRITES.items():
@@ -258,11 +253,17 @@ def test_the_rewrites_of_the_docstring_are_the_ones_checked():
         for flag in rewrites:
             assert f"``{flag}``" in __doc__, (name, flag)
     assert set(FLAG_REWRITES) == set(RECIPES) == set(LAYOUTS)
+    # a weight-sync recipe is one of SYNC_CHECKPOINTS (its engines' checkpoint and format are checked)
+    synced = {n for n in RECIPES if re.search(r"^export SLIME_ASCEND_PLUGINS=\S*-sync\b",
+                                              (EXAMPLES / n / "run.sh").read_text(), re.M)}
+    assert synced == set(SYNC_CHECKPOINTS), synced ^ set(SYNC_CHECKPOINTS)
+    assert "``INT4_GROUP_SIZE=32``" in __doc__
     assert "``slime-ascend config cpu --flags``" in __doc__ and "``--custom-config-path``" in __doc__
 
 
 @pytest.mark.slime
 @pytest.mark.slow
+@pytest.mark.slime_loop
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_runs_one_rollout_in_slimes_loop(name, standin_root, tmp_path):
@@ -300,17 +301,20 @@ def check_recipe_run(name: str, recipe: Path, tmp_path: Path, log: str) -> None:
         assert any(evidence in k for k in by_rollout[0]), (evidence, sorted(by_rollout[0]))
 
     # slime started the one engine itself and pushed versions 1 (before training) and 2 (after the step) over the
-    # transport it picked, every tensor of the served checkpoint each time (the engine switches only then)
+    # transport the recipe gives it (a disk version is a whole checkpoint: the engine validates it before switching)
     assert log.count(SLIME_MANAGED) == 1, log.count(SLIME_MANAGED)
     flags = dict(zip(standin["flags"], standin["flags"][1:]))
-    n_tensors = served_tensors(Path(flags["--hf-checkpoint"]))
-    tensor_pushes = re.findall(r"loaded weight version (\d+) from \d+ buckets of update_weights_from_tensor "
-                               r"\((\d+) tensors, ", log)
+    tensor_pushes = re.findall(r"loaded weight version (\d+) from \d+ buckets of update_weights_from_tensor", log)
     broadcasts = re.findall(r"switched to weight version (\d+) from \d+ buckets of update_weights_from_distributed",
                             log)
-    if name in COLOCATED:
-        assert tensor_pushes == [("1", str(n_tensors)), ("2", str(n_tensors))] and not broadcasts, \
-            (tensor_pushes, broadcasts, n_tensors)
+    if name in COLOCATED:  # --release-train: every version a checkpoint the engine loads whole from the disk dir
+        sync_dir = re.escape(flags["--update-weight-disk-dir"].rstrip("/"))
+        disk_loads = re.findall(rf"loaded weight version (\d+) from {sync_dir}/weight_v0*(\d+) \(([^)]*)\)", log)
+        # the sync recipes' feature: each version the engine loads is a checkpoint of their format the sync wrote
+        # (perf/weight_sync_* is not logged here: the train actor that pushed ends before its next log)
+        served = SYNC_CHECKPOINTS[name][1] if name in SYNC_CHECKPOINTS else "unquantised"
+        assert disk_loads == [("1", "1", served), ("2", "2", served)] and not tensor_pushes and not broadcasts, \
+            (disk_loads, tensor_pushes, broadcasts)
         assert "Creating placement group with 2 GPUs" in log  # train actors and the engine in the same bundles
         # slime's offload of the colocated engine: released for the step, resumed before the next push
         assert "released memory occupation: " in log and "resumed memory occupation: " in log
@@ -321,15 +325,19 @@ def check_recipe_run(name: str, recipe: Path, tmp_path: Path, log: str) -> None:
     layout, actor_ranks, critic_ranks = LAYOUTS[name]
     for arg, value in layout.items():
         assert _megatron_args(log, arg) == {value}, (arg, _megatron_args(log, arg))
-    assert log.count("slime accelerator in the actor train actor") == actor_ranks
+    # --release-train: the actors started at launch end after the first push and start again for the step
+    assert log.count("slime accelerator in the actor train actor") == actor_ranks * (2 if name in COLOCATED else 1)
     assert log.count("slime accelerator in the critic train actor") == critic_ranks
     if layout["tensor_model_parallel_size"] == "1":  # the recipe's --sequence-parallel, turned off by Megatron
         assert "--sequence-parallel" in standin["flags"]
         assert "Disabling sequence parallelism because tensor model parallelism is disabled" in log
 
-    if name == "qwen3-8b-int8-sync-npu":  # the recipe's own first step made the engines' W8A8 checkpoint
-        assert (tmp_path / "base" / "Qwen3-8B-w8a8" / "config.json").is_file()
-        assert flags["--hf-checkpoint"] == str(tmp_path / "base" / "Qwen3-8B-w8a8")
+    if name in SYNC_CHECKPOINTS:  # the recipe's own first step made the engines' checkpoint, in its format
+        from slime_ascend.quant.hf_config import format_from_checkpoint
+
+        checkpoint, fmt = SYNC_CHECKPOINTS[name]
+        assert format_from_checkpoint(tmp_path / "base" / checkpoint) == fmt
+        assert flags["--hf-checkpoint"] == str(tmp_path / "base" / checkpoint)
     if name == "qwen3-8b-sao-npu":  # ... and the critic role file, beside its YAML; K critic updates a step
         assert (recipe / "sao_megatron.yaml").is_file()
         iters = recipe_yaml["ascend_sao_critic_iters"]

@@ -189,3 +189,31 @@ def test_cpu_kernels_refuse_what_the_cpu_spec_does_not_run():
     assert "Fix:" in str(ei.value)
     with pytest.raises(ValueError, match="--kernels 'gpu' is not known"):
         build_ledger(TINY, Layout(kernels="gpu"))
+
+
+def test_qat_rows_hold_the_fake_quant_copies_by_hand():
+    """qat on the tiny Qwen3 (one stage, TP 1, fp32): per layer q 64x64, k, v 64x32, o 64x64, gate/up 128x64,
+    down 64x128 are fake-quantised (12288 + 24576 = 36864 elements); embedding, norms, lm_head are not."""
+    m = ModelShape.from_hf(TINY)
+    base = build_ledger(m, Layout(param_dtype="fp32", micro_batch_size=1, seq_length=64, num_microbatches=2))
+    led = build_ledger(m, Layout(param_dtype="fp32", micro_batch_size=1, seq_length=64, num_microbatches=2,
+                                 qat="int4-group"))
+    rows = {e.name: e for e in led.role_entries("actor") if e.name.startswith("QAT")}
+    saved = rows["QAT fake-quant weights (int4-group, fp32) saved for backward"]
+    assert saved.bytes == 2 * 36864 * 4 * 1 and saved.lifetime == "train step"  # 1 micro-batch in flight at PP 1
+    largest = 128 * 64
+    work = rows["QAT quantiser temporaries (int4-group)"]
+    assert work.bytes == largest * (1 + 4 / 128) + 4 * largest and work.category == "operator workspace"
+    one = rows["QAT fake-quant copy of one weight + quantiser temporaries (int4-group)"]
+    assert one.bytes == work.bytes + 4 * largest and one.lifetime == "log-prob forward"
+    # the master weights are the params row, unchanged; the copies add to the train step's peak
+    assert [e.bytes for e in led.role_entries("actor") if e.category == "model state"] == \
+        [e.bytes for e in base.role_entries("actor") if e.category == "model state"]
+    assert led.total("actor", "saved activations") == base.total("actor", "saved activations") + saved.bytes
+    full = build_ledger(m, Layout(param_dtype="bf16", micro_batch_size=1, seq_length=64, recompute="full",
+                                  qat="fp8-block"))
+    saved = next(e for e in full.role_entries("actor") if e.name.startswith("QAT fake-quant weights"))
+    assert saved.bytes == 36864 * 2  # one layer's copies, recomputed in its backward
+    assert not [e for e in base.role_entries("actor") if e.name.startswith("QAT")]
+    with pytest.raises(ValueError, match="--qat 'int3' is not known"):
+        build_ledger(m, Layout(qat="int3"))

@@ -14,7 +14,7 @@ import pytest
 
 from slime_ascend.memory.measure import HEADER, LARGER, SMALL, compare, cpu_name
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.timeout(1800),
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1800),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the actor's /proc/self")]
 
 BAND = 0.15            # the ledger's train-step objects against the measured step

@@ -433,7 +433,7 @@ def test_switched_teachers_use_the_pool_and_engine(two_teacher_engines, tmp_path
     for s in samples:
         ref = eng_a if s.metadata["opd_teacher"] == "math" else eng_b
         torch.testing.assert_close(s.teacher_log_probs, score_tokens(ref.model, s.tokens)[-4:], atol=1e-4, rtol=1e-4)
-    assert 2 <= stats["switches"] <= 3
+    assert stats["switches"] == 2  # grouped by teacher: math's samples, then code's (not in completion order)
     assert stats["pool"]["switches"] == stats["switches"]
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, need
 from slime_ascend import patch
 from slime_ascend.cpu import plugin
 from slime_ascend.patch.train.cpu_moe_splits import DISPATCHER, host_splits
@@ -104,6 +104,7 @@ def _dispatch(tmp_path, mode: str) -> list[dict]:
 
 
 def test_megatron_dispatches_and_combines_over_gloo(tmp_path):
+    need("megatron.core", "Megatron-core: bash scripts/install-slime-cpu.sh")
     outs = _dispatch(tmp_path, "patched")
     for rank, out in enumerate(outs):
         assert out["applied"] is True, out  # the cpu plugin declares it
@@ -112,6 +113,7 @@ def test_megatron_dispatches_and_combines_over_gloo(tmp_path):
 
 
 def test_without_the_patch_all_to_all_refuses_tensor_splits(tmp_path):
+    need("megatron.core", "Megatron-core: bash scripts/install-slime-cpu.sh")
     for out in _dispatch(tmp_path, "removed"):
         assert out["raised"].startswith("TypeError: all_to_all_single(): incompatible function arguments"), out
 
@@ -134,6 +136,7 @@ def test_a_cpu_tensor_becomes_a_numpy_copy_only_for_as_numpy():
 
 
 def test_declared_when_the_dispatcher_is_imported_on_a_host_without_cuda():
+    need("megatron.core", "Megatron-core: bash scripts/install-slime-cpu.sh")
     uses = {u.patch: u for u in plugin.PLUGIN.patches}
     assert (uses[PATCH_ID].moment, uses[PATCH_ID].when) == (f"import:{DISPATCHER}",
                                                             "slime_ascend.cpu.plugin.host_without_cuda")

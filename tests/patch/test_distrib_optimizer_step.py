@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, need
 from slime_ascend import patch
 from slime_ascend.cpu import plugin
 from slime_ascend.patch.train import distrib_optimizer_step as dos
@@ -130,6 +130,7 @@ if __name__ == "__main__":  # dist_checkpointing's save starts a multiprocessing
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
+    need("megatron.core", "Megatron-core: bash scripts/install-slime-cpu.sh")
     if torch.cuda.is_available():
         pytest.skip("the cpu plugin's shims are for a host without CUDA")
     script = tmp_path_factory.mktemp("distrib_optimizer_step") / "probe.py"
@@ -243,6 +244,7 @@ def test_tensors_without_step_keep_the_live_step():
 
 
 def test_declared_by_the_cpu_plugin_where_megatron_has_torch_adam():
+    need("megatron.core", "Megatron-core: bash scripts/install-slime-cpu.sh")
     uses = {u.patch: u for u in plugin.PLUGIN.patches}
     assert (uses[PATCH_ID].moment, uses[PATCH_ID].when) == ("import", f"{dos.__name__}.wanted")
     p = patch.get(PATCH_ID)

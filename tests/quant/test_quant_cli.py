@@ -17,6 +17,7 @@ from _ws_helpers import hf_tensors, write_hf  # noqa: E402
 from slime_ascend.quant.checkpoint import CheckpointReader, quant_spec_of, tensors_bit_equal  # noqa: E402
 from slime_ascend.quant.cli import main_quantize, main_verify  # noqa: E402
 from slime_ascend.quant.params import quantize_named_params  # noqa: E402
+from slime_ascend.quant.names import FORMATS  # noqa: E402
 
 SRC = hf_tensors(3)
 
@@ -36,7 +37,7 @@ def hf(tmp_path_factory):
     return write_hf(tmp_path_factory.mktemp("cli") / "hf", SRC)
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "int8-w8a8", "int8-ct", "int4-group"])
+@pytest.mark.parametrize("fmt", FORMATS)  # every format the converter offers
 def test_quantize_then_verify_online_tensors(fmt, hf, tmp_path, capsys):
     out = tmp_path / "q"
     assert main_quantize([str(hf), str(out), "--format", fmt]) == 0

@@ -5,7 +5,9 @@ stand-in for slime's engine actor (the HTTP call slime's ``SGLangEngine`` makes)
 
 ``python delta_weight_sender.py PLAN.json``; the plan: ``url``, ``port``, ``group_name``, ``pushes`` (each:
 ``version``, ``tensors`` (a safetensors file), ``buckets`` (lists of names), optional ``held_as`` (before this
-push, relabel the version the sender holds, as if the engine had been replaced)). Prints one JSON line per call:
+push, relabel the version the sender holds, as if the engine had been replaced) and ``held_from`` (``{"version",
+"tensors"}``: before this push, the sender holds that file's tensors as that version, as if every engine had
+acknowledged serving them)). Prints one JSON line per call:
 ``{"version", "load_format", "status", "body"}``, and ``{"density": ...}`` after each push.
 """
 
@@ -20,7 +22,7 @@ import httpx
 from safetensors.torch import load_file
 
 from slime_ascend.rollout.torch_engine.weight_group import join_group
-from slime_ascend.weight_sync.distributed_delta import DeltaSender
+from slime_ascend.weight_sync.distributed_delta import DeltaSender, _Version
 
 POOL = ThreadPoolExecutor(4)
 
@@ -62,6 +64,10 @@ def main(plan_path: str) -> int:
     assert answer.result().status_code == 200, answer.result().text
     sender, engine = DeltaSender(), _EngineActor(url)
     for push in plan["pushes"]:
+        if push.get("held_from") is not None:
+            held = push["held_from"]
+            sender._received(group_name, _Version(held["version"]), sorted(load_file(held["tensors"]).items()),
+                             [{"serving": True, "weight_version": held["version"]}])
         if push.get("held_as") is not None:
             sender.held[group_name].version = push["held_as"]
         tensors = load_file(push["tensors"])

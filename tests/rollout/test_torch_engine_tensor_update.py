@@ -119,3 +119,76 @@ def test_other_payloads_are_refused():
         r = HTTP.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": ["x"],
                                                                  "load_format": "safetensors"})
         assert r.status_code == 400 and "load_format" in r.json()["error"]
+
+
+# ---------------------------------------------------------------- no code from the wire (issue 40)
+class _Call:
+    """Pickles as ``fn(*args)``: the shape of a gadget (``fn`` may itself be a gadget's result)."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+    def __call__(self):  # pickle insists that a reduce's callable is callable
+        raise AssertionError
+
+
+def _post_pickle(url: str, obj) -> httpx.Response:
+    import base64
+    import pickle
+
+    text = base64.b64encode(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).decode()
+    return HTTP.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": [text]})
+
+
+def test_a_torch_load_of_bytes_from_the_wire_is_refused_and_runs_nothing(tmp_path):
+    """The exploit shape: the payload's reduce calls ``torch.storage._load_from_bytes`` (``torch.load`` with
+    ``weights_only=False``) on torch-saved bytes of an object whose ``__reduce__`` runs a command. Before the fix
+    the command ran as the engine's user (the marker file was written) and only then came a 400."""
+    import io
+    import os
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    saved = io.BytesIO()
+    torch.save(Evil(), saved)
+    # pickle names the function by where it lives now: with Megatron imported (as in slime's loop, and in a test
+    # run where an earlier test imported it) torch.storage._load_from_bytes is megatron.core.safe_globals'
+    # safe_load_from_bytes, which loads just as unsafely; either name must be refused
+    load = torch.storage._load_from_bytes
+    engine = TorchEngine()
+    with engine.start_in_thread() as url:
+        r = _post_pickle(url, [("model.norm.weight", _Call(load, saved.getvalue()))])
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert f"refusing to unpickle {load.__module__}.{load.__name__}" in error and "\n" not in error, error
+        assert not marker.exists()
+        assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == "default"
+
+
+def test_a_getattr_gadget_is_refused_and_runs_nothing(tmp_path):
+    """``getattr`` chains from an allowed function reach ``os.system``:
+    ``getattr(getattr(getattr(f, '__globals__'), 'get')('os'), 'system')('touch ...')``; only
+    ``getattr(torch, <dtype name>)`` is accepted."""
+    marker = tmp_path / "ran"
+    rebuild = torch._utils._rebuild_tensor_v2
+    globals_get = _Call(getattr, _Call(getattr, rebuild, "__globals__"), "get")
+    os_module = _Call(globals_get, "os")
+    gadget = _Call(_Call(getattr, os_module, "system"), f"touch {marker}")
+    engine = TorchEngine()
+    with engine.start_in_thread() as url:
+        r = _post_pickle(url, [("model.norm.weight", gadget)])
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "refusing getattr" in error and "__globals__" in error and "\n" not in error, error
+        assert not marker.exists()
+    # what getattr may still fetch: torch's dtypes
+    from slime_ascend.rollout.torch_engine.tensor_update import TensorUnpickler
+
+    assert TensorUnpickler.find_class(None, "builtins", "getattr")(torch, "bfloat16") is torch.bfloat16

@@ -212,28 +212,48 @@ def test_quantised_push_carries_the_converters_bytes(tmp_path, fmt):
 DELTA_SENDER = Path(__file__).with_name("delta_weight_sender.py")
 
 
+def _quantised(tmp_path: Path, step: float, name: str, moved: float = 0.0, fmt: str = "fp8-block"
+               ) -> dict[str, torch.Tensor]:
+    """The tiny model shifted by ``step``, then a fraction ``moved`` of its values moved by 5% (a small training
+    step), converted offline to ``tmp_path / name``."""
+    from slime_ascend.quant.checkpoint import convert_checkpoint
+
+    src = bf16_dir(tmp_path / f"bf16-{name}", step)
+    gen = torch.Generator().manual_seed(len(name) + int(moved * 1000))
+    for f in sorted(src.glob("*.safetensors")):
+        weights = load_file(str(f))
+        for k, t in weights.items():
+            x = t.float()
+            weights[k] = (x + (torch.rand(x.shape, generator=gen) < moved) * x * 0.05).to(t.dtype)
+        save_file(weights, str(f))
+    out = tmp_path / name
+    convert_checkpoint(src, out, fmt)
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def _run_delta_sender(tmp_path: Path, url: str, pushes: list[dict]) -> list[dict]:
+    """The delta sender's printed lines (each call's answer, each push's densities)."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"url": url, "port": free_port(), "group_name": "slime-pp_0", "pushes": pushes}))
+    proc = subprocess.run([sys.executable, str(DELTA_SENDER), str(plan)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _calls(lines: list[dict]) -> list[tuple]:
+    """(version, load_format without its base digest, status, success, serving) of each call."""
+    return [(c["version"], c["load_format"] and c["load_format"].rpartition(":")[0], c["status"],
+             c["body"].get("success"), c["body"].get("serving")) for c in lines if "status" in c]
+
+
 def test_quantised_delta_push_equals_the_full_push(tmp_path):
     """Item 8: after a full push, the next version goes as the changed fp8 blocks only (with their scales), is
     staged and switched to like a full push and holds the converter's bytes; a delta against a version the engine
     does not serve is refused and the sender pushes that version whole."""
-    from slime_ascend.quant.checkpoint import convert_checkpoint
-
-    fmt = "fp8-block"
+    from slime_ascend.weight_sync.distributed_delta import tensor_digest, version_digest
 
     def quantised(step: float, name: str, moved: float = 0.0) -> dict[str, torch.Tensor]:
-        """The tiny model shifted by ``step``, then a fraction ``moved`` of its values moved by 5% (a small
-        training step), converted offline."""
-        src = bf16_dir(tmp_path / f"bf16-{name}", step)
-        gen = torch.Generator().manual_seed(len(name) + int(moved * 1000))
-        for f in sorted(src.glob("*.safetensors")):
-            weights = load_file(str(f))
-            for k, t in weights.items():
-                x = t.float()
-                weights[k] = (x + (torch.rand(x.shape, generator=gen) < moved) * x * 0.05).to(t.dtype)
-            save_file(weights, str(f))
-        out = tmp_path / name
-        convert_checkpoint(src, out, fmt)
-        return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        return _quantised(tmp_path, step, name, moved)
 
     quantised(0.0, "q0")
     versions = {v: quantised(0.01, f"q{v}", moved) for v, moved in ((1, 0.0), (2, 0.002), (3, 0.004))}
@@ -248,14 +268,8 @@ def test_quantised_delta_push_equals_the_full_push(tmp_path):
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(path))
         pushes.append({"version": v, "tensors": str(path), "buckets": buckets, "held_as": "7" if v == 3 else None})
     with engine.start_in_thread() as url:
-        plan = tmp_path / "plan.json"
-        plan.write_text(json.dumps({"url": url, "port": free_port(), "group_name": "slime-pp_0", "pushes": pushes}))
-        proc = subprocess.run([sys.executable, str(DELTA_SENDER), str(plan)], capture_output=True, text=True,
-                              timeout=180)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        calls = [(c["version"], c["load_format"], c["status"], c["body"].get("success"), c["body"].get("serving"))
-                 for c in lines if "status" in c]
+        lines = _run_delta_sender(tmp_path, url, pushes)
+        calls = _calls(lines)
         delta = "slime_ascend.quant_delta:32:"
         assert calls == (
             [("1", None, 200, True, False)] * 2 + [("1", None, 200, True, True)]  # nothing held: whole
@@ -265,6 +279,9 @@ def test_quantised_delta_push_equals_the_full_push(tmp_path):
             + [("3", None, 200, True, True)]), calls
         refused = next(c["body"] for c in lines if c.get("body", {}).get("success") is False)
         assert refused["delta_refused"] and "serves weight version 2, not the delta's base 7" in refused["message"]
+        # each delta carried the digest of its base: version 1 as pushed
+        digest = version_digest({k: tensor_digest(t) for k, t in versions[1].items()})
+        assert {c["load_format"].rpartition(":")[2] for c in lines if c.get("version") == "2"} == {digest}
         densities = {c["version"]: c["density"] for c in lines if "density" in c}
         assert densities[1] == [None] * 3 and densities[3] == [None] * 3
         # 0.2% of the values moved: each bucket of version 2 carries a few % of its full push's bytes (measured
@@ -302,3 +319,75 @@ def test_all_finite_agrees_with_isfinite(dtype):
             assert all_finite(y) is False and not bool(torch.isfinite(y).all()), (bad, at)
             view = y.view(-1)[: 4096].view(64, 64).t()[:, ::2]  # strided
             assert all_finite(view) == bool(torch.isfinite(view).all()), (bad, at)
+
+
+def test_weight_group_timeout_zero_or_negative_is_refused_in_one_line(capsys):
+    """``serve-torch --weight-group-timeout 0`` became 120 s without a word (``timeout_s or DEFAULT``)."""
+    from slime_ascend.rollout.torch_engine.cli import build_parser, serve_torch
+
+    assert build_parser().parse_args(["--weight-group-timeout", "2.5"]).weight_group_timeout == 2.5
+    for bad in ("0", "-3", "nan", "inf"):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args(["--weight-group-timeout", bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert "--weight-group-timeout" in err and "expected a positive number of seconds" in err, err
+        assert len(err.splitlines()) == 1, err
+    with pytest.raises(SystemExit):  # refused before anything listens or loads
+        serve_torch(["--weight-group-timeout", "0", "--port", "0"])
+    engine = TorchEngine()
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        engine.configure_weight_group(timeout_s=0)
+    engine.configure_weight_group()
+    assert engine.weight_group.timeout_s == 120.0
+
+
+def test_init_group_to_an_unreachable_master_answers_within_its_timeout():
+    """Before the fix torch's store client tried twice, each try the whole timeout, plus a back-off: 3 s became
+    about 8 s (120 s became 254 s). One deadline now covers the whole join."""
+    engine = TorchEngine()
+    engine.configure_weight_group(timeout_s=3)
+    port = free_port()  # closed: nothing listens there
+    with engine.start_in_thread() as url:
+        start = time.monotonic()
+        resp = HTTP.post(url + "/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "unreachable", "backend": "gloo"})
+        took = time.monotonic() - start
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert f"127.0.0.1:{port}" in error and "within 3s" in error and "\n" not in error, error
+    assert 2.9 <= took < 4.0, took  # the old code: 4.8 to 7.8 s here
+
+
+def test_a_delta_against_other_bytes_under_the_acknowledged_label_is_refused_and_sent_whole(tmp_path):
+    """The engine serves version 1, but not the version 1 the sender acknowledged (restarted from another checkpoint
+    under that label): the delta's base digest differs, the engine refuses it in one line, and the sender pushes the
+    version whole. Before the fix the delta applied: version 2 served wrong tensors, with no error."""
+    served_1 = _quantised(tmp_path, 0.0, "q0")  # what the engine holds as version 1
+    held_1 = _quantised(tmp_path, 0.01, "q1")  # what the sender acknowledged as version 1
+    pushed_2 = _quantised(tmp_path, 0.01, "q2", 0.002)  # a small step from the sender's version 1
+    assert any(not torch.equal(served_1[k].view(torch.uint8), held_1[k].view(torch.uint8)) for k in held_1)
+    engine = TorchEngine(model_path=str(tmp_path / "q0"), return_original_logprob=False, weight_version="1")
+    engine.configure_weight_group(timeout_s=10)
+    names = sorted(pushed_2)
+    size = -(-len(names) // 3)
+    paths = {}
+    for name, tensors in (("held1", held_1), ("push2", pushed_2)):
+        paths[name] = tmp_path / f"{name}.safetensors"
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(paths[name]))
+    push = {"version": 2, "tensors": str(paths["push2"]),
+            "buckets": [names[i:i + size] for i in range(0, len(names), size)],
+            "held_from": {"version": "1", "tensors": str(paths["held1"])}}
+    with engine.start_in_thread() as url:
+        lines = _run_delta_sender(tmp_path, url, [push])
+        delta = "slime_ascend.quant_delta:32:1"
+        assert _calls(lines) == ([("2", delta, 200, False, False)] + [("2", None, 200, True, False)] * 2
+                                 + [("2", None, 200, True, True)]), lines
+        refused = next(c["body"] for c in lines if c.get("body", {}).get("success") is False)
+        assert refused["delta_refused"] and "\n" not in refused["message"]
+        assert "other bytes under weight version 1 than the sender acknowledged" in refused["message"], refused
+        assert served(url) == "2"
+    engine.weight_group.close()
+    for name, tensor in pushed_2.items():  # the version pushed whole: the converter's bytes
+        assert torch.equal(engine._served_checkpoint[name].view(torch.uint8), tensor.view(torch.uint8)), name

@@ -143,3 +143,97 @@ def test_serve_torch_flag_sets_the_limit():
     assert build_parser().parse_args(["--max-weight-values", "9"]).max_weight_values == 9
     with pytest.raises(ValueError, match="max_weight_values"):
         TorchEngine(max_weight_values=0)
+
+
+# ---------------------------------------------------------------- bounded answer bytes (issue 40)
+def test_answer_bytes_are_bounded_per_request_naming_the_flag():
+    """A 70-byte request got a 90 MB answer: the worst-case size of an answer is checked before it is built, and
+    every answer really is within that bound."""
+    from slime_ascend.rollout.torch_engine.cli import build_parser
+    from slime_ascend.rollout.torch_engine.weight_read import answer_bytes_bound
+
+    engine = TorchEngine(return_original_logprob=False, max_weight_answer_bytes=200_000)
+    own = engine.model.state_dict()
+    embed = "model.embed_tokens.weight"  # 1024 x 64 float32
+    with engine.start_in_thread() as url:
+        big = read(url, embed, truncate_size=1024)
+        assert big.status_code == 413, big.text
+        error = big.json()["error"]
+        assert "max_weight_answer_bytes=200000" in error and "--max-weight-answer-bytes" in error, error
+        assert "lower truncate_size" in error and "\n" not in error
+        small = read(url, embed, truncate_size=50, return_raw=True)
+        assert small.status_code == 200 and len(small.content) <= 200_000
+        for name, rows, raw in ((embed, 50, True), (embed, 100, False), ("model.norm.weight", 10**6, True),
+                                (NAME, 7, True), (NAME, 0, True)):
+            answer = read(url, name, truncate_size=rows, return_raw=raw)
+            assert answer.status_code == 200, answer.text
+            part = own[name][:rows]
+            bound = answer_bytes_bound(part.shape, own[name].shape, own[name].element_size(), name, raw)
+            assert len(answer.content) <= bound, (name, rows, raw, len(answer.content), bound)
+    args = build_parser().parse_args(["--max-weight-answer-bytes", "5", "--max-weight-bytes-in-flight", "7"])
+    assert (args.max_weight_answer_bytes, args.max_weight_bytes_in_flight) == (5, 7)
+    with pytest.raises(ValueError, match="max_weight_bytes_in_flight=4 is below max_weight_answer_bytes=5.*Fix:"):
+        TorchEngine(max_weight_answer_bytes=5, max_weight_bytes_in_flight=4)
+
+
+def _stalled_request(url: str, body: bytes):
+    """A raw connection that sends one request and never reads its answer (a small receive buffer: the server's
+    send blocks once a few MB are queued)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((parts.hostname, parts.port))
+    sock.sendall(b"POST /get_weights_by_name HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def _in_flight(url: str, want: int, within: float = 60) -> int:
+    import time
+
+    deadline = time.monotonic() + within
+    while True:
+        now = HTTP.get(url + "/server_info").json()["weight_answer_bytes_in_flight"]
+        if now == want or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
+
+
+def test_answer_bytes_in_flight_are_bounded_across_connections(tmp_path):
+    """Clients that never read held their whole answers (6 of them 1.8 GB): the answers being built or sent hold at
+    most --max-weight-bytes-in-flight; past it a 503 with Retry-After, and what a closed client held is freed."""
+    import json
+    import socket
+    import struct
+
+    from slime_ascend.rollout.torch_engine.model import load_model, save_model
+    from slime_ascend.rollout.torch_engine.weight_read import answer_bytes_bound
+
+    model_dir = save_model(load_model(None, config_overrides={"vocab_size": 32768}), tmp_path / "wide")
+    rows, name = 8192, "model.embed_tokens.weight"  # 8192 x 64 float32: about 11 MB of JSON
+    bound = answer_bytes_bound((rows, 64), (32768, 64), 4, name, False)
+    engine = TorchEngine(str(model_dir), max_weight_answer_bytes=bound,
+                         max_weight_bytes_in_flight=2 * bound + 100_000)
+    body = json.dumps({"name": name, "truncate_size": rows}).encode()
+    with engine.start_in_thread() as url:
+        stalled = [_stalled_request(url, body) for _ in range(2)]
+        try:
+            assert _in_flight(url, 2 * bound) == 2 * bound  # both answers held by clients that do not read
+            refused = read(url, name, truncate_size=rows)
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+            error = refused.json()["error"]
+            assert "--max-weight-bytes-in-flight" in error
+            assert f"max_weight_bytes_in_flight={2 * bound + 100_000}" in error
+            assert "\n" not in error
+            assert read(url, name, truncate_size=10).status_code == 200  # a small answer still fits
+        finally:
+            for sock in stalled:  # reset: the server's send fails at once and frees what it held
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+        assert _in_flight(url, 0) == 0
+        answer = read(url, name, truncate_size=rows)
+        assert answer.status_code == 200 and len(answer.json()) == rows
+        assert _in_flight(url, 0) == 0

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from conftest import need
 from slime_ascend.sao import freeze
 
 
@@ -29,6 +30,7 @@ def freeze_like_slime(model, patterns):
 
 
 def _chained(*param_lists):
+    need("megatron.core", "Megatron-core: bash scripts/install-slime-cpu.sh")
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
     inner = [types.SimpleNamespace(optimizer=torch.optim.Adam(ps), config=None,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import sys
+import threading
+import time
 
 import pytest
 from hypothesis import given, strategies as st
 
-from slime_ascend.verifiers.gate import (CHECKS, EnvRun, GateCases, SampleRun, VerifierGateError, coerce_cases,
-                                         declare_cases, failures, refusal, run_gate)
+from slime_ascend.verifiers.gate import (CHECKS, TIMEOUT_SETTING, Call, EnvRun, GateCases, SampleRun, VerifierGateError,
+                                         call_within, coerce_cases, declare_cases, failures, refusal, run_gate)
 
 
 def _cases(n: int = 1) -> GateCases:
@@ -54,6 +57,56 @@ def test_a_verifier_that_raises_fails_that_check_with_the_exception():
 
     bad = failures(run_gate("v", score, _cases()))
     assert [r.check for r in bad] == ["no_action"] and "raised KeyError" in bad[0].detail
+
+
+def test_a_verifier_that_never_answers_fails_at_its_deadline_and_nothing_after_it_is_scored():
+    stop = threading.Event()
+    scored = []
+
+    def score(run):
+        scored.append(run.response)
+        if run.response == "":
+            while not stop.is_set():  # loops in Python for ever (until the test ends it)
+                pass
+        return 1.0 if run.response == "right" else 0.0
+
+    start = time.monotonic()
+    try:
+        results = run_gate("slow.verifier", score, _cases(2), timeout_s=0.3)
+    finally:
+        stop.set()
+    assert time.monotonic() - start < 5
+    assert scored == ["right", "right", ""]  # the second no_action case and the unfinished ones never start
+    assert [(r.check, r.case, r.passed) for r in results] == [("oracle", 0, True), ("oracle", 1, True),
+                                                              ("no_action", 0, False)]
+    line = refusal(results[-1])
+    assert line.startswith("verifier 'slow.verifier' fails the no_action check (case 0): no answer within 0.3 s")
+    assert f"raise {TIMEOUT_SETTING}" in line.split("Fix:")[1] and "\n" not in line
+
+
+@pytest.mark.parametrize(("exc", "phrase"), [(SystemExit(0), "called sys.exit(0)"),
+                                             (SystemExit("bye"), "called sys.exit('bye')"),
+                                             (KeyboardInterrupt(), "raised KeyboardInterrupt")])
+def test_a_verifier_that_exits_or_interrupts_fails_that_check_and_the_gate_goes_on(exc, phrase):
+    def score(run):
+        if run.response == "":
+            raise exc
+        return 1.0 if run.response == "right" else 0.0
+
+    results = run_gate("v", score, _cases())
+    assert [(r.check, r.passed) for r in results] == [("oracle", True), ("no_action", False), ("unfinished", True)]
+    assert phrase in refusal(results[1])
+
+
+def test_call_within_returns_the_value_or_the_error_and_a_real_ctrl_c_still_stops_the_wait():
+    assert call_within(lambda: 3, 1.0) == Call(True, 3, None)
+    assert isinstance(call_within(lambda: sys.exit(2), None).error, SystemExit)
+    assert not call_within(lambda: time.sleep(2), 0.05).finished
+    import _thread
+
+    threading.Timer(0.2, _thread.interrupt_main).start()  # the user's Ctrl-C reaches the waiting thread
+    with pytest.raises(KeyboardInterrupt):
+        call_within(lambda: time.sleep(3), 10.0)
 
 
 @given(oracle=st.floats(allow_nan=True, allow_infinity=True), empty=st.floats(allow_nan=True, allow_infinity=True))

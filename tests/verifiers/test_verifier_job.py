@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +36,32 @@ async def exact_reward(args, sample):
 
 def undeclared_reward(args, sample):
     return 0.0
+
+
+@declare_cases(_lenient_cases)
+def exiting_reward(args, sample):
+    """Calls sys.exit(0) where the agent did nothing: without the gate's guard the process ends with status 0."""
+    if not sample.response:
+        sys.exit(0)
+    return 1.0 if sample.response.strip() == sample.label else 0.0
+
+
+_release = [threading.Event()]  # set by an in-process test when it ends, so its abandoned loop stops spinning
+
+
+@declare_cases(_lenient_cases)
+def hanging_reward(args, sample):
+    """Loops in Python for ever where the agent did nothing (in ``check``'s process: until it exits)."""
+    release = _release[0]
+    while not sample.response and not release.is_set():
+        pass
+    return 1.0 if sample.response.strip() == sample.label else 0.0
+
+
+def _hanging_cases():
+    release = _release[0]
+    while not release.is_set():
+        pass
 
 
 def _args(**kw):
@@ -113,6 +140,45 @@ def test_the_plugin_refuses_at_validation_and_names_the_environment(tmp_path):
     runtime.check(_args(ascend_plugins="compaction,verifier-gate", ascend_compaction_env="kv_lookup"))
 
 
+def test_a_verifier_that_calls_sys_exit_is_refused_at_validation_in_one_line():
+    args = _args(ascend_plugins="verifier-gate", custom_rm_path=f"{HERE}.exiting_reward")
+    with pytest.raises(VerifierGateError) as info:
+        runtime.check(args)
+    line = str(info.value)
+    assert line.startswith(f"verifier '{HERE}.exiting_reward' fails the no_action check (case 0): the verifier "
+                           "called sys.exit(0)") and "Fix:" in line and "\n" not in line
+
+
+@pytest.mark.parametrize(("what", "settings", "phrase"), [
+    ("scoring", {"custom_rm_path": f"{HERE}.hanging_reward"},
+     f"verifier '{HERE}.hanging_reward' fails the no_action check (case 0): no answer within 0.5 s"),
+    ("cases", {"custom_rm_path": f"{HERE}.undeclared_reward",
+               "ascend_verifier_gate_cases": {f"{HERE}.undeclared_reward": f"{HERE}._hanging_cases"}},
+     f"the verifier-gate cases of '{HERE}.undeclared_reward': no answer within 0.5 s"),
+])
+def test_a_verifier_that_never_answers_is_refused_at_its_deadline(what, settings, phrase):
+    import time
+
+    args = _args(ascend_plugins="verifier-gate", ascend_verifier_gate_timeout_s=0.5, **settings)
+    start = time.monotonic()
+    try:
+        with pytest.raises(VerifierGateError) as info:
+            runtime.check(args)
+    finally:
+        _release[0].set()
+        _release[0] = threading.Event()
+    assert time.monotonic() - start < 10
+    line = str(info.value)
+    assert line.startswith(phrase) and "raise ascend_verifier_gate_timeout_s" in line and "\n" not in line
+
+
+def test_the_deadline_setting_is_checked():
+    from slime_ascend.plugins.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="ascend_verifier_gate_timeout_s=0.*below the minimum"):
+        gate(_args(custom_rm_path=f"{HERE}.exact_reward", ascend_verifier_gate_timeout_s=0), [])
+
+
 class GenerousEnv:
     """Ends every episode at its first action with reward 1, whatever the action."""
 
@@ -128,6 +194,77 @@ class GenerousEnv:
 
     def verifier_cases(self):
         return {"oracle": [{"actions": ["42"]}], "no_action": [{"actions": [""]}], "unfinished": [{"actions": []}]}
+
+
+class TurnLimitPayingEnv:
+    """The environment that fooled the gate: it pays 1.0 to any episode that reaches its turn limit, whatever the
+    agent did, and nothing before; its declared no_action and unfinished runs stop short of the limit."""
+
+    system_prompt = ""
+    max_turns = 6
+
+    def reset(self, seed=None, task=None):
+        self.turns = 0
+        return "answer when you like"
+
+    def step(self, action):
+        from slime_ascend.compaction.env import StepResult
+
+        self.turns += 1
+        if action == "42":
+            return StepResult("", True, 1.0)
+        return StepResult("", True, 1.0) if self.turns >= self.max_turns else StepResult("go on", False, None)
+
+    def verifier_cases(self):
+        return {"oracle": [{"actions": ["42"]}], "no_action": [{"actions": ["", ""]}],
+                "unfinished": [{"actions": ["", ""]}]}
+
+
+class PaysAlongTheWayEnv(TurnLimitPayingEnv):
+    """Reports a reward of 1.0 on steps that do not end the episode: an unfinished episode already stands at 1."""
+
+    def step(self, action):
+        from slime_ascend.compaction.env import StepResult
+
+        self.turns += 1
+        if action == "42":
+            return StepResult("", True, 1.0)
+        return StepResult("", True, 0.0) if self.turns >= self.max_turns else StepResult("go on", False, 1.0)
+
+
+def test_an_environment_that_pays_for_reaching_its_turn_limit_is_caught_by_the_no_op_played_to_the_end():
+    with pytest.raises(VerifierGateError, match=r"fails the no_action check \(case 0\): a run where the agent did "
+                                                 r"nothing got reward 1.0"):
+        gate(_args(ascend_compaction_env=f"{HERE}.TurnLimitPayingEnv", ascend_compaction_env_reward=True),
+             ["compaction", "verifier-gate"])
+
+
+def test_an_unfinished_episode_is_scored_as_it_stands_not_zeroed_by_the_harness():
+    with pytest.raises(VerifierGateError, match=r"fails the unfinished check \(case 0\): an unfinished run got "
+                                                 r"reward 1.0"):
+        gate(_args(ascend_compaction_env=f"{HERE}.PaysAlongTheWayEnv", ascend_compaction_env_reward=True),
+             ["compaction", "verifier-gate"])
+
+
+def test_the_no_op_run_stops_at_the_end_of_the_episode_and_at_the_turn_limit():
+    from slime_ascend.verifiers.gate import EnvRun
+    from slime_ascend.verifiers.scoring import MAX_NOOP_TURNS, env_scorer
+
+    steps = []
+
+    class Endless(TurnLimitPayingEnv):
+        max_turns = None
+
+        def step(self, action):
+            from slime_ascend.compaction.env import StepResult
+
+            steps.append(action)
+            return StepResult("go on", False, None)
+
+    assert env_scorer(Endless)(EnvRun(("x", ""), until_done=True)) is None
+    assert steps == ["x"] + [""] * (MAX_NOOP_TURNS - 1)  # the declared actions, then the last one repeated
+    steps.clear()
+    assert env_scorer(Endless)(EnvRun(("x", ""))) is None and steps == ["x", ""]  # not marked: as declared
 
 
 def _math_cases():
@@ -173,6 +310,17 @@ def test_check_verifiers_cli_reports_each_verifier(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n")
     refused = run(tmp_path / "list.yaml")
     assert refused.returncode == 2 and "not a mapping" in refused.stderr and "Traceback" not in refused.stderr
+    # a verifier that calls sys.exit(0) or never answers fails in one line; the command goes on and exits 1
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump({"ascend_plugins": "reward-mix", "ascend_verifier_gate_timeout_s": 3,
+                                    "ascend_reward_components": [{"name": "exit", "path": f"{HERE}.exiting_reward"},
+                                                                 {"name": "hang", "path": f"{HERE}.hanging_reward"}]}))
+    failed = run(both)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert f"verifier '{HERE}.exiting_reward' fails the no_action check (case 0): the verifier called sys.exit(0)" \
+        in failed.stdout
+    assert f"verifier '{HERE}.hanging_reward' fails the no_action check (case 0): no answer within 3 s" in failed.stdout
+    assert "2 verifier(s) fail the gate" in failed.stdout and "Traceback" not in failed.stderr
 
 
 @pytest.mark.slime

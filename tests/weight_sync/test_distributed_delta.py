@@ -14,6 +14,8 @@ from slime_ascend.weight_sync.distributed_delta import (
     delta_load_format,
     encode_delta,
     parse_delta_format,
+    tensor_digest,
+    version_digest,
 )
 
 
@@ -66,9 +68,13 @@ def test_malformed_deltas_are_refused():
     bad[0] = 10**9
     with pytest.raises(ValueError, match="outside"):
         decode_delta(old, _entries(new), counts, bad, blocks)
-    assert parse_delta_format(delta_load_format("7")) == (32, "7") and parse_delta_format(None) is None
-    with pytest.raises(ValueError, match="block_bytes"):
-        parse_delta_format("slime_ascend.quant_delta:x:7")
+    digest = "0123456789abcdef" * 2
+    assert parse_delta_format(delta_load_format("7", digest)) == (32, "7", digest) and parse_delta_format(None) is None
+    assert parse_delta_format(delta_load_format("run:7", digest, 7)) == (7, "run:7", digest)  # a ':' in a version
+    for bad in ("slime_ascend.quant_delta:x:7:" + digest, "slime_ascend.quant_delta:32:7",  # no digest: an old sender
+                "slime_ascend.quant_delta:32:7:" + digest[:-1], "slime_ascend.quant_delta:32::" + digest):
+        with pytest.raises(ValueError, match="block_bytes.*base digest"):
+            parse_delta_format(bad)
 
 
 def test_sender_keeps_the_base_only_when_every_engine_serves():
@@ -81,3 +87,24 @@ def test_sender_keeps_the_base_only_when_every_engine_serves():
     assert "g" not in sender.held  # one engine did not answer (a non-zero node rank, an SGLang engine)
     sender._received("g", version, pushed, [{"weight_version": "3", "serving": True}] * 2)
     assert sender.held["g"].version == "3" and set(sender.held["g"].tensors) == {n for n, _ in pushed}
+
+
+def test_the_base_digest_tells_other_bytes_under_one_label_apart():
+    """What a delta carries of its base (issue 40): the digest of the version as the sender sent it, which every
+    engine acknowledged; one changed byte, a changed dtype or shape, or a missing tensor changes it."""
+    from slime_ascend.weight_sync.distributed_delta import _Version
+
+    pushed = _version(0.0, "mxfp8")
+    sender = DeltaSender()
+    sender._received("g", _Version("3"), pushed, [{"weight_version": "3", "serving": True}])
+    digests = {n: tensor_digest(t) for n, t in pushed}
+    assert sender.held["g"].digest == version_digest(digests) and len(sender.held["g"].digest) == 32
+    name, tensor = pushed[0]
+    flipped = tensor.clone()
+    flipped.view(torch.uint8).view(-1)[-1] ^= 1
+    assert tensor_digest(flipped) != digests[name]
+    assert tensor_digest(tensor.view(torch.uint8)) != digests[name]  # same bytes, another dtype
+    assert tensor_digest(tensor.reshape(-1)) != digests[name]  # same bytes, another shape
+    assert version_digest({**digests, name: tensor_digest(flipped)}) != version_digest(digests)
+    assert version_digest({n: d for n, d in digests.items() if n != name}) != version_digest(digests)
+    assert tensor_digest(tensor.t().contiguous().t()) == digests[name]  # the bytes in C order, however laid out

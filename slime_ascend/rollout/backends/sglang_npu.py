@@ -12,7 +12,8 @@ What it produces from the ``ascend_rollout_*`` settings:
   as it does on CUDA, where slime already strips ``PYTORCH_CUDA_ALLOC_CONF``).
 
 Both reach the engine through the runtime patch ``engine.sglang_npu_launch`` (installed at
-process start by this plugin). :func:`validate_server_args` checks produced arguments against the
+process start by this plugin); the HCCL port ranges also reach the train actors (``train.hccl_port_env``, as
+each starts), since CANN wants every card of a communicator to set them if one does. :func:`validate_server_args` checks produced arguments against the
 installed SGLang; :func:`check_sglang_fixes` checks that the installed SGLang contains the
 engine fixes slime's NPU fork had to patch in (``docker/npu_patch/sglang.patch``).
 """
@@ -31,7 +32,9 @@ from . import RolloutBackend
 
 logger = logging.getLogger("slime_ascend.rollout")
 
-ALLOC_CONF_ENVS = ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+from ...host import ALLOC_CONF_ENVS
+
+HCCL_PORT_ENVS = ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE")
 # Keys that must have our value: a conflicting user value is an error, not a preference.
 REQUIRED_KEYS = ("device",)
 
@@ -230,11 +233,56 @@ def apply_env(env: Mapping[str, str], environ: dict[str, str] | None = None) -> 
             if stripped != environ[name]:
                 environ[name] = stripped
                 changed[name] = stripped
-    for name, value in env.items():
-        if name not in environ:
-            environ[name] = value
-            changed[name] = value
+    return {**changed, **fill_unset(env, environ)}
+
+
+def fill_unset(env: Mapping[str, str], environ: dict[str, str]) -> dict[str, str]:
+    """Set each of ``env`` in ``environ`` where unset (a value the job already has wins); returns what was set."""
+    changed = {name: value for name, value in env.items() if name not in environ}
+    environ.update(changed)
     return changed
+
+
+# -- HCCL port ranges: the same in every process of a communicator ------------------------------
+# CANN (HCCL_HOST_SOCKET_PORT_RANGE / HCCL_NPU_SOCKET_PORT_RANGE): in a multi-card job, if one card of a
+# communicator sets the range, every card must. The engines slime launches get them from the launch bridge
+# (engine.sglang_npu_launch, where the job left them unset); the weight-update group joins those engines with the
+# train actors, which get the same values the same way as they start (train.hccl_port_env), and so does every
+# Megatron group among the train actors.
+def launches_engines(args: Any) -> bool:
+    """slime starts the SGLang engines itself (the bridge runs in them): not external ones, not a train-only run."""
+    return not getattr(args, "rollout_external_engine_addrs", None) and not getattr(args, "debug_train_only", False)
+
+
+def hccl_env(args: Any) -> dict[str, str]:
+    """The HCCL port-range variables the bridge sets in the engines where the job leaves them unset."""
+    return {k: v for k, v in BACKEND.env(BACKEND.options_from_args(args)).items() if k in HCCL_PORT_ENVS}
+
+
+def apply_train_env(args: Any, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """In a train actor, before its process groups: the engines' HCCL port ranges where unset (returns what was
+    set). Nothing where slime starts no engine (external engines keep whatever their own launch gave them)."""
+    if not launches_engines(args):
+        return {}
+    return fill_unset(hccl_env(args), os.environ if environ is None else environ)
+
+
+def hccl_problem(args: Any, environ: Mapping[str, str]) -> str | None:
+    """A port range that would differ between the train actors and the engines slime launches (only
+    ``--train-env-vars`` can make them differ: both sides fill the same values where the job has none)."""
+    if not launches_engines(args):
+        return None
+    train_env = getattr(args, "train_env_vars", None)
+    train_env = train_env if isinstance(train_env, Mapping) else {}
+    for name, ours in hccl_env(args).items():
+        engine = environ.get(name, ours)
+        train = train_env.get(name, engine)
+        if train != engine:
+            return (f"sglang-npu: {name} would be {train!r} in the train actors (--train-env-vars) but {engine!r} in "
+                    "the engines; CANN requires every card of an HCCL communicator (the weight-update group joins "
+                    f"them) to set the same range. Fix: drop {name} from --train-env-vars, or export one value for "
+                    "the whole job (before `ray start` and in its runtime env)")
+    return None
 
 
 def fill_server_args(
@@ -311,5 +359,10 @@ def validate_plugin(args: Any, settings: Any) -> None:
     routes = refusal(args, managed_engines_add_routes=False)  # SGLang adds them only when the request asks
     if routes:
         problems.append(routes)
+    from ...plugins import runtime
+
+    hccl = hccl_problem(args, runtime.environ())
+    if hccl:
+        problems.append(hccl.removeprefix("sglang-npu: "))
     if problems:
         raise SettingsError("sglang-npu: " + "; ".join(problems))

@@ -14,3 +14,8 @@ DEFAULT_MAX_NEW_TOKENS_LIMIT = 16384
 DEFAULT_MAX_TOP_LOGPROBS = 1 << 22
 # Most values one /get_weights_by_name answer may hold (weight_read.py; about 80 MB of JSON at most)
 DEFAULT_MAX_WEIGHT_VALUES = 1 << 22
+# Most bytes one /get_weights_by_name answer may take (weight_read.py: its worst-case JSON size, checked before it
+# is built; 100 rows of a 7168-wide GLM-5 embedding take 18 MB), and most bytes of such answers being built or sent
+# at once, over all connections (a client that never reads holds its answer's bytes until --timeout)
+DEFAULT_MAX_WEIGHT_ANSWER_BYTES = 32 << 20
+DEFAULT_MAX_WEIGHT_BYTES_IN_FLIGHT = 128 << 20

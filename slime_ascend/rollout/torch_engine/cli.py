@@ -8,10 +8,10 @@ import socket
 from typing import Any
 
 from ...command import ArgumentParser
-from ..http_server import (BoundedThreadingHTTPServer, add_server_flags, make_server, positive_int, serve_until_interrupted,
-                           server_options)
+from ..http_server import (BoundedThreadingHTTPServer, add_server_flags, make_server, positive_float, positive_int,
+                           serve_until_interrupted, server_options)
 from . import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOP_LOGPROBS,
-               DEFAULT_MAX_WEIGHT_VALUES)
+               DEFAULT_MAX_WEIGHT_ANSWER_BYTES, DEFAULT_MAX_WEIGHT_BYTES_IN_FLIGHT, DEFAULT_MAX_WEIGHT_VALUES)
 
 from .prefix_cache import DEFAULT_MAX_ENTRIES as DEFAULT_PREFIX_CACHE_ENTRIES
 from .prefix_cache import DEFAULT_MAX_TOKENS as DEFAULT_PREFIX_CACHE_TOKENS
@@ -75,6 +75,13 @@ def build_parser() -> ArgumentParser:
                         "positions, over a batch (default %(default)s)")
     limits.add_argument("--max-weight-values", type=positive_int, default=DEFAULT_MAX_WEIGHT_VALUES,
                         help="most values in one /get_weights_by_name answer (default %(default)s)")
+    limits.add_argument("--max-weight-answer-bytes", type=positive_int, default=DEFAULT_MAX_WEIGHT_ANSWER_BYTES,
+                        help="most bytes of one /get_weights_by_name answer, its worst-case JSON size; more is a 413 "
+                        "(default %(default)s)")
+    limits.add_argument("--max-weight-bytes-in-flight", type=positive_int,
+                        default=DEFAULT_MAX_WEIGHT_BYTES_IN_FLIGHT,
+                        help="most bytes of /get_weights_by_name answers being built or sent at once, over all "
+                        "connections; more is a 503 with Retry-After (default %(default)s)")
     add_server_flags(limits)
     cache = parser.add_argument_group("prefix cache (KV of earlier requests, reused only under the weight version "
                                       "that computed them)")
@@ -90,19 +97,38 @@ def build_parser() -> ArgumentParser:
                         help="write each request's DSA key sets, per layer and fed position, to DIR/rollout-*.pt (a "
                         "GLM-5 model; compared with the train side's by `slime-ascend dsa-index-sets`)")
     sync = parser.add_argument_group("weight sync over a process group (/update_weights_from_distributed)")
-    sync.add_argument("--weight-group-timeout", type=float, default=None, metavar="S",
-                      help="seconds to join a weight-update group, and for one bucket's tensors to arrive "
-                      "(default 120); a broadcast that breaks off leaves the old version serving")
+    sync.add_argument("--weight-group-timeout", type=positive_float, default=None, metavar="S",
+                      help="seconds to join a weight-update group (one deadline for the whole join), and for one "
+                      "bucket's tensors to arrive; > 0 (default 120); a broadcast that breaks off leaves the old "
+                      "version serving")
     sync.add_argument("--keep-received-weights", default=None, metavar="DIR",
                       help="also write each version that served, as received (the bytes on the wire), to "
                       "DIR/weight_vNNNNNN/model.safetensors")
     return parser
 
 
+def _check_start(model: str | None) -> None:
+    """What would fail inside a loader, named first in one line (UserError): a transformers outside the range or
+    beside a leftover ``kernels``, a checkpoint directory that is missing or holds a truncated or foreign shard."""
+    from ...command import UserError
+    from ...compat import transformers_stack
+    from ...opd.safetensors_dir import validate_safetensors_dir
+
+    transformers_stack.check()
+    if model is None:  # the built-in tiny model
+        return
+    try:
+        validate_safetensors_dir(model)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(f"--model {model}: {exc}. Fix: pass a checkpoint directory with its *.safetensors shards "
+                        "(write or download it again if a shard is truncated)") from None
+
+
 def serve_torch(argv: list[str] | None = None) -> int:
     """CLI entry: ``slime-ascend serve-torch --model DIR --host 127.0.0.1 --port PORT``: load the
     torch engine and serve it until interrupted."""
     args = build_parser().parse_args(argv)  # before torch is imported: --help answers at once
+    _check_start(args.model)
     # listening before torch is imported and the model loads: a client that connects meanwhile waits in the
     # accept queue for its answer instead of being refused (a launcher need not poll until the load is done)
     listener = _listen(args.host, args.port, args.backlog)
@@ -114,6 +140,8 @@ def serve_torch(argv: list[str] | None = None) -> int:
                              max_batch_size=args.max_batch_size, max_prompt_tokens=args.max_prompt_tokens,
                              max_new_tokens=args.max_new_tokens, max_top_logprobs=args.max_top_logprobs,
                              max_weight_values=args.max_weight_values,
+                             max_weight_answer_bytes=args.max_weight_answer_bytes,
+                             max_weight_bytes_in_flight=args.max_weight_bytes_in_flight,
                              prefix_cache_tokens=args.prefix_cache_tokens,
                              prefix_cache_entries=args.prefix_cache_entries,
                              enable_return_routed_experts=args.enable_return_routed_experts,

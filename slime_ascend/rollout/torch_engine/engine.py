@@ -43,9 +43,10 @@ Semantics mirrored from SGLang (checked against the installed ``sglang`` sources
 
 Bounded work: per request, at most ``max_batch_size`` prompts, ``max_prompt_tokens`` prompt tokens in
 all, ``max_new_tokens`` new tokens per prompt and ``max_top_logprobs`` top-k entries in its answer, and at most
-``max_weight_values`` values in a ``/get_weights_by_name`` answer (:mod:`.weight_read`: SGLang's values of one
-served tensor, and with ``return_raw`` its exact bytes) (413/400 beyond, naming the limit: a small request cannot
-ask for a huge answer); a request whose
+``max_weight_values`` values and ``max_weight_answer_bytes`` bytes in a ``/get_weights_by_name`` answer
+(:mod:`.weight_read`: SGLang's values of one served tensor, and with ``return_raw`` its exact bytes) (413/400
+beyond, naming the limit: a small request cannot ask for a huge answer), and at most ``max_weight_bytes_in_flight``
+bytes of such answers at once over all connections (503 beyond); a request whose
 client has disconnected is aborted at the next decode step; ``abort_request`` and an aborting pause
 also abort the prompts of a batch still queued behind the running one.
 
@@ -74,13 +75,16 @@ from typing import Any
 import torch
 
 from slime_ascend.rollout.torch_engine import model as reference_model
+from slime_ascend.rollout.torch_engine.dump_dir import check_dump_dir, write_file
 from slime_ascend.rollout.torch_engine.glm5 import IndexSetRecorder
 from slime_ascend.rollout.torch_engine.memory import MemoryOccupation
 from slime_ascend.rollout.torch_engine.prefix_cache import (DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS, PrefixCache,
                                                              unsupported)
 from slime_ascend.rollout.torch_engine.tensor_update import TensorUpdate
 from slime_ascend.rollout.torch_engine.weight_group import WeightGroup
-from slime_ascend.rollout.torch_engine.weight_read import DEFAULT_MAX_WEIGHT_VALUES, WeightRead
+from slime_ascend.rollout.torch_engine.weight_read import (DEFAULT_MAX_WEIGHT_ANSWER_BYTES,
+                                                           DEFAULT_MAX_WEIGHT_BYTES_IN_FLIGHT,
+                                                           DEFAULT_MAX_WEIGHT_VALUES, WeightRead)
 from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
                                                   check_positive_ints, check_weight_version, next_weight_version)
@@ -94,6 +98,7 @@ _DEFAULT_MAX_NEW_TOKENS = 128
 
 from . import (  # noqa: E402
     DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOP_LOGPROBS)
+_DUMP_NAME_TRIES = 100  # record names tried past ones that exist (never opened: dump_dir.py)
 _DISCONNECT_POLL_S = 0.25  # how often a request held by pause/update checks its client
 
 # sampling_params keys SGLang accepts that this engine honours.
@@ -319,13 +324,19 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         max_new_tokens: highest ``sampling_params.max_new_tokens`` accepted (400 beyond).
         max_weight_values: most values one ``/get_weights_by_name`` answer may hold (413 beyond;
             :mod:`.weight_read`).
+        max_weight_answer_bytes: most bytes one ``/get_weights_by_name`` answer may take (its worst-case JSON size;
+            413 beyond).
+        max_weight_bytes_in_flight: most bytes of ``/get_weights_by_name`` answers built or being sent at once,
+            over all connections (503 with ``Retry-After`` beyond).
         prefix_cache_tokens: most KV positions the cross-request prefix cache keeps (:mod:`.prefix_cache`:
             reused only under the weight version that computed them); 0 (default) turns it off.
         prefix_cache_entries: most prefixes it keeps.
         enable_return_routed_experts: every answer carries its routes (an MoE model).
         dump_dsa_index_sets: a directory where each request's DSA key sets are written (a GLM-5 model): the
             rollout record of :mod:`slime_ascend.dsa.index_sets`, ``rollout-<pid>-<n>.pt``, for comparing the
-            rollout side's selections with the train side's.
+            rollout side's selections with the train side's. Each file is created new, never through a link
+            (:mod:`.dump_dir`); a directory of another user, or world-writable without the sticky bit, is refused;
+            a write that fails (a full disk) stops dumping with one warning while generation goes on.
     """
 
     engine_name = "the torch engine"  # in the HTTP surface's messages
@@ -342,6 +353,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
         max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
         max_weight_values: int = DEFAULT_MAX_WEIGHT_VALUES,
+        max_weight_answer_bytes: int = DEFAULT_MAX_WEIGHT_ANSWER_BYTES,
+        max_weight_bytes_in_flight: int = DEFAULT_MAX_WEIGHT_BYTES_IN_FLIGHT,
         prefix_cache_tokens: int = DEFAULT_MAX_TOKENS,
         prefix_cache_entries: int = DEFAULT_MAX_ENTRIES,
         enable_return_routed_experts: bool = False,
@@ -349,7 +362,12 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
                             max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs,
-                            max_weight_values=max_weight_values)
+                            max_weight_values=max_weight_values, max_weight_answer_bytes=max_weight_answer_bytes,
+                            max_weight_bytes_in_flight=max_weight_bytes_in_flight)
+        self._init_weight_read(max_weight_answer_bytes, max_weight_bytes_in_flight)
+        # the dump directory is checked before the model loads: refused at start, in one line (dump_dir.py)
+        index_dump = (None if dump_dsa_index_sets is None
+                      else check_dump_dir(dump_dsa_index_sets, "--dump-dsa-index-sets"))
         self.max_weight_values = max_weight_values
         self.max_top_logprobs = max_top_logprobs
         self.max_batch_size = max_batch_size
@@ -393,9 +411,9 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 raise ValueError(f"dump_dsa_index_sets needs a DSA model (GLM-5, glm_moe_dsa); this checkpoint is a "
                                  f"{self.model.config.model_type}. Fix: drop --dump-dsa-index-sets, or serve a GLM-5 "
                                  "checkpoint")
-            self._index_dump = Path(dump_dsa_index_sets)
-            self._index_dump.mkdir(parents=True, exist_ok=True)
+            self._index_dump = index_dump
             self._index_dump_count = itertools.count()
+        self._index_dump_lock = threading.Lock()  # the one warning when a dump write fails (dumping stops)
 
         # a checkpoint of this architecture holds at most 8 bytes a parameter (float64), plus headers
         numel = sum(t.numel() for t in self.model.state_dict().values())
@@ -452,6 +470,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "max_new_tokens": self.max_new_tokens,
             "max_top_logprobs": self.max_top_logprobs,
             "max_weight_values": self.max_weight_values,
+            **self.weight_read_info(),  # weight_read.py: the answer limits and the bytes of answers in flight
             "enable_return_routed_experts": self.enable_return_routed_experts,  # slime checks it under replay
             "routed_experts_in_every_answer": self.enable_return_routed_experts,  # rollout.replay_routes reads it
             "disable_radix_cache": not self._prefix_cache.enabled,  # SGLang's field
@@ -1003,7 +1022,31 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             width = max(p.shape[1] for p in parts)
             layers[layer] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
         record = {"tokens": list(fed), "start": int(reused), "weight_version": weight_version, "layers": layers}
-        torch.save(record, self._index_dump / f"rollout-{os.getpid()}-{next(self._index_dump_count):06d}.pt")
+        directory = self._index_dump
+        if directory is None:  # dumping stopped meanwhile
+            return
+        try:
+            for _ in range(_DUMP_NAME_TRIES):
+                name = f"rollout-{os.getpid()}-{next(self._index_dump_count):06d}.pt"
+                try:  # a new file, never through a link planted under its name (dump_dir.py)
+                    write_file(directory, name, lambda f: torch.save(record, f))
+                    return
+                except FileExistsError:
+                    logger.warning("--dump-dsa-index-sets: %s already exists in %s (not ours: left alone); the record "
+                                   "takes the next number", name, directory)
+            raise FileExistsError(f"{_DUMP_NAME_TRIES} record names in a row already exist")
+        except (OSError, RuntimeError) as exc:  # a full disk (torch.save's C++ writer raises RuntimeError)
+            self._stop_dumping(directory, exc)
+
+    def _stop_dumping(self, directory: Path, exc: BaseException) -> None:
+        """A dump write failed: one warning, no more dumping; generation goes on."""
+        with self._index_dump_lock:
+            if self._index_dump is None:
+                return
+            self._index_dump = None
+        logger.warning("--dump-dsa-index-sets %s: writing a record failed (%s); dumping stops, generation goes on. "
+                       "Fix: free space there (or name another directory) and restart the engine to dump again",
+                       directory, " ".join(f"{type(exc).__name__}: {exc}".split())[:300])
 
     def _top_entries(self, log_probs: torch.Tensor, req: _Request) -> list[list[Any]]:
         """The ``top_logprobs_num`` largest of one position's log-probs ``[V]``, ``[logprob, id, text]`` each."""

@@ -74,11 +74,14 @@ _METADATA_CLASSES = {
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
     ("sglang.srt.model_executor.model_runner", "FlattenedTensorMetadata"),
 }
+# What ForkingPickler writes for CPU tensors under the file_system strategy (listed by unpickling sglang's
+# FlattenedTensorBucket and (name, tensor) lists, every pickle protocol, with torch 2.14): no path to an arbitrary
+# callable. Not here, on purpose: torch.storage._load_from_bytes (torch.load(weights_only=False) of bytes from the
+# wire: any code; torch only writes it for plain pickle.dumps of a storage, never for ForkingPickler's shared
+# handles), and an unrestricted builtins.getattr (getattr chains reach every module: see _torch_dtype).
 _ALLOWED_GLOBALS = {
     ("builtins", "list"), ("builtins", "dict"), ("builtins", "tuple"), ("builtins", "slice"),
-    ("builtins", "getattr"),  # torch pickles dtypes/Size members through getattr(torch, name)
     ("collections", "OrderedDict"),
-    ("copyreg", "_reconstructor"), ("builtins", "object"),
     ("torch", "Size"), ("torch", "Tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
@@ -86,16 +89,29 @@ _ALLOWED_GLOBALS = {
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
     ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
     ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"),
-    ("torch.storage", "_load_from_bytes"),
 }
 _FD_GLOBALS = {("torch.multiprocessing.reductions", "rebuild_storage_fd"), ("multiprocessing.resource_sharer", "DupFd")}
 
 
+def _torch_dtype(obj: Any, name: Any) -> torch.dtype:
+    """What an old-protocol pickle's ``getattr(torch, "bfloat16")`` may fetch: a dtype of torch, nothing else."""
+    value = getattr(torch, name, None) if obj is torch and isinstance(name, str) else None
+    if not isinstance(value, torch.dtype):
+        what = getattr(obj, "__name__", type(obj).__name__)
+        raise RequestError(f"update_weights_from_tensor: refusing getattr({what}, {str(name)[:40]!r}) (only "
+                           "getattr(torch, <dtype name>) is accepted)")
+    return value
+
+
 class TensorUnpickler(pickle.Unpickler):
     """Unpickles what slime's ``MultiprocessingSerializer`` writes for CPU tensors, nothing else: torch's
-    rebuild functions, dtypes, plain containers, and sglang's metadata (into :class:`FlattenedTensorMetadata`)."""
+    rebuild functions, dtypes, plain containers, and sglang's metadata (into :class:`FlattenedTensorMetadata`).
+    No path to an arbitrary callable: ``torch.storage._load_from_bytes`` is refused and ``getattr`` fetches
+    torch's dtypes only."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _torch_dtype
         if (module, name) in _METADATA_CLASSES:
             return FlattenedTensorMetadata
         if (module, name) in _FD_GLOBALS:

@@ -22,15 +22,20 @@ been checked, with the same checks and the same switch as ``update_weights_from_
   keeps serving, and the next ``init_weights_update_group`` and update work;
 * gloo carries no float8: a float8 tensor travels as its bytes (``uint8``, same count), as the train side
   sends it (:mod:`slime_ascend.weight_sync.wire`; runtime patch ``train.gloo_float8_broadcast``);
-* a **delta** bucket (``load_format`` ``slime_ascend.quant_delta:<block_bytes>:<base>``, sent with a sync plugin's
-  ``distributed_delta`` setting: :mod:`slime_ascend.weight_sync.distributed_delta`) carries only the changed
+* a **delta** bucket (``load_format`` ``slime_ascend.quant_delta:<block_bytes>:<base>:<digest>``, sent with a sync
+  plugin's ``distributed_delta`` setting: :mod:`slime_ascend.weight_sync.distributed_delta`) carries only the changed
   blocks of a quantised version; they are applied into copies of the served version's tensors and the result is
   staged, checked and switched to as a full bucket would be (byte-identical). A delta against a version this
-  engine does not serve is answered ``{"success": false, "delta_refused": true}`` (its bytes taken, nothing
+  engine does not serve, or against other bytes than it serves under that version (the delta's base digest is not
+  the served version's), is answered ``{"success": false, "delta_refused": true}`` (its bytes taken, nothing
   staged) and the sender pushes the version whole; a full bucket of a version staged from deltas restarts it.
   Every answer names ``weight_version`` and whether it now ``serving`` (the sender keeps its base by it);
 * ``keep_dir`` (``serve-torch --keep-received-weights DIR``): each version that served is also written, as
-  received (the bytes on the wire), to ``DIR/weight_v{version:06d}/model.safetensors``.
+  received (the bytes on the wire), to ``DIR/weight_v{version:06d}/model.safetensors`` (never through a link; a
+  directory of another user, or world-writable without the sticky bit, is refused at start: :mod:`.dump_dir`);
+* ``timeout_s`` (``serve-torch --weight-group-timeout``, > 0) is one deadline for the whole of
+  ``init_weights_update_group`` (waiting for the master's store, connecting, the group's rendezvous) and the time
+  one bucket's tensors may take to arrive.
 
 API (a benchmark may drive it directly): ``WeightGroupReceiver(engine, timeout_s=..., keep_dir=...)`` then
 :meth:`~WeightGroupReceiver.init_group`, :meth:`~WeightGroupReceiver.receive`,
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,8 +63,11 @@ from typing import Any
 import torch
 
 from slime_ascend.rollout.sglang_protocol import RequestError, check_weight_version
-from slime_ascend.weight_sync.distributed_delta import WIRE_NAMES, decode_delta, parse_delta_format
+from slime_ascend.weight_sync.distributed_delta import (WIRE_NAMES, decode_delta, parse_delta_format,
+                                                       tensor_digest, version_digest)
 from slime_ascend.weight_sync.wire import wire_view
+
+from .dump_dir import check_dump_dir, private_subdir, replace_file
 
 __all__ = ["DEFAULT_TIMEOUT_S", "WIRE_DTYPES", "WeightGroup", "WeightGroupReceiver", "join_group", "wire_view"]
 
@@ -72,20 +81,49 @@ WIRE_DTYPES = {name: getattr(torch, name) for name in (
 SUPPORTED_BACKENDS = ("gloo",)
 
 
+def _wait_for_port(host: str, port: int, deadline: float) -> None:
+    """Until ``host:port`` accepts a TCP connection (the master's store is up), at most until ``deadline``
+    (``time.monotonic()``); TimeoutError naming the last failure after it. torch's store client would instead try
+    twice, each try waiting the whole timeout (an unreachable master took 2x the timeout and more)."""
+    delay, last = 0.05, None
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 5.0)):
+                return
+        except OSError as exc:
+            last = exc
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+        delay = min(2 * delay, 1.0)
+    raise TimeoutError(f"{host}:{port} accepted no connection ({last or 'no time left'})")
+
+
 def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """Join slime's weight-update group as ``rank``: the rendezvous of slime's ``init_process_group``
     (``slime/utils/distributed_utils.py``; SGLang's ``init_custom_process_group``): a TCP store at the master,
-    prefixed by ``group_name``. No default process group is needed; returns the process group."""
+    prefixed by ``group_name``. No default process group is needed; returns the process group.
+
+    One deadline, ``timeout_s`` from the call, covers the whole join: waiting for the master's store to accept
+    (rank > 0), connecting to it and the process group's rendezvous each get what is left of it."""
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
                                                     rendezvous)
 
-    timeout = timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> timedelta:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no time left of the {timeout_s:g}s to join")
+        return timedelta(seconds=remaining)
+
+    if rank != 0:  # rank 0 hosts the store
+        _wait_for_port(master_address, master_port, deadline)
     host = f"[{master_address}]" if ":" in master_address else master_address
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=left()))
+    store.set_timeout(left())
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, backend_options=None, timeout=timeout)
+                                         group_name=group_name, backend_options=None, timeout=left())
+    store.set_timeout(timedelta(seconds=timeout_s))
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # as slime's: dist.broadcast(group=) finds it
     return group
 
@@ -165,10 +203,12 @@ class WeightGroupReceiver:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.engine = engine
         self.timeout_s = float(timeout_s)
-        self.keep_dir = keep_dir
+        # created and checked now: refused at start, in one line (dump_dir.py)
+        self.keep_dir = None if keep_dir is None else check_dump_dir(keep_dir, "--keep-received-weights")
         self._lock = threading.Lock()  # one group call at a time
         self._groups: dict[str, tuple[Any, str]] = {}  # name -> (process group, backend)
         self._staged: _Staged | None = None
+        self._served_digest: tuple[dict[str, torch.Tensor], str] | None = None  # (served tensors, their digest)
 
     # ------------------------------------------------------------------ group
     def init_group(self, master_address: Any, master_port: Any, rank_offset: Any, world_size: Any,
@@ -259,7 +299,7 @@ class WeightGroupReceiver:
                 wire = [(n, t) for n, t in buffers if t.numel()]  # the sender skips empty ones too
             staged, refusal, delta_refusal, base_tensors = None, None, None, None
             if delta is not None:
-                delta_refusal, base_tensors = self._delta_base(delta[1])
+                delta_refusal, base_tensors = self._delta_base(delta[1], delta[2])
             if delta_refusal is None:
                 try:
                     staged = self._stage_for(version, None if delta is None else delta[1])
@@ -308,9 +348,11 @@ class WeightGroupReceiver:
                 self._drop_staged("it was refused")
                 raise
 
-    def _delta_base(self, base: str) -> tuple[str | None, dict[str, torch.Tensor] | None]:
+    def _delta_base(self, base: str, digest: str) -> tuple[str | None, dict[str, torch.Tensor] | None]:
         """``(why a delta against base cannot be applied here, None)`` or ``(None, the tensors of base)``: the
-        engine must serve ``base`` as quantised tensors (``_served_checkpoint``), read under its update lock."""
+        engine must serve ``base`` as quantised tensors (``_served_checkpoint``, read under its update lock) whose
+        :func:`version_digest` is ``digest`` (the bytes the sender acknowledged under that label; computed once per
+        served version)."""
         engine = self.engine
         with engine._update_lock:
             served, version = getattr(engine, "_served_checkpoint", None), engine.weight_version
@@ -320,6 +362,11 @@ class WeightGroupReceiver:
             return "this engine holds no quantised version now (its weights are released)", None
         if str(version) != base:
             return f"this engine serves weight version {version}, not the delta's base {base}", None
+        if self._served_digest is None or self._served_digest[0] is not served:
+            self._served_digest = (served, version_digest({n: tensor_digest(t) for n, t in served.items()}))
+        if self._served_digest[1] != digest:
+            return (f"this engine serves other bytes under weight version {base} than the sender acknowledged (base "
+                    f"digest {self._served_digest[1]} here, {digest} in the delta)"), None
         return None, served
 
     @staticmethod
@@ -440,15 +487,19 @@ class WeightGroupReceiver:
                     staged.version, staged.buckets, engine.quantization or "unquantised",
                     "" if staged.base is None else f", a delta against version {staged.base}")
         if self.keep_dir is not None:
-            self._keep(staged)
+            try:
+                self._keep(staged)
+            except (OSError, ValueError) as exc:  # a full disk: the version serves anyway; say it once per version
+                logger.warning("--keep-received-weights: weight version %s serves but was not kept in %s (%s)",
+                               staged.version, self.keep_dir, " ".join(str(exc).split())[:300])
 
     def _keep(self, staged: _Staged) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         name = f"weight_v{int(staged.version):06d}" if staged.version.isdigit() else f"weight_{staged.version}"
-        out = Path(self.keep_dir) / name
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in staged.tensors.items()}, str(out / "model.safetensors"))
+        out = private_subdir(self.keep_dir, name)  # never a link, never another user's (dump_dir.py)
+        data = save({k: v.contiguous() for k, v in staged.tensors.items()})
+        replace_file(out, "model.safetensors", lambda f: f.write(data))
 
     def _drop_staged(self, why: str) -> None:
         staged, self._staged = self._staged, None
@@ -487,8 +538,8 @@ class WeightGroup:
 
     def configure_weight_group(self, timeout_s: float | None = None, keep_dir: str | None = None) -> None:
         """A new receiver with these settings (``timeout_s`` None: :data:`DEFAULT_TIMEOUT_S`); before any group."""
-        self.__dict__["_weight_group"] = WeightGroupReceiver(self, timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
-                                                             keep_dir=keep_dir)
+        self.__dict__["_weight_group"] = WeightGroupReceiver(
+            self, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, keep_dir=keep_dir)
 
     def init_weights_update_group(self, body: Any) -> dict[str, Any]:
         return self.weight_group.init_group(**_fields(body, _INIT_KEYS, _INIT_KEYS[:5], "init_weights_update_group"))

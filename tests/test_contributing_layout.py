@@ -1,4 +1,5 @@
-"""README's Layout names every module of the package, so it answers "where does a change to X go"."""
+"""The Layout on the Contributing page (docs/contributing.md) names every module of the package, so it answers
+"where does a change to X go"."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _layout() -> str:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("## Layout")
-    end = readme.find("\n## ", start + 1)
-    return readme[start:] if end < 0 else readme[start:end]
+    page = (ROOT / "docs" / "contributing.md").read_text()
+    start = page.index("## Layout")
+    end = page.find("\n## ", start + 1)
+    return page[start:] if end < 0 else page[start:end]
 
 
 def test_layout_names_every_module():
@@ -20,7 +21,7 @@ def test_layout_names_every_module():
     modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "slime_ascend").rglob("*.py")
                      if p.name != "__init__.py")
     missing = [m for m in modules if not re.search(rf"\b{re.escape(Path(m).stem)}\b", layout)]
-    assert not missing, f"README's Layout does not name: {missing}"
+    assert not missing, f"the Layout in docs/contributing.md does not name: {missing}"
 
 
 def test_layout_names_every_package_folder():
