@@ -44,7 +44,8 @@ import pytest
 from slime_ascend.demo.slime_job import make_model, make_prompts, run_slime, slime_flags
 from test_slime_weight_sync import _cli, assert_same_tensors, quantize, slime_managed, tensors, torch_dist_to_hf
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.slime_managed_engines,
+              pytest.mark.timeout(1200)]
 
 NUM_ROLLOUT = 2
 BATCH, N_SAMPLES = 4, 2

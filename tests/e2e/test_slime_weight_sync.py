@@ -52,7 +52,8 @@ from slime_ascend.demo.slime_job import (
     stop,
 )
 
-pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.slime_managed_engines,
+              pytest.mark.timeout(1200)]
 
 NUM_ROLLOUT = 2
 

@@ -264,6 +264,7 @@ def test_the_rewrites_of_the_docstring_are_the_ones_checked():
 @pytest.mark.slime
 @pytest.mark.slow
 @pytest.mark.slime_loop
+@pytest.mark.slime_managed_engines
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_runs_one_rollout_in_slimes_loop(name, standin_root, tmp_path):
