@@ -6,7 +6,8 @@
 # cpu, where the npu path runs on the emulated Ascend device (slime_ascend.npu_emulation, a test double).
 #  1. the device conformance tests (pytest -m device): the npu accelerator's device operations on this device;
 #  2. slime-ascend check --device DEVICE: the numeric contracts (log-probs of the same token IDs along two paths,
-#     top-k determinism, the DSA top-k on the device against the CPU's);
+#     top-k determinism, the DSA top-k on the device against the CPU's); the torch engine on the device (on cpu:
+#     the emulated npu) against the same engine on the host;
 #  3. slime's own train.py, one rank, when slime is importable (SLIME_SRC or PYTHONPATH): on cpu, the npu plugin on
 #     the emulated device (tests/e2e/test_slime_npu_emulated.py, one-rank job); on cuda, the one-rank GRPO job of
 #     tests/e2e/test_slime_train_cpu.py (the cpu plugin keeps CUDA on a GPU host: its shims refuse to replace it);
@@ -46,6 +47,25 @@ run() {  # run NAME CMD...: one line per step, its status
 
 run conformance "$py" -m pytest -q -p no:cacheprovider -m device tests/accelerator
 run contracts "$py" -m slime_ascend.cli check --device "$device" --json ''
+# the torch engine on the device (on cpu: the emulated npu) against the same engine on the host: the same greedy and
+# seeded-sampling tokens, log-probs within 1e-4 (another device's kernels), weights on the device
+engine_device=$([ "$device" = cpu ] && echo npu || echo "$device")
+run engine-on-device env SLIME_ASCEND_EMULATE_NPU=$([ "$device" = cpu ] && echo 1 || echo 0) "$py" -c '
+import sys
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
+device = sys.argv[1]
+on_device, host = TorchEngine(device=device), TorchEngine(device="cpu")
+assert {p.device.type for p in on_device.model.parameters()} == {device}
+for params in ({"temperature": 0}, {"temperature": 0.8, "sampling_seed": 7}):
+    body = {"input_ids": [1, 17, 250, 3, 999, 42], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, **params}}
+    a, b = on_device.generate(dict(body)), host.generate(dict(body))
+    assert a["output_ids"] == b["output_ids"], (a["output_ids"], b["output_ids"])
+    gap = max(abs(x[0] - y[0]) for x, y in zip(a["meta_info"]["output_token_logprobs"],
+                                                b["meta_info"]["output_token_logprobs"]))
+    assert gap < 1e-4, gap
+    print(f"engine on {on_device.device}: {params}: tokens equal, log-prob gap {gap:.2e}")
+' "$engine_device"
 if [ "$slime" != yes ]; then
   echo "device-check: slime-loop: not run (slime or megatron not importable: set SLIME_SRC and install its stack)"
 elif [ "$device" = cpu ]; then

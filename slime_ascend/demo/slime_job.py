@@ -124,10 +124,13 @@ class Engine:
         return self.url.removeprefix("http://")
 
 
-def _spawn_engine(model_dir: Path, log: Path, engine_args: tuple[str, ...] = ()) -> Engine:
-    """``slime-ascend serve-torch`` on 127.0.0.1 (with ``engine_args``) started (not waited for)."""
+def _spawn_engine(model_dir: Path, log: Path, engine_args: tuple[str, ...] = (),
+                  extra_env: dict[str, str] | None = None) -> Engine:
+    """``slime-ascend serve-torch`` on 127.0.0.1 (with ``engine_args``, ``extra_env`` added to its environment)
+    started (not waited for)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
+    env.update(extra_env or {})
     cmd = [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), *engine_args]
     with log.open("w") as fh:  # the child keeps its own descriptor
@@ -166,15 +169,16 @@ def _wait_listening(eng: Engine, deadline: float, timeout: float) -> None:
 
 
 def start_engine(model_dir: Path, log: Path, timeout: float = 120, *, ready: bool = True,
-                 engine_args: tuple[str, ...] = ()) -> Engine:
-    """``slime-ascend serve-torch`` on 127.0.0.1 (with ``engine_args``, e.g. ``--enable-return-routed-experts``),
-    waited for until /health answers.
+                 engine_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> Engine:
+    """``slime-ascend serve-torch`` on 127.0.0.1 (with ``engine_args``, e.g. ``--enable-return-routed-experts``, and
+    ``extra_env`` in its environment, e.g. ``SLIME_ASCEND_EMULATE_NPU=1`` beside ``--device npu``), waited for until
+    /health answers.
 
     ``ready=False``: returned as soon as its port accepts connections, while it still imports torch and loads the
     model (3-5 s on a 2-core host); a request sent meanwhile waits in its accept queue and is answered once the
     model is loaded. For a caller that starts slime next: slime's own start (imports, Ray) overlaps the load,
     and slime's first request to the engine (its server-info query, 30 s timeout) waits for it."""
-    eng = _spawn_engine(model_dir, log, engine_args)
+    eng = _spawn_engine(model_dir, log, engine_args, extra_env)
     (_wait_healthy if ready else _wait_listening)(eng, time.monotonic() + timeout, timeout)
     return eng
 

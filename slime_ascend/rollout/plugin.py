@@ -98,6 +98,16 @@ VLLM_ASCEND = Plugin(
 )
 
 
+def _torch_device_problem(value: str) -> str | None:
+    from .torch_engine.device import check_name
+
+    try:
+        check_name(value)
+    except ValueError:
+        return "must be cpu, cuda, cuda:N, npu or npu:N"
+    return None
+
+
 TORCH_ENGINE = Plugin(
     name="torch-engine",
     description="the torch engine as slime's rollout engine: slime's own SGLangEngine actors start it in place of "
@@ -111,6 +121,10 @@ TORCH_ENGINE = Plugin(
                 "positions of earlier requests' KV each torch engine keeps for reuse (serve-torch "
                 "--prefix-cache-tokens; 0: off), reused only under the weight version that computed them",
                 check=lambda v: None if v >= 0 else "must be 0 (off) or a positive number of token positions"),
+        Setting("ascend_rollout_torch_device", str, "cpu",
+                "device each torch engine computes on (serve-torch --device): cpu, cuda[:N], npu[:N] (on an Ascend "
+                "host the NPU Ray gave the engine actor; SLIME_ASCEND_EMULATE_NPU=1: the emulated one)",
+                check=_torch_device_problem),
     ),
     # the engine actor's launch; CPU tensors of the colocated push as named shared memory the engine can open
     process_start=("slime_ascend.rollout.plugin.torch_engine_process_start",),

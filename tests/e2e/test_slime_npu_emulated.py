@@ -12,7 +12,7 @@ TransformerEngine passes (the local transformer, no TE/apex fusions); the spec :
 device-neutral (torch operators only, placed by Megatron on the current device).
 
 Each job runs stock slime (RayTrainGroup, RolloutManager, slime's router, Megatron train actors) against the torch
-engine serving an ``int8-w8a8`` checkpoint, with ``dis``, ``staleness`` and ``int8-sync`` (plus ``tito`` at one
+engine serving an ``int8-w8a8`` checkpoint on the emulated device too (``serve-torch --device npu``), with ``dis``, ``staleness`` and ``int8-sync`` (plus ``tito`` at one
 rank), and reads its evidence from slime's own output: the accelerator slime's registry picked in the train actor
 (``npu``, process groups ``hccl``), Ray placing the actors on ``NPU``, the step metrics, the weight versions the
 engine loaded (in int8), and a device probe slime itself calls at every train step
@@ -62,7 +62,9 @@ def _cli(*argv: str) -> None:
 def _run(model_dir: Path, tmp_path: Path, plugins: tuple[str, ...], tp: int):
     qdir = tmp_path / f"tiny-qwen3-{FMT}"
     _cli("quantize", str(model_dir), str(qdir), "--format", FMT)
-    engine = start_engine(qdir, tmp_path / "engine.log", ready=False)
+    # the engine computes on the emulated Ascend device too (serve-torch --device npu)
+    engine = start_engine(qdir, tmp_path / "engine.log", ready=False, engine_args=("--device", "npu"),
+                          extra_env={"SLIME_ASCEND_EMULATE_NPU": "1"})
     try:
         config = tmp_path / "ascend.yaml"
         _cli("config", *plugins, "-o", str(config))
@@ -148,6 +150,8 @@ def _check_npu_job(run, plugins: tuple[str, ...], tp: int, qdir: Path, tmp_path:
     for m in syncs:
         assert m["perf/weight_sync_quantized_params"] > 0 and 0 < m["perf/weight_sync_bytes"] < \
             m["perf/weight_sync_source_bytes"], m
+    # the engine served on the emulated NPU: every version slime pushed was copied onto it
+    assert re.search(r"^torch engine serving \S+ on npu:0 at http://", engine_log, re.M), engine_log[-3000:]
     weights = tmp_path / "weights"
     versions = sorted(p.name for p in weights.iterdir())
     assert versions == [f"weight_v{v:06d}" for v in range(1, NUM_ROLLOUT + 2)], versions

@@ -115,15 +115,26 @@ def test_launch_refuses_a_changed_target():
         p.install(modules={"slime.backends.sglang_utils.sglang_engine": fake})
 
 
+def build_parser_device(cmd: list[str]) -> str:
+    from slime_ascend.rollout.torch_engine.cli import build_parser
+
+    return build_parser().parse_args(cmd[cmd.index("serve-torch") + 1:]).device
+
+
 def test_engine_command_from_slime_server_args():
     from slime_ascend.rollout.backends import BackendError
     from slime_ascend.rollout.backends.torch_engine import BACKEND
 
     cmd = BACKEND.command({"model_path": "/m", "host": "[::1]", "port": 123, "random_seed": 5, "dtype": "float16"},
                           BACKEND.options())
-    assert cmd[-10:] == ["--model", "/m", "--host", "::1", "--port", "123", "--seed", "5", "--dtype", "float16"]
-    assert BACKEND.command({"model_path": "/m", "host": "h", "port": 1}, BACKEND.options({"torch_dtype": "bfloat16"})
-                           )[-1] == "bfloat16"
+    assert cmd[-12:] == ["--model", "/m", "--host", "::1", "--port", "123", "--seed", "5", "--dtype", "float16",
+                         "--device", "cpu"]
+    bf16 = BACKEND.command({"model_path": "/m", "host": "h", "port": 1}, BACKEND.options({"torch_dtype": "bfloat16"}))
+    assert bf16[bf16.index("--dtype") + 1] == "bfloat16"
+    # ascend_rollout_torch_device: where each engine computes (on an Ascend host, the NPU Ray gave the engine actor)
+    on_npu = BACKEND.command({"model_path": "/m", "host": "h", "port": 1}, BACKEND.options({"torch_device": "npu"}))
+    assert on_npu[on_npu.index("--device") + 1] == "npu"
+    assert build_parser_device(on_npu) == "npu"
     with pytest.raises(BackendError, match="--rollout-num-gpus-per-engine"):
         BACKEND.command({"model_path": "/m", "host": "h", "port": 1, "nnodes": 2}, BACKEND.options())
     assert "--prefix-cache-tokens" not in cmd  # off by default
@@ -146,3 +157,11 @@ def test_engine_command_from_slime_server_args():
     dumping = BACKEND.command({"model_path": "/m", "host": "h", "port": 1}, options)
     assert dumping[-2:] == ["--dump-dsa-index-sets", "/runs/dsa"]
     assert build_parser().parse_args(dumping[dumping.index("serve-torch") + 1:]).dump_dsa_index_sets == "/runs/dsa"
+
+
+def test_the_device_setting_refuses_a_name_the_engine_does_not_know():
+    from slime_ascend.rollout.plugin import TORCH_ENGINE
+
+    setting = next(s for s in TORCH_ENGINE.settings if s.key == "ascend_rollout_torch_device")
+    assert setting.default == "cpu" and setting.check("npu:1") is None and setting.check("cuda") is None
+    assert setting.check("tpu") == "must be cpu, cuda, cuda:N, npu or npu:N"

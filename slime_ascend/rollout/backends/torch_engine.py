@@ -53,7 +53,8 @@ class TorchEngineBackend(RolloutBackend):
         ``ascend_rollout_torch_prefix_cache_tokens`` above 0 turns the engine's prefix cache on; slime's
         ``enable_return_routed_experts`` (routing replay) makes every answer carry its routes;
         ``dsa_index_dump_dir`` (``dsa-determinism``'s ``ascend_dsa_index_dump_dir``) has it write each request's DSA
-        key sets there (``--dump-dsa-index-sets``)."""
+        key sets there (``--dump-dsa-index-sets``); ``ascend_rollout_torch_device`` is the device it computes on
+        (``--device``: on an Ascend host the NPU Ray gave the engine actor)."""
         nnodes = int(server_args.get("nnodes", 1) or 1)
         if nnodes != 1:
             raise BackendError(f"torch-engine: an engine spanning {nnodes} nodes (--rollout-num-gpus-per-engine above "
@@ -69,9 +70,10 @@ class TorchEngineBackend(RolloutBackend):
         routes = ["--enable-return-routed-experts"] if server_args.get("enable_return_routed_experts") else []
         dump = options.get("dsa_index_dump_dir")
         index_sets = ["--dump-dsa-index-sets", str(dump)] if dump else []
+        device = str(options.get("torch_device") or "cpu")
         return [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(server_args["model_path"]),
                 "--host", host, "--port", str(int(server_args["port"])),
-                "--seed", str(int(server_args.get("random_seed", 0) or 0)), "--dtype", dtype,
+                "--seed", str(int(server_args.get("random_seed", 0) or 0)), "--dtype", dtype, "--device", device,
                 *prefix_cache, *routes, *index_sets]
 
 

@@ -31,6 +31,17 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    import argparse
+
+    from .device import check_name
+
+    try:
+        return check_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _listen(host: str, port: int, backlog: int) -> socket.socket:
     """A TCP socket listening on (host, port) with the server's accept-queue depth (as socketserver binds it)."""
     sock = socket.socket(BoundedThreadingHTTPServer.address_family, socket.SOCK_STREAM)
@@ -63,6 +74,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--port", type=int, default=30000, help="port (0 picks a free one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", type=_device, default="cpu",
+                        help="where the weights, the KV cache and every forward live: cpu (default), cuda[:N], or "
+                        "npu[:N] (torch_npu; SLIME_ASCEND_EMULATE_NPU=1: the emulated Ascend device, a test double); "
+                        "answers are sampled on the host from each forward's logits")
     limits = parser.add_argument_group("limits (bounded work per request and per server)")
     limits.add_argument("--max-batch-size", type=positive_int, default=DEFAULT_MAX_BATCH_SIZE,
                         help="most prompts in one /generate request (default %(default)s)")
@@ -145,14 +160,14 @@ def serve_torch(argv: list[str] | None = None) -> int:
                              prefix_cache_tokens=args.prefix_cache_tokens,
                              prefix_cache_entries=args.prefix_cache_entries,
                              enable_return_routed_experts=args.enable_return_routed_experts,
-                             dump_dsa_index_sets=args.dump_dsa_index_sets)
+                             dump_dsa_index_sets=args.dump_dsa_index_sets, device=args.device)
     if args.weight_group_timeout is not None or args.keep_received_weights is not None:
         engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
     server = make_server(engine, host=args.host, port=0, **server_options(args))
     _adopt(server, listener)
     bound_host, bound_port = server.server_address[:2]
-    print(f"torch engine serving {engine.server_info()['model_path']} at http://{bound_host}:{bound_port}",
-          flush=True)
+    print(f"torch engine serving {engine.server_info()['model_path']} on {engine.device} at "
+          f"http://{bound_host}:{bound_port}", flush=True)
     serve_until_interrupted(server)
     return 0
 

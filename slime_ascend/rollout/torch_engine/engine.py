@@ -74,6 +74,7 @@ from typing import Any
 
 import torch
 
+from slime_ascend.rollout.torch_engine import device as engine_device
 from slime_ascend.rollout.torch_engine import model as reference_model
 from slime_ascend.rollout.torch_engine.dump_dir import check_dump_dir, write_file
 from slime_ascend.rollout.torch_engine.glm5 import IndexSetRecorder
@@ -359,12 +360,14 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         prefix_cache_entries: int = DEFAULT_MAX_ENTRIES,
         enable_return_routed_experts: bool = False,
         dump_dsa_index_sets: str | os.PathLike | None = None,
+        device: str = "cpu",
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
                             max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs,
                             max_weight_values=max_weight_values, max_weight_answer_bytes=max_weight_answer_bytes,
                             max_weight_bytes_in_flight=max_weight_bytes_in_flight)
         self._init_weight_read(max_weight_answer_bytes, max_weight_bytes_in_flight)
+        self.device = engine_device.resolve(str(device))  # device.py: checked before the model loads
         # the dump directory is checked before the model loads: refused at start, in one line (dump_dir.py)
         index_dump = (None if dump_dsa_index_sets is None
                       else check_dump_dir(dump_dsa_index_sets, "--dump-dsa-index-sets"))
@@ -381,6 +384,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         checkpoint = (reference_model.read_checkpoint(self.model_path, self.dtype)
                       if self.quantization is not None else None)
         self.model = reference_model.load_model(self.model_path, self.dtype, seed=seed, checkpoint=checkpoint)
+        self.model.to(self.device)  # loaded on the host (the seeded init, the checkpoint's tensors), served here
         self.tokenizer = reference_model.load_tokenizer(self.model_path)
         if return_original_logprob is None:
             return_original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true")
@@ -455,7 +459,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "weight_version": self.weight_version,
             "quantization": self.quantization,
             "dtype": str(self.dtype).replace("torch.", ""),
-            "device": "cpu",
+            "device": str(self.device),
             "random_seed": self.seed,
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
@@ -608,7 +612,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         if "weights" in self._released:
             return False
         with self._compute_lock, torch.no_grad():
-            logits = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False).logits
+            logits = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                                use_cache=False).logits
         return bool(torch.isfinite(logits.float()).all())
 
     def update_weights_from_disk(
@@ -873,7 +878,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                         index_sets: list[dict[int, torch.Tensor]] | None = None) -> tuple[Any, torch.Tensor]:
         with torch.no_grad():
             out = self.model(
-                input_ids=torch.tensor([ids], dtype=torch.long), **{self._cache_kwarg: past}, use_cache=True
+                input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), **{self._cache_kwarg: past},
+                use_cache=True,
             )
             if routes is not None:
                 routes.append(self._routes.take(len(ids)))
@@ -881,7 +887,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 sets = self._index_sets.take()
                 if index_sets is not None:
                     index_sets.append(sets)
-        return out.get(self._cache_kwarg), out.logits[0].float()
+        # sampled and scored on the host (device.py): the same answer from the same logits on any device
+        return out.get(self._cache_kwarg), out.logits[0].float().cpu()
 
     def _prefill(self, req: _Request, limit: int, routes: list[torch.Tensor] | None,
                  index_sets: list[dict[int, torch.Tensor]] | None = None

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..sglang_protocol import RequestError
+from . import device as engine_device
 
 __all__ = ["TAGS", "MemoryOccupation", "resident_bytes", "trim_heap"]
 
@@ -92,6 +93,7 @@ class MemoryOccupation:
 
     def release_memory_occupation(self) -> dict[str, Any]:
         rss_before = resident_bytes()
+        device_before = engine_device.memory_allocated(self.device)
         with self._update_lock:
             if "weights" in self._released:
                 return {"success": True, "message": "memory already released"}
@@ -106,7 +108,7 @@ class MemoryOccupation:
                 spill = Path(tempfile.mkdtemp(prefix="torch-engine-weights-"))
                 try:
                     params = dict(self.model.named_parameters())  # tied weights once
-                    torch.save({name: p.detach() for name, p in params.items()}, spill / "weights.pt")
+                    torch.save({name: p.detach().cpu() for name, p in params.items()}, spill / "weights.pt")
                     served = getattr(self, "_served_checkpoint", None)  # a quantised version's tensors (weight_read)
                     if served is not None:
                         torch.save(served, spill / "checkpoint.pt")
@@ -125,11 +127,18 @@ class MemoryOccupation:
                 self._spill_dir = spill
             gc.collect()
             trim_heap()
+            engine_device.empty_cache(self.device)  # a device's cached blocks back to it (device.py)
         rss_after = resident_bytes()
-        logger.info("released memory occupation: %d bytes of weights spilled to %s (resident %s -> %s MB)", nbytes,
-                    spill, _mb(rss_before), _mb(rss_after))
-        return {"success": True, "message": f"released {nbytes} bytes of weights (the prefix cache, if any, "
-                "is emptied)", "resident_bytes_before": rss_before, "resident_bytes_after": rss_after}
+        device_after = engine_device.memory_allocated(self.device)
+        on_device = ("" if device_before is None else
+                     f"; {self.device} allocated {_mb(device_before)} -> {_mb(device_after)} MB")
+        logger.info("released memory occupation: %d bytes of weights spilled to %s (resident %s -> %s MB%s)", nbytes,
+                    spill, _mb(rss_before), _mb(rss_after), on_device)
+        answer = {"success": True, "message": f"released {nbytes} bytes of weights (the prefix cache, if any, "
+                  "is emptied)", "resident_bytes_before": rss_before, "resident_bytes_after": rss_after}
+        if device_before is not None:
+            answer.update(device_bytes_before=device_before, device_bytes_after=device_after)
+        return answer
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         wanted = set(TAGS if tags is None else tags)
@@ -144,7 +153,7 @@ class MemoryOccupation:
                     spill = self._spill_dir
                     state = torch.load(spill / "weights.pt", weights_only=True)
                     for name, p in self.model.named_parameters():
-                        p.data = state[name]
+                        p.data = state[name].to(self.device)
                     if (spill / "checkpoint.pt").exists():
                         self._served_checkpoint = torch.load(spill / "checkpoint.pt", weights_only=True)
                     self._spill_dir = None

@@ -546,7 +546,7 @@ class RouteRecorder:
         """The routes of the last forward pass (``num_tokens`` tokens); clears them."""
         out = torch.zeros(num_tokens, self.num_layers, self.top_k, dtype=torch.int32)
         for index, experts in self._seen.items():
-            out[:, index] = experts.to(torch.int32)
+            out[:, index] = experts.to(torch.int32).cpu()
         self._seen.clear()
         return out
 

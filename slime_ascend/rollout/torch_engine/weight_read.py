@@ -179,6 +179,7 @@ class WeightRead:
 
 
 def _answer(part: torch.Tensor, tensor: torch.Tensor, name: str, version: str, return_raw: bool) -> Any:
+    part = part.cpu()  # an engine on a device (device.py): the answer is made on the host
     values = part.to(torch.float32).tolist()
     parameter = [values] if part.dim() == 0 else values
     if not return_raw:
