@@ -27,8 +27,11 @@ class SGLangEngineLoader(TeacherLoader):
     ``/update_weights_from_disk`` and checks ``success``. No host memory is held.
 
     Staging deletes only what it created: the target must resolve to a direct child of
-    ``stage_dir``, and a directory is replaced or reused only when it holds the pool's
-    :data:`STAGE_MARKER` (anything else there is reported, not touched).
+    ``stage_dir``, and a directory is replaced, reused or deleted only when it holds the pool's
+    :data:`STAGE_MARKER` (anything else there is reported, not touched). A staged copy is deleted once the pool
+    no longer needs it: when its teacher stops being resident (:meth:`release`, the engine holds the next
+    teacher's weights) and when a prefetch is discarded (:meth:`discard`), so the stage directory holds at most
+    the resident teacher's copy and the one prefetched.
     """
 
     def __init__(
@@ -56,12 +59,13 @@ class SGLangEngineLoader(TeacherLoader):
         if not src.is_dir():
             raise FileNotFoundError(f"checkpoint directory does not exist: {src}")
         if self.stage_dir is None:
+            read = 0
             if self.warm_page_cache:
                 for f in sorted(p for p in src.iterdir() if p.is_file()):
                     with open(f, "rb") as fh:
-                        while fh.read(16 << 20):
-                            pass
-            return Staged(spec.name, src, 0)
+                        while chunk := fh.read(16 << 20):
+                            read += len(chunk)
+            return Staged(spec.name, src, 0, read)
         self.stage_dir.mkdir(parents=True, exist_ok=True)
         dst = self._stage_path(spec.name, spec.name)
         tmp = self._stage_path(spec.name, f".{spec.name}.staging")
@@ -79,7 +83,8 @@ class SGLangEngineLoader(TeacherLoader):
         if _exists(dst):
             shutil.rmtree(dst)  # checked above: a directory this pool staged
         tmp.rename(dst)
-        return Staged(spec.name, dst, 0)
+        read = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+        return Staged(spec.name, dst, 0, read)
 
     def _stage_path(self, teacher: str, entry: str) -> Path:
         """``stage_dir/entry``, refused unless it resolves to a direct child of the stage directory."""
@@ -109,6 +114,29 @@ class SGLangEngineLoader(TeacherLoader):
                 why = resp.get("message", resp) if isinstance(resp, Mapping) else f"unexpected reply {resp!r}"
                 raise RuntimeError(f"{url}/update_weights_from_disk refused {payload['model_path']}: {why}")
         return 0
+
+    def release(self, spec: TeacherSpec) -> None:
+        """``spec`` is no longer resident (the engines loaded another teacher): its staged copy goes."""
+        if self.stage_dir is not None:
+            self._delete_staged(self.stage_dir / spec.name, spec.name)
+
+    def discard(self, staged: Staged) -> None:
+        """A prefetch that will not be activated: its staged copy goes."""
+        if self.stage_dir is not None and isinstance(staged.payload, Path) and staged.payload.parent == self.stage_dir:
+            self._delete_staged(staged.payload, staged.name)
+        staged.payload = None
+
+    def _delete_staged(self, path: Path, teacher: str) -> None:
+        """Delete ``path`` when it is a copy this pool staged (marker, a real directory directly under the stage
+        directory); anything else is left alone."""
+        if not _exists(path):
+            return
+        try:
+            path = self._stage_path(teacher, path.name)
+            _require_ours(path, teacher)
+        except (ValueError, FileExistsError):
+            return  # not ours: never deleted (the staging of that teacher reports it)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 #: Written by the pool into every directory it stages; only directories holding it are ever deleted.

@@ -88,6 +88,25 @@ def validate(args: Any, settings: Mapping[str, Any]) -> None:
         )
     if roles.train_role() is None:  # the driver and the rollout manager; train actors never ask a teacher
         _validate_compat(args, settings, teachers)
+        _validate_shared_engine(args, settings, teachers)
+
+
+def _validate_shared_engine(args: Any, settings: Mapping[str, Any], teachers: Sequence[Any]) -> None:
+    """The teachers the pool switches on ``ascend_opd_switch_engine_urls`` are one architecture
+    (:mod:`.shared_engine`); refused in one line otherwise."""
+    from .shared_engine import architecture_mismatch
+
+    if not settings["ascend_opd_switch_engine_urls"]:
+        return
+    routers = getattr(args, "sglang_model_routers", None) or {}
+    switched = [t for t in teachers if t.url is None and t.name not in routers]
+    why = architecture_mismatch([(t.name, t.checkpoint_dir) for t in switched]) if len(switched) > 1 else None
+    if why:
+        raise SettingsError(
+            f"opd: the teachers switched on {list(settings['ascend_opd_switch_engine_urls'])} must be one "
+            f"architecture (the engine loads each into the same model), but {why}. Fix: give that teacher an "
+            "engine of its own (its url in ascend_opd_teachers) or switch only teachers of one architecture"
+        )
 
 
 def _validate_compat(args: Any, settings: Mapping[str, Any], teachers: Sequence[Any]) -> None:
@@ -308,19 +327,22 @@ def _topk_payload(ctx: OPDContext, sample: Any, payload: Any, i: int) -> dict[st
 
 
 _POOL_KEYS = ("switches", "prefetch_started", "prefetch_hits", "prefetch_late", "prefetch_misses", "cold_loads",
-              "stage_retries", "stage_failures", "failed_teachers", "stall_s")
+              "stage_retries", "stage_failures", "failed_teachers", "stall_s", "last_stall_s", "stage_s",
+              "read_bytes")
+_POOL_SECONDS = ("stall_s", "last_stall_s", "stage_s")
 
 def rollout_step_metrics(ctx: OPDContext, counts: Mapping[str, int], kl: Mapping[str, float]) -> dict[str, float]:
     """This rollout's routing and teacher-pool figures, as ``rollout/*`` keys for slime's rollout metric path:
     ``rollout/opd_samples/<teacher>`` (samples routed to it; every configured teacher),
     ``rollout/opd_kl_k3/<teacher>`` (mean per-token KL(student||teacher), k3) and, with a switched-teacher
     pool, its counters since start as ``rollout/opd_pool/<counter>`` (switches, prefetch started / hits /
-    late / misses, cold loads, stage retries / failures, failed teachers, stall seconds)."""
+    late / misses, cold loads, stage retries / failures, failed teachers, the seconds the switches stalled scoring
+    in all and in the last one, the seconds spent staging and the bytes read from the checkpoints to stage)."""
     out: dict[str, float] = {f"rollout/opd_samples/{n}": int(counts.get(n, 0)) for n in ctx.coefs}
     out.update({f"rollout/opd_kl_k3/{n}": float(v) for n, v in kl.items()})
     if ctx.switcher is not None:
         pool = ctx.switcher.metrics()
-        out.update({f"rollout/opd_pool/{k}": (float(pool[k]) if k == "stall_s" else int(pool[k]))
+        out.update({f"rollout/opd_pool/{k}": (float(pool[k]) if k in _POOL_SECONDS else int(pool[k]))
                     for k in _POOL_KEYS if k in pool})
     return out
 

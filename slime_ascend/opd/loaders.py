@@ -43,6 +43,7 @@ class Staged:
     name: str
     payload: Any
     host_bytes: int = 0
+    read_bytes: int = 0  # bytes read from the checkpoint to stage it (0: an earlier copy was reused)
 
 
 class TeacherLoader(ABC):

@@ -127,6 +127,8 @@ class TeacherPool:
             "prefetch_discarded": 0,
             "stage_retries": 0,
             "stage_failures": 0,
+            "stage_s": 0.0,  # seconds spent staging (reading the checkpoint; on the background thread when prefetched)
+            "read_bytes": 0,  # bytes read from the checkpoints to stage them
             "peak_host_bytes": 0,
         }
         if validate:
@@ -211,8 +213,12 @@ class TeacherPool:
     def _stage_with_retry(self, spec: TeacherSpec) -> Staged:
         last: BaseException | None = None
         for attempt in range(1, self.stage_attempts + 1):
+            t0 = time.perf_counter()
             try:
-                return self.loader.stage(spec)
+                staged = self.loader.stage(spec)
+                self._count("stage_s", time.perf_counter() - t0)
+                self._count("read_bytes", staged.read_bytes)
+                return staged
             except Exception as e:  # retried, then reported with name and path
                 last = e
                 if attempt < self.stage_attempts:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["safetensors_files", "validate_safetensors_dir", "read_safetensors_dir"]
+__all__ = ["safetensors_files", "tensor_layout", "validate_safetensors_dir", "read_safetensors_dir"]
 
 
 def safetensors_files(ckpt_dir: Path | str) -> list[Path]:
@@ -45,6 +45,18 @@ def validate_safetensors_dir(ckpt_dir: Path | str) -> int:
         except Exception as e:  # SafetensorError is not exported as a stable type
             raise ValueError(f"corrupt safetensors file {f}: {e}") from e
     return total
+
+
+def tensor_layout(ckpt_dir: Path | str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, from the files' headers (no tensor data is read)."""
+    from safetensors import safe_open
+
+    layout: dict[str, tuple[int, ...]] = {}
+    for f in safetensors_files(ckpt_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for k in sf.keys():
+                layout[k] = tuple(sf.get_slice(k).get_shape())
+    return layout
 
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,

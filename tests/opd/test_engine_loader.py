@@ -62,3 +62,47 @@ def test_sglang_engine_refusal_marks_teacher_failed(teachers):
             pool.activate("chat")
         assert pool.state()["chat"]["status"] == "failed"
         pool.activate("code")
+
+
+def _ok(url, payload, timeout):
+    return {"success": True}
+
+
+def test_the_stage_dir_holds_the_resident_and_the_prefetched_copy_at_most(teachers, tmp_path):
+    """Three teachers cycled through one engine: each staged copy goes once its teacher stops being resident (or its
+    prefetch is discarded), so the stage directory never holds more than two; staging time and bytes are counted."""
+    specs, dirs, student = teachers
+    stage = tmp_path / "stage"
+    held: list[set[str]] = []
+    size = sum(p.stat().st_size for p in dirs["math"].iterdir())
+    loader = SGLangEngineLoader("http://engine", stage_dir=stage, post=_ok)
+    with TeacherPool(specs, loader, student_dir=student) as pool:
+        for name in ["math", "code", "chat", "math", "code"]:
+            pool.set_schedule([n for n in ["math", "code", "chat"] if n != name][:1])
+            pool.activate(name)
+            if pool._slot is not None:
+                pool._slot.future.result(5)
+            held.append({p.name for p in stage.iterdir()})
+            assert name in held[-1] and len(held[-1]) <= 2, held
+        pool.prefetch("chat")
+        pool._slot.future.result(5)
+        pool.prefetch("math")  # discards the chat prefetch: its copy goes
+        pool._slot.future.result(5)
+        assert {p.name for p in stage.iterdir()} == {"code", "math"}
+        m = pool.metrics()
+    assert m["switches"] == 5 and m["stage_s"] > 0 and m["read_bytes"] >= 5 * size, m
+    assert m["read_bytes"] % size == 0  # whole checkpoints read (a reused copy reads nothing)
+
+
+def test_a_copy_not_staged_by_the_pool_is_never_deleted(teachers, tmp_path):
+    specs, dirs, student = teachers
+    stage = tmp_path / "stage"
+    loader = SGLangEngineLoader("http://engine", stage_dir=stage, post=_ok)
+    with TeacherPool(specs, loader, student_dir=student) as pool:
+        pool.activate("math")
+        stage.joinpath("code").mkdir()  # a directory of someone else under a teacher's name
+        stage.joinpath("code", "notes.txt").write_text("mine")
+        loader.release(pool.specs["code"])
+        assert stage.joinpath("code", "notes.txt").read_text() == "mine"
+        pool.activate("chat")  # math's copy goes, the foreign directory stays
+        assert not stage.joinpath("math").exists() and stage.joinpath("code", "notes.txt").exists()
