@@ -52,6 +52,8 @@ run contracts "$py" -m slime_ascend.cli check --device "$device" --json ''
 engine_device=$([ "$device" = cpu ] && echo npu || echo "$device")
 run engine-on-device env SLIME_ASCEND_EMULATE_NPU=$([ "$device" = cpu ] && echo 1 || echo 0) "$py" -c '
 import sys
+from slime_ascend.npu_emulation import arm_from_environment
+arm_from_environment()
 from slime_ascend.rollout.torch_engine.engine import TorchEngine
 device = sys.argv[1]
 on_device, host = TorchEngine(device=device), TorchEngine(device="cpu")

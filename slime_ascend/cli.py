@@ -162,8 +162,25 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
 }
 
 
+def _arm_npu_emulation() -> int:
+    """``SLIME_ASCEND_EMULATE_NPU=1``: this process is an emulated Ascend host (torch_npu importable, the ``npu``
+    device on host memory) for whichever command runs, e.g. ``serve-torch --device npu``; 2 with one line where the
+    emulation refuses (a real torch_npu, a value it does not know)."""
+    from .npu_emulation import EmulationRefused, arm_from_environment
+
+    try:
+        arm_from_environment()
+    except EmulationRefused as exc:
+        print(f"slime-ascend: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    refused = _arm_npu_emulation()
+    if refused:
+        return refused
     if argv and argv[0] in PASSTHROUGH:
         from .plugins.base import resolve
 

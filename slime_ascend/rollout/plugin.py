@@ -99,7 +99,7 @@ VLLM_ASCEND = Plugin(
 
 
 def _torch_device_problem(value: str) -> str | None:
-    from .torch_engine.device import check_name
+    from .engine_device import check_name
 
     try:
         check_name(value)

@@ -96,6 +96,8 @@ def test_serve_torch_refuses_a_device_this_host_lacks_in_one_line():
 # Run in a subprocess with the emulation installed: the engine on npu and the same engine on the host.
 _ON_NPU = textwrap.dedent("""
     import json, sys
+    from slime_ascend.npu_emulation import arm_from_environment
+    arm_from_environment()  # SLIME_ASCEND_EMULATE_NPU=1, as every slime-ascend command arms it
     import torch
     from slime_ascend.rollout.torch_engine.engine import TorchEngine
     requests, version_dir = json.loads(sys.argv[1]), sys.argv[2]

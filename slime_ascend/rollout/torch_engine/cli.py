@@ -34,7 +34,7 @@ def _non_negative_int(text: str) -> int:
 def _device(text: str) -> str:
     import argparse
 
-    from .device import check_name
+    from ..engine_device import check_name
 
     try:
         return check_name(text)

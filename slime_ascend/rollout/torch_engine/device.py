@@ -1,6 +1,6 @@
 """The device the torch engine computes on (``serve-torch --device``): ``cpu`` (the default), ``cuda[:N]``, or
 ``npu[:N]`` (torch_npu on an Ascend host; the emulated Ascend device of :mod:`slime_ascend.npu_emulation` where
-``SLIME_ASCEND_EMULATE_NPU=1`` asks for it on a host without one).
+``SLIME_ASCEND_EMULATE_NPU=1`` asks for it on a host without one: every ``slime-ascend`` command arms it).
 
 The weights, the KV cache and every forward live on the device; what leaves the engine is made on the host: each
 forward's logits are copied to the host in float32 and sampled there with the request's seeded CPU generator, so
@@ -11,31 +11,18 @@ parameters; a released engine spills its weights to a host file and hands the de
 
 from __future__ import annotations
 
-import re
+from ..engine_device import DEVICE_TYPES, check_name, parse_name
 
 __all__ = ["DEVICE_TYPES", "check_name", "empty_cache", "memory_allocated", "resolve"]
-
-DEVICE_TYPES = ("cpu", "cuda", "npu")
-_NAME = re.compile(r"^(cpu|cuda|npu)(?::(\d+))?$")
-
-
-def check_name(name: str) -> str:
-    """``name`` when it reads as a device the engine knows (``cpu``, ``cuda[:N]``, ``npu[:N]``); ValueError naming
-    the accepted forms otherwise. Imports nothing (argument parsing, before torch loads)."""
-    if not isinstance(name, str) or not _NAME.match(name.strip()):
-        raise ValueError(f"device {name!r}: use cpu, cuda, cuda:N, npu or npu:N")
-    return name.strip()
 
 
 def resolve(name: str):
     """The ``torch.device`` for ``name``, checked to exist in this process; ValueError in one line with the fix
-    otherwise. ``npu``: arms the emulated Ascend device first where ``SLIME_ASCEND_EMULATE_NPU`` asks for it, then
-    imports torch_npu (what makes the ``npu`` device exist)."""
-    kind, index = _NAME.match(check_name(name)).groups()
+    otherwise. ``npu``: imports torch_npu (what makes the ``npu`` device exist; where the process was made an
+    emulated Ascend host, ``slime-ascend``'s commands with ``SLIME_ASCEND_EMULATE_NPU=1`` or
+    :func:`slime_ascend.npu_emulation.arm_from_environment`, the emulated one)."""
+    kind, index = parse_name(name)
     if kind == "npu":
-        from ...npu_emulation import arm_from_environment
-
-        arm_from_environment()
         try:
             import torch_npu  # noqa: F401  (registers the npu device and torch.npu)
         except ImportError as exc:
@@ -52,10 +39,10 @@ def resolve(name: str):
         raise ValueError(f"device {name}: torch.{kind}.is_available() is False on this host. Fix: serve with "
                          "--device cpu, or on a host with that device")
     count = module.device_count()
-    if index is not None and int(index) >= count:
+    if index is not None and index >= count:
         raise ValueError(f"device {name}: this process sees {count} {kind} device(s) (0 to {count - 1}). Fix: "
                          f"name one of them, or check the visible-devices variable")
-    return torch.device(kind, int(index) if index is not None else module.current_device())
+    return torch.device(kind, index if index is not None else module.current_device())
 
 
 def empty_cache(device) -> None:
