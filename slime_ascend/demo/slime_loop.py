@@ -252,6 +252,8 @@ EVIDENCE_LOG: dict[str, tuple[str, ...]] = {
     "sao": (r"applied runtime patch train\.critic_\w+",),
     # the train side's indexer selects with the deterministic top-k (installed as slime's indexer is imported)
     "dsa-determinism": (r"applied runtime patch train\.dsa_deterministic_topk",),
+    # the gate's checks at slime's parse_args (the driver and the RolloutManager), before the first rollout
+    "verifier-gate": (r"verifier gate: [^\n]*? passes oracle, no_action and unfinished \(\d+ cases\)",),
 }
 EVIDENCE_ENGINE_LOG: dict[str, tuple[str, ...]] = {
     "int8-sync": (r"loaded weight version \d+ from \S+ \(int8[^)]*\)",),
@@ -305,7 +307,8 @@ def run_slime_demo(cfg: DemoConfig, src: Path, log: Callable[[str], None] = prin
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = MODEL_JOBS[cfg.model]
-    plugins = ("cpu", *[p for p in cfg.plugins if p != "cpu"])
+    # the verifier gate always: slime's parse_args checks every verifier the job trains with before its first rollout
+    plugins = ("cpu", *[p for p in cfg.plugins if p not in ("cpu", "verifier-gate")], "verifier-gate")
     log(f"slime-ascend demo in slime's own loop ({src / 'train_async.py'}): model {cfg.model}"
         + (f" (spec {' '.join(model.spec)})" if model.spec else "") + f"; plugins {', '.join(plugins)}; "
         f"seed {cfg.seed}; {cfg.steps} rollouts; output {out}"

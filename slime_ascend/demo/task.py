@@ -175,6 +175,7 @@ def task_reward(args: Any, sample: Any, **_: Any) -> float:
     return score_action(sample.response, answer_for(task["domain"], int(task["digit"])))
 
 
+@declare_cases(_task_reward_cases)
 async def async_task_reward(args: Any, sample: Any, **kwargs: Any) -> float | list[float]:
     """slime's ``--custom-rm-path`` form: one sample, or (batch mode: slime passes the segments a custom
     generate returned as one list) a list of samples -> a list of rewards."""

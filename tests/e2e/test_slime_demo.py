@@ -1,4 +1,5 @@
-"""``slime-ascend demo --slime-src DIR``: the demo's default plugins in slime's own ``train_async.py``.
+"""``slime-ascend demo --slime-src DIR``: the demo's default plugins in slime's own ``train_async.py``, with the
+``verifier-gate`` plugin checking the job's verifiers at slime's ``parse_args``.
 
 The command is run as a user runs it; the assertions read what it wrote (``summary.json``,
 ``metrics.jsonl``, ``curves.png``), which the demo takes from slime's own logged metrics and log.
@@ -32,7 +33,7 @@ def test_demo_in_slime_loop(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert summary["loop"] == "slime" and summary["returncode"] == 0
-    assert summary["plugins"] == ["cpu", *DEFAULT_PLUGINS]
+    assert summary["plugins"] == ["cpu", *DEFAULT_PLUGINS, "verifier-gate"]
     assert summary["steps_done"] == STEPS
     assert summary["plugins_without_evidence"] == [], summary["evidence"]
     evidence = summary["evidence"]
@@ -42,6 +43,9 @@ def test_demo_in_slime_loop(tmp_path):
     assert any("(int8" in line for line in evidence["int8-sync"]["log"])  # the engine served int8 versions
     assert max(evidence["compaction"]["metrics"]["rollout/round_number"]) > 0  # later segments were trained
     assert sum(evidence["opd"]["metrics"]["rollout/opd_pool/switches"]) >= 1
+    # the verifier gate ran in slime's processes at parse_args, over the verifiers the job trains with
+    assert evidence["verifier-gate"]["log"] and all("passes oracle, no_action and unfinished" in line
+                                                     for line in evidence["verifier-gate"]["log"]), evidence
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert all(r["reward"] is not None and "train/step" in r["slime"] for r in rows)

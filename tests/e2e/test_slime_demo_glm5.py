@@ -91,7 +91,7 @@ def test_demo_runs_its_plugins_on_slimes_glm5_spec(tmp_path):
     print(f"\ndemo --model glm5: rc {proc.returncode}, {summary.get('elapsed_s', 0) / 60:.2f} min")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert summary["loop"] == "slime" and summary["returncode"] == 0 and summary["model"] == "glm5"
-    assert summary["plugins"] == ["cpu", *default_plugins("glm5")]
+    assert summary["plugins"] == ["cpu", *default_plugins("glm5"), "verifier-gate"]
     assert summary["steps_done"] == STEPS
     assert summary["plugins_without_evidence"] == [], summary["evidence"]
 

@@ -8,6 +8,9 @@ on 127.0.0.1:
   the plugin's TeacherPool stages into ``ascend_opd_stage_dir`` in the background and switches in
   with ``/update_weights_from_disk``.
 
+A third job puts three teachers (``math``, ``code``, ``chat``) on the switched engine alone, every rollout needing
+all three: the engine's own log shows each loaded at most once a rollout.
+
 Prompts alternate between the ``math`` and ``code`` domains (``metadata.domain``). The task reward is
 slime's own ``--rm-type random`` (through ``ascend_opd_task_rm_path: slime_rule_reward``), so the
 GRPO part of the advantage is not identically zero.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import urllib.request
@@ -97,7 +101,7 @@ def _run_train_py(models, engines, tmp_path: Path, config: Path):
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {"student": make_model(root / "student", seed=0), "math": make_model(root / "teacher-math", seed=1),
-            "code": make_model(root / "teacher-code", seed=2)}
+            "code": make_model(root / "teacher-code", seed=2), "chat": make_model(root / "teacher-chat", seed=3)}
 
 
 @pytest.fixture
@@ -221,6 +225,58 @@ def test_train_py_opd_two_teachers_url_and_switched(models, engines, tmp_path):
     train_steps = [m for m in run.metrics() if "train/step" in m]
     assert [m["train/step"] for m in train_steps] == list(range(NUM_ROLLOUT))
     assert all(m["train/grad_norm"] > 0 for m in train_steps), train_steps
+
+
+def test_train_py_opd_three_switched_teachers_load_once_per_rollout_each(models, engines, tmp_path):
+    """Three teachers on the one switched engine, every rollout needing all three: the engine loads each at most
+    once a rollout, the last one carried over into the next (counted from the engine's own log, not the pool's
+    counters: 3 loads, then 2, where scoring in completion order switched per sample); the stage directory keeps
+    two copies at most; every sample's teacher log-probs are its teacher checkpoint's."""
+    import torch
+
+    from slime_ascend.rollout.torch_engine.model import load_model, score_tokens
+
+    names = ("math", "code", "chat")
+    stage = tmp_path / "teacher-stage"
+    teachers = [{"name": n, "checkpoint_dir": str(models[n]), "domains": [n], "coef": 1.0} for n in names]
+    config = _write_config(tmp_path, teachers, engines["switch"].url, stage)
+    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=names)
+    dumps = tmp_path / "dumps"
+    flags = slime_flags(models["student"], prompts, [engines["rollout"]], tmp_path, num_rollout=NUM_ROLLOUT,
+                        batch=6, n_samples=1)
+    flags += ["--save-debug-rollout-data", str(dumps / "rollout_{rollout_id}.pt"),
+              "--save-debug-train-data", str(dumps / "train_{rollout_id}.pt")]
+    run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config)
+    assert run.returncode == 0, run.log[-6000:]
+
+    # the engine's own record of what it loaded, in order: rollout 0 loads all three (it started on the student's
+    # checkpoint), rollout 1 starts with the teacher still resident and loads the other two
+    engine_log = engines["switch"].log.read_text()
+    loaded = re.findall(rf"loaded weight version \d+ from {re.escape(str(stage))}/(\w+) ", engine_log)
+    assert len(loaded) == 5 and sorted(loaded[:3]) == sorted(names), loaded
+    assert sorted(loaded[3:]) == sorted(set(names) - {loaded[2]}), loaded  # the resident one carried over
+    opd_steps = [m for m in run.metrics() if "rollout/opd_samples/math" in m]
+    assert [m["rollout/opd_pool/switches"] for m in opd_steps] == [3, 5], opd_steps  # the pool agrees
+    for m in opd_steps:
+        assert all(m[f"rollout/opd_samples/{n}"] == 2 for n in names), m
+        assert m["rollout/opd_pool/failed_teachers"] == 0 and m["rollout/opd_pool/read_bytes"] > 0, m
+        assert m["rollout/opd_pool/stage_s"] > 0 and m["rollout/opd_pool/last_stall_s"] >= 0, m
+    # the stage directory: the resident teacher's copy and at most one prefetched
+    held = sorted(p.name for p in stage.iterdir())
+    assert loaded[-1] in held and len(held) <= 2, held
+
+    # each sample's teacher log-probs are what its teacher's checkpoint gives for the sample's tokens
+    checkpoints = {n: load_model(models[n]) for n in names}
+    for rollout_id in range(NUM_ROLLOUT):
+        rollout = torch.load(dumps / f"rollout_{rollout_id}.pt", weights_only=False)["samples"]
+        train = torch.load(dumps / f"train_{rollout_id}.pt", weights_only=False)["samples"]
+        assert sorted(r["metadata"]["opd_teacher"] for r in rollout) == sorted(names * 2)
+        for t in train:
+            r = rollout[t["rollout_position"]]
+            teacher, n = r["metadata"]["opd_teacher"], t["response_lengths"]
+            assert teacher == r["metadata"]["domain"]
+            expected = score_tokens(checkpoints[teacher], r["tokens"])[-n:]
+            assert torch.allclose(t["teacher_log_probs"].float(), expected, atol=1e-4), teacher
 
 
 TOPK = 4
