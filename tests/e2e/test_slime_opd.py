@@ -83,13 +83,14 @@ def _write_config(tmp_path: Path, teachers: list[dict], switch_url: str, stage: 
     return out
 
 
-def _run_train_py(models, engines, tmp_path: Path, config: Path):
-    """slime's train.py on the student with ``config``, prompts alternating math/code, slime's rollout and
+def _run_train_py(models, engines, tmp_path: Path, config: Path, domains: tuple[str, ...] = ("math", "code"),
+                  batch: int = 4, n_samples: int = 2):
+    """slime's train.py on the student with ``config``, prompts cycling through ``domains``, slime's rollout and
     train dumps kept; returns (run, dump folder)."""
-    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=("math", "code"))
+    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=domains)
     dumps = tmp_path / "dumps"
     flags = slime_flags(models["student"], prompts, [engines["rollout"]], tmp_path, num_rollout=NUM_ROLLOUT,
-                        batch=4, n_samples=2)
+                        batch=batch, n_samples=n_samples)
     flags += ["--save-debug-rollout-data", str(dumps / "rollout_{rollout_id}.pt"),
               "--save-debug-train-data", str(dumps / "train_{rollout_id}.pt")]
     run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config)
@@ -240,14 +241,7 @@ def test_train_py_opd_three_switched_teachers_load_once_per_rollout_each(models,
     stage = tmp_path / "teacher-stage"
     teachers = [{"name": n, "checkpoint_dir": str(models[n]), "domains": [n], "coef": 1.0} for n in names]
     config = _write_config(tmp_path, teachers, engines["switch"].url, stage)
-    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=names)
-    dumps = tmp_path / "dumps"
-    flags = slime_flags(models["student"], prompts, [engines["rollout"]], tmp_path, num_rollout=NUM_ROLLOUT,
-                        batch=6, n_samples=1)
-    flags += ["--save-debug-rollout-data", str(dumps / "rollout_{rollout_id}.pt"),
-              "--save-debug-train-data", str(dumps / "train_{rollout_id}.pt")]
-    run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config)
-    assert run.returncode == 0, run.log[-6000:]
+    run, dumps = _run_train_py(models, engines, tmp_path, config, domains=names, batch=6, n_samples=1)
 
     # the engine's own record of what it loaded, in order: rollout 0 loads all three (it started on the student's
     # checkpoint), rollout 1 starts with the teacher still resident and loads the other two
