@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,9 +206,15 @@ def get_context(args: Any, *, rollout_side: bool = False) -> OPDContext:
         ctx.switcher = _make_switcher(args, ctx)
     return ctx
 
-def _make_switcher(args: Any, ctx: OPDContext) -> _PoolSwitcher | None:
+def switched_teachers(args: Any, teachers: Sequence[TeacherSpec]) -> list[TeacherSpec]:
+    """The teachers the pool switches on ``ascend_opd_switch_engine_urls``: no url of their own and no model of
+    slime's ``--sglang-config`` (``args.sglang_model_routers``)."""
     routers = getattr(args, "sglang_model_routers", None) or {}
-    switched = [t for t in ctx.teachers if t.url is None and t.name not in routers]
+    return [t for t in teachers if t.url is None and t.name not in routers]
+
+
+def _make_switcher(args: Any, ctx: OPDContext) -> _PoolSwitcher | None:
+    switched = switched_teachers(args, ctx.teachers)
     if not switched:
         return None
     return _PoolSwitcher(switched, ctx.settings,

@@ -37,7 +37,7 @@ from ..plugins.settings import SettingsError
 from .context import (  # noqa: F401  (coefs_differ, needs_metadata, topk_mode, opd_stats, reset_state: declared and public paths)
     FORWARD_METADATA_PATCH, LOSS_BATCH_PATCH, META_LOG_PROBS, META_TEACHER, META_TOPK, TRAIN_META_COEF,
     TRAIN_META_TOPK, OPDContext, _student_info, _teachers, coefs_differ, get_context, logger, needs_metadata,
-    opd_stats, reset_state, rule_args, topk_mode,
+    opd_stats, reset_state, rule_args, switched_teachers, topk_mode,
 )
 from .scoring import _score, _task_reward, is_switched, meta_info, response_teacher_log_probs, score_switched
 
@@ -98,8 +98,7 @@ def _validate_shared_engine(args: Any, settings: Mapping[str, Any], teachers: Se
 
     if not settings["ascend_opd_switch_engine_urls"]:
         return
-    routers = getattr(args, "sglang_model_routers", None) or {}
-    switched = [t for t in teachers if t.url is None and t.name not in routers]
+    switched = switched_teachers(args, teachers)
     why = architecture_mismatch([(t.name, t.checkpoint_dir) for t in switched]) if len(switched) > 1 else None
     if why:
         raise SettingsError(

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["DEVICE_TYPES", "check_name", "parse_name"]
+__all__ = ["check_name", "parse_name"]
 
-DEVICE_TYPES = ("cpu", "cuda", "npu")
 _NAME = re.compile(r"^(cpu|cuda|npu)(?::(\d+))?$")
 
 

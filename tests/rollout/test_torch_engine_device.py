@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_ascend.rollout.torch_engine.device import check_name
+from slime_ascend.rollout.engine_device import check_name
 from slime_ascend.rollout.torch_engine.engine import TorchEngine
 from torch_engine_fixtures import bf16_dir
 

@@ -11,9 +11,9 @@ parameters; a released engine spills its weights to a host file and hands the de
 
 from __future__ import annotations
 
-from ..engine_device import DEVICE_TYPES, check_name, parse_name
+from ..engine_device import parse_name
 
-__all__ = ["DEVICE_TYPES", "check_name", "empty_cache", "memory_allocated", "resolve"]
+__all__ = ["empty_cache", "memory_allocated", "resolve"]
 
 
 def resolve(name: str):
