@@ -76,6 +76,12 @@ def validate(args: Any, settings: Any) -> None:
                                f"{' '.join(str(exc).split())[:200]}). Fix: correct the dotted path module.fn, and "
                                "put its package on PYTHONPATH of the driver and of `ray start`") from None
             _check_signature(where, term, fn)
+            check = getattr(fn, "check_kwargs", None)  # a ready-made term's own check (orm.score, judge.verdict)
+            if check is not None:
+                try:
+                    check(**dict(term.kwargs))
+                except ValueError as exc:
+                    raise MixError(f"{where}: {exc}") from None
         elif rules is not None and term.rm_type.removeprefix("boxed_") not in rules:
             raise MixError(f"{where}: rm_type {term.rm_type!r} is not a rule of this slime's async_rm (it has "
                            f"{', '.join(sorted(rules))}; boxed_<rule> too). Fix: use one of them, or a path to "

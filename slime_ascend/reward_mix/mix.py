@@ -3,10 +3,13 @@
 A *term* is ``{name, path | rm_type, weight (component) | lambda (penalty), kind?, kwargs?}``:
 
 * ``path``: a function ``(args, sample, **kwargs) -> float`` (sync or async), e.g. a judge or an
-  outcome-model client; ``rm_type``: one of slime's own rule-based reward models (``--rm-type`` names:
+  outcome-model client (ready-made: :func:`slime_ascend.reward_mix.orm.score`, a reward model over SGLang's
+  ``/classify`` or slime's ``--rm-url`` protocol; :func:`slime_ascend.reward_mix.judge.verdict`, a generative
+  judge over ``/generate``); ``rm_type``: one of slime's own rule-based reward models (``--rm-type`` names:
   math, deepscaler, dapo, f1, remote_rm, ...), applied with that type whatever ``--rm-type`` says;
 * ``kind`` (components): ``rule``, ``outcome_model`` or ``judge`` — a label the metrics and the sample
-  carry (defaults: ``rule`` with ``rm_type``, ``judge`` with ``path``);
+  carry (defaults: ``rule`` with ``rm_type``, ``outcome_model`` with ``orm.score``, ``judge`` with any other
+  ``path``);
 * ``weight`` (components, default 1) / ``lambda`` (penalties, default 1, >= 0): R = sum w R_k - sum
   lambda P_j.
 
@@ -25,6 +28,8 @@ from typing import Any
 from ..plugins.settings import SettingsError
 
 KINDS = ("rule", "outcome_model", "judge")
+# the ready-made model terms' kinds when a term does not say (judge.verdict is a judge, the default of a path)
+DEFAULT_KINDS = {"slime_ascend.reward_mix.orm.score": "outcome_model"}
 
 
 class MixError(SettingsError):
@@ -74,7 +79,7 @@ def parse_terms(value: Any, key: str, penalty: bool = False) -> tuple[Term, ...]
         if isinstance(coef, bool) or not isinstance(coef, int | float) or not math.isfinite(coef) or (
                 penalty and coef < 0):
             raise MixError(f"{where}.{coef_key} must be a finite number{' >= 0' if penalty else ''}, got {coef!r}")
-        kind = raw.get("kind", "penalty" if penalty else ("rule" if rm_type else "judge"))
+        kind = raw.get("kind", "penalty" if penalty else ("rule" if rm_type else DEFAULT_KINDS.get(path, "judge")))
         if not penalty and kind not in KINDS:
             raise MixError(f"{where}.kind must be one of {', '.join(KINDS)}, got {kind!r}")
         kwargs = raw.get("kwargs") or {}

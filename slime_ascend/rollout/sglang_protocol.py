@@ -15,6 +15,9 @@ serves it. Endpoints (the ones slime's rollout, external-engine discovery and we
   ``/destroy_weights_update_group``: 501 (disk sync only), except ``/update_weights_from_tensor`` on an
   engine with that method (the torch engine: slime's ``--colocate`` push), and the other three on an engine
   with methods of their names taking the request body (the torch engine: slime's broadcast over gloo).
+* ``POST /classify`` for an engine with a ``classify`` method taking the request body (the torch engine serving a
+  reward model, :mod:`slime_ascend.rollout.torch_engine.reward_model`): SGLang's native reward-model request and
+  answer.
 * ``POST /tokenize``, ``/v1/tokenize`` for an engine with a ``tokenize`` method (the torch engine;
   the OPD teacher check asks a remote teacher's engine through it): SGLang's request and answer.
 * ``GET|POST /get_weights_by_name`` for an engine with a ``get_weights_by_name`` method taking the request body
@@ -37,7 +40,7 @@ __all__ = ["HeldAnswer", "ONE_SERVER_INFO", "RequestError", "SGLangEngine", "WOR
            "check_generate_keys", "check_positive_ints", "check_weight_version", "next_weight_version", "routes"]
 
 # the routes that start engine work (a server keeps a reserve of connections for the others: control calls)
-WORK_PATHS = frozenset({"/generate"})
+WORK_PATHS = frozenset({"/generate", "/classify"})
 
 _UNSUPPORTED_SYNC = (
     "/update_weights_from_distributed",
@@ -273,6 +276,9 @@ def routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[in
     if read_weights is not None:  # the torch engine (torch_engine/weight_read.py); SGLang serves GET and POST
         for method in ("GET", "POST"):
             table[(method, "/get_weights_by_name")] = lambda body, call=read_weights: ok(call(body))
+    classify = getattr(engine, "classify", None)
+    if classify is not None:  # a reward model (torch_engine/reward_model.py): SGLang's native reward endpoint
+        table[("POST", "/classify")] = lambda body: ok(classify(body))
     tokenize = getattr(engine, "tokenize", None)
     if tokenize is not None:
         # SGLang 0.5.15 serves one handler under both names (sglang/srt/entrypoints/http_server.py:1648-1663)

@@ -7,7 +7,7 @@ contracts lives in by ``test_slime_parallel_families_cpu.py``.)
 Why one job carries five families: CI time (each slime-loop run costs 1.5-3 min on 2 cores) does not allow a
 cross product of families and layouts, and the evidence of each family stays separable here: DIS's masked
 fraction (``train/dis_masked``) and its decision for every token, staleness's and tito's per-rollout reports,
-reward-mix's per-sample record and its failed samples (the judge ``reward_terms.judge`` fails every fourth sample:
+reward-mix's per-sample record and its failed samples (the grader ``reward_terms.flaky`` fails every fourth sample:
 loss mask 0, the staleness group rule pads it), and int8-sync's pushed bytes. ``icepop`` cannot join (``dis`` in ratio mode and
 IcePop apply the same ratio twice), nor ``opd`` (it owns slime's reward model as reward-mix does, and its
 custom loss bypasses the TIS hook DIS acts in).
@@ -73,7 +73,7 @@ ADVANTAGE_ATOL = 1e-6
 METRIC_RTOL = 1e-4
 LOSS_ATOL = 1e-7
 BATCH, N_SAMPLES, NUM_ROLLOUT = 4, 2, 2
-FAILED = BATCH * N_SAMPLES // 4  # reward_terms.judge fails every fourth sample
+FAILED = BATCH * N_SAMPLES // 4  # reward_terms.flaky fails every fourth sample
 TRAINED = BATCH * N_SAMPLES - FAILED
 # DIS's band (ascend_dis_preset custom): keep 1 - eps < w < 1 + eps. The engine serves W8A8 weights (int8-sync),
 # so |log w| = |train-side fp32 log-prob - engine log-prob| is ~1e-3 (IcePop's CP 2 run measured median 1.1e-3, max
@@ -88,7 +88,7 @@ DIS_RTOL = 1e-6  # train/dis_masked: the same decisions, averaged per sample and
 # reward-mix: the parity reward, a judge that fails every fourth sample (an environment failure: loss mask 0)
 # and a length penalty, so each sample's record has components, a penalty and sometimes a failure
 REWARD_COMPONENTS = [{"name": "parity", "path": "parity_reward.reward", "weight": 1.0},
-                     {"name": "judge", "path": "reward_terms.judge", "weight": 0.5}]
+                     {"name": "judge", "path": "reward_terms.flaky", "weight": 0.5}]
 REWARD_PENALTIES = [{"name": "length", "path": "slime_ascend.reward_mix.terms.response_length", "lambda": 0.25,
                      "kwargs": {"budget": 4}}]
 

@@ -69,7 +69,8 @@ def build_parser() -> ArgumentParser:
         prog="slime-ascend serve-torch",
         description="Serve a CPU torch+transformers model over SGLang's HTTP API (reference rollout engine).",
     )
-    parser.add_argument("--model", default=None, help="HF safetensors checkpoint dir (default: tiny random Qwen3)")
+    parser.add_argument("--model", default=None, help="HF safetensors checkpoint dir (default: tiny random Qwen3); a "
+                        "*ForSequenceClassification checkpoint (a reward model) is served on POST /classify")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="port (0 picks a free one)")
     parser.add_argument("--seed", type=int, default=0)
@@ -141,16 +142,24 @@ def _check_start(model: str | None) -> None:
 
 def serve_torch(argv: list[str] | None = None) -> int:
     """CLI entry: ``slime-ascend serve-torch --model DIR --host 127.0.0.1 --port PORT``: load the
-    torch engine and serve it until interrupted."""
+    torch engine and serve it until interrupted (a reward-model checkpoint: on ``/classify``,
+    :mod:`.reward_model`)."""
     args = build_parser().parse_args(argv)  # before torch is imported: --help answers at once
     _check_start(args.model)
     # listening before torch is imported and the model loads: a client that connects meanwhile waits in the
     # accept queue for its answer instead of being refused (a launcher need not poll until the load is done)
+    reward = _reward_model_start(args)
     listener = _listen(args.host, args.port, args.backlog)
-    from .engine import TorchEngine
-
     if not logging.getLogger().handlers:  # the engine's own events (weight updates) on stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if reward:
+        from .reward_model import RewardModelEngine
+
+        engine = RewardModelEngine(args.model, dtype=args.dtype, device=args.device,
+                                   max_batch_size=args.max_batch_size, max_prompt_tokens=args.max_prompt_tokens)
+        return _serve(engine, args, listener)
+    from .engine import TorchEngine
+
     engine = TorchEngine(model_path=args.model, dtype=args.dtype, seed=args.seed,
                              max_batch_size=args.max_batch_size, max_prompt_tokens=args.max_prompt_tokens,
                              max_new_tokens=args.max_new_tokens, max_top_logprobs=args.max_top_logprobs,
@@ -163,6 +172,28 @@ def serve_torch(argv: list[str] | None = None) -> int:
                              dump_dsa_index_sets=args.dump_dsa_index_sets, device=args.device)
     if args.weight_group_timeout is not None or args.keep_received_weights is not None:
         engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
+    return _serve(engine, args, listener)
+
+
+def _reward_model_start(args: Any) -> bool:
+    """Whether ``--model`` is a reward model (``*ForSequenceClassification``: served on ``/classify``); the
+    generating engine's options it cannot honour are refused in one line."""
+    from ...command import UserError
+    from .reward_model import is_reward_checkpoint
+
+    if not is_reward_checkpoint(args.model):
+        return False
+    given = [flag for flag, on in (("--enable-return-routed-experts", args.enable_return_routed_experts),
+                                   ("--dump-dsa-index-sets", args.dump_dsa_index_sets is not None),
+                                   ("--weight-group-timeout", args.weight_group_timeout is not None),
+                                   ("--keep-received-weights", args.keep_received_weights is not None)) if on]
+    if given:
+        raise UserError(f"--model {args.model} is a reward model (served on /classify); {', '.join(given)} "
+                        "apply to a generating model only. Fix: drop them")
+    return True
+
+
+def _serve(engine: Any, args: Any, listener: socket.socket) -> int:
     server = make_server(engine, host=args.host, port=0, **server_options(args))
     _adopt(server, listener)
     bound_host, bound_port = server.server_address[:2]
