@@ -28,6 +28,20 @@ Repeats are interleaved (cold, prefetched, cold, ...); medians are compared.
 Target: prefetched stall <= 10% of the cold-load time. Also reported: peak RSS growth sampled with
 psutil (includes the safetensors mmap pages touched while reading) and the pool's own peak host
 bytes counter (resident + prefetched teacher tensors).
+
+Engine (row ``teacher_switch_engine``, ``--engine``; 1.1 GB fp32 Qwen3 teachers, 11 MB with --quick): three
+teacher checkpoints on local disk, one torch engine (``slime-ascend serve-torch``, another process) switched
+between them the two ways the ``opd`` plugin can, interleaved:
+
+* disk: ``/update_weights_from_disk`` of the next teacher's checkpoint, its files first dropped from the page
+  cache (``posix_fadvise(DONTNEED)``, no root needed), so the engine reads them from disk as a first switch does;
+* staged push (``ascend_opd_switch_transport: distributed``): the pool stages the next teacher in host memory
+  while the resident one scores (real ``/generate`` requests to the engine for the window), then the switch
+  pushes it over the engine's weight-update group; the stall is the time inside ``pool.activate``.
+
+Printed: each switch's seconds, the medians, their ratio (staged push / disk), the pool's peak host bytes and
+the engine's served version after each switch. Goal: <= 0.1 (the push still moves every byte during the
+switch, over loopback gloo here: the staging takes the disk read out of the stall, not the copy).
 """
 
 from __future__ import annotations
@@ -234,6 +248,112 @@ def _stall(quick: bool, repeats: int | None, score_factor: float, min_score_s: f
         shutil.rmtree(root, ignore_errors=True)
 
 
+ENGINE_NAME = "teacher_switch_engine"
+
+
+def _write_engine_teachers(root: Path, quick: bool) -> tuple[list[dict], int]:
+    """Three Qwen3 teacher checkpoints (fp32, byte tokenizer) of one architecture; returns (specs, bytes each)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer
+
+    shape = (dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64) if quick else
+             dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=6, num_attention_heads=16,
+                  num_key_value_heads=4, head_dim=128))
+    config = Qwen3Config(vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, **shape)
+    tokenizer = build_byte_tokenizer()
+    specs, size = [], 0
+    for i in range(3):
+        torch.manual_seed(100 + i)
+        model = Qwen3ForCausalLM(config).eval()
+        d = root / f"teacher{i}"
+        model.save_pretrained(str(d), safe_serialization=True)
+        tokenizer.save_pretrained(str(d))
+        size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        del model
+        specs.append({"name": f"teacher{i}", "checkpoint_dir": str(d), "domains": [f"d{i}"]})
+    return specs, size
+
+
+def _drop_page_cache(directory: Path) -> None:
+    for f in directory.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _post(url: str, payload: dict, timeout: float = 600) -> dict:
+    from slime_ascend.json_client import request_json
+
+    return request_json(url, payload, timeout_s=timeout)
+
+
+def _score_on_engine(url: str, seconds: float) -> int:
+    """The resident teacher scores: /generate scoring requests (no new tokens) for ``seconds``."""
+    n, end = 0, time.perf_counter() + seconds
+    ids = list(range(3, 3 + 256))
+    while time.perf_counter() < end:
+        _post(url + "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                                  "sampling_params": {"max_new_tokens": 0}})
+        n += 1
+    return n
+
+
+def engine_row(quick: bool = False, repeats: int | None = None, min_score_s: float = 1.0) -> dict:
+    """Staged push vs a disk reload of the same teachers on one torch engine (module docstring)."""
+    from slime_ascend.demo.slime_job import start_engine, stop
+    from slime_ascend.opd.pool import TeacherPool
+    from slime_ascend.opd.push_loader import DistributedPushLoader
+
+    repeats = repeats or (2 if quick else 3)
+    root = Path(tempfile.mkdtemp(prefix="bench_teacher_switch_engine_", dir=os.environ.get("BENCH_TMPDIR")))
+    engine = None
+    try:
+        specs, size = _write_engine_teachers(root, quick)
+        dirs = [Path(s["checkpoint_dir"]) for s in specs]
+        engine = start_engine(dirs[0], root / "engine.log", timeout=600)
+        url = engine.url
+        disk: list[float] = []
+        pushed: list[float] = []
+        versions: list[str] = []
+        with TeacherPool(specs, DistributedPushLoader(url)) as pool:
+            for r in range(repeats):
+                target = dirs[(2 * r + 1) % 3]
+                _drop_page_cache(target)
+                t0 = time.perf_counter()
+                answer = _post(url + "/update_weights_from_disk", {"model_path": str(target)})
+                disk.append(time.perf_counter() - t0)
+                assert answer.get("success"), answer
+                name = specs[(2 * r + 2) % 3]["name"]
+                pool.prefetch(name)  # staged in host memory while the resident teacher scores
+                _score_on_engine(url, max(min_score_s, 2 * statistics.median(disk)))
+                info = pool.activate(name)
+                pushed.append(info.stall_s)
+                versions.append(_post(url + "/get_weight_version", None)["weight_version"])
+            m = pool.metrics()
+        disk_med, push_med = statistics.median(disk), statistics.median(pushed)
+        ratio = push_med / disk_med
+        detail = (
+            f"engine switch, teacher={size / 2**30:.2f} GiB fp32 on local disk: disk reload (page cache dropped) "
+            f"{[round(x, 2) for x in disk]} s, median {disk_med:.2f} s; staged push (prefetched while scoring) "
+            f"{[round(x, 2) for x in pushed]} s, median {push_med:.2f} s; versions {versions}; pool peak host "
+            f"{m['peak_host_bytes'] / 2**30:.2f} GiB (one staged teacher: {size / 2**30:.2f}), read "
+            f"{m['read_bytes'] / 2**30:.2f} GiB in {m['stage_s']:.1f} s of staging; staged push / disk {ratio:.3f}"
+        )
+        return {"name": ENGINE_NAME, "ratio": ratio, "target": f"<={TARGET}", "passed": ratio <= TARGET,
+                "detail": detail}
+    finally:
+        if engine is not None:
+            stop(engine.proc)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="32 MiB teachers instead of 256 MiB")
@@ -241,10 +361,14 @@ def main() -> None:
     ap.add_argument("--order-only", action="store_true", help="only the switch-order comparison (no weights)")
     ap.add_argument("--rollouts", type=int, default=None, help="rollouts of the switch-order comparison")
     ap.add_argument("--samples", type=int, default=None, help="samples per rollout of the switch-order comparison")
+    ap.add_argument("--engine", action="store_true", help="also the torch-engine row: staged push vs disk reload "
+                    "of 1.1 GB teachers (11 MB with --quick)")
     args = ap.parse_args()
     rows = [order_row(args.quick, args.rollouts, args.samples)]
     if not args.order_only:
         rows += run(quick=args.quick, repeats=args.repeats, order=False)
+    if args.engine:
+        rows.append(engine_row(quick=args.quick, repeats=args.repeats))
     for row in rows:
         print(row["detail"])
         print(f"RESULT {row['name']} ratio={row['ratio']:.3f} target={row['target']} {'PASS' if row['passed'] else 'FAIL'}")

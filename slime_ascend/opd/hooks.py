@@ -98,6 +98,11 @@ def _validate_shared_engine(args: Any, settings: Mapping[str, Any], teachers: Se
 
     if not settings["ascend_opd_switch_engine_urls"]:
         return
+    if settings["ascend_opd_switch_transport"] == "distributed" and settings["ascend_opd_stage_dir"]:
+        raise SettingsError(
+            "opd: ascend_opd_stage_dir is the disk transport's copy of each teacher; with "
+            "ascend_opd_switch_transport: distributed the next teacher is staged in host memory. Fix: unset "
+            "ascend_opd_stage_dir, or switch over disk")
     switched = switched_teachers(args, teachers)
     why = architecture_mismatch([(t.name, t.checkpoint_dir) for t in switched]) if len(switched) > 1 else None
     if why:
@@ -327,7 +332,7 @@ def _topk_payload(ctx: OPDContext, sample: Any, payload: Any, i: int) -> dict[st
 
 _POOL_KEYS = ("switches", "prefetch_started", "prefetch_hits", "prefetch_late", "prefetch_misses", "cold_loads",
               "stage_retries", "stage_failures", "failed_teachers", "stall_s", "last_stall_s", "stage_s",
-              "read_bytes")
+              "read_bytes", "peak_host_bytes")
 _POOL_SECONDS = ("stall_s", "last_stall_s", "stage_s")
 
 def rollout_step_metrics(ctx: OPDContext, counts: Mapping[str, int], kl: Mapping[str, float]) -> dict[str, float]:
@@ -336,7 +341,8 @@ def rollout_step_metrics(ctx: OPDContext, counts: Mapping[str, int], kl: Mapping
     ``rollout/opd_kl_k3/<teacher>`` (mean per-token KL(student||teacher), k3) and, with a switched-teacher
     pool, its counters since start as ``rollout/opd_pool/<counter>`` (switches, prefetch started / hits /
     late / misses, cold loads, stage retries / failures, failed teachers, the seconds the switches stalled scoring
-    in all and in the last one, the seconds spent staging and the bytes read from the checkpoints to stage)."""
+    in all and in the last one, the seconds spent staging, the bytes read from the checkpoints to stage and the
+    most bytes of teacher weights the pool held in host memory at once)."""
     out: dict[str, float] = {f"rollout/opd_samples/{n}": int(counts.get(n, 0)) for n in ctx.coefs}
     out.update({f"rollout/opd_kl_k3/{n}": float(v) for n, v in kl.items()})
     if ctx.switcher is not None:

@@ -80,6 +80,9 @@ class TeacherLoader(ABC):
         """Drop a staged teacher that will not be activated (default: let GC free it)."""
         staged.payload = None
 
+    def close(self) -> None:
+        """The pool is closing: leave what the loader joined (default: nothing)."""
+
 
 def _placement(first: torch.Tensor | None, pin_memory: bool | None) -> tuple[torch.device, bool]:
     """The live weights' device (CPU when there are none) and whether staged tensors are pinned."""

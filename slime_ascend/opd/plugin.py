@@ -85,10 +85,23 @@ SETTINGS = (
     Setting("ascend_opd_request_retries", int, 2, "retries of a failed teacher scoring request", minimum=0),
     Setting("ascend_opd_switch_engine_urls", list, [],
             "engine URL(s) that host the *switched* teacher (teachers without url and not in --sglang-config); "
-            "switched with /update_weights_from_disk", check=lambda v: None if all(
+            "switched as ascend_opd_switch_transport says", check=lambda v: None if all(
                 isinstance(u, str) and u.startswith(("http://", "https://")) for u in v) else "URLs must be http(s)"),
-    Setting("ascend_opd_stage_dir", str, None, "local stage directory (NVMe cache tier) for switched teachers",
-            optional=True),
+    Setting("ascend_opd_switch_transport", str, "disk",
+            "how a switched teacher reaches its engine: 'disk' (/update_weights_from_disk of the checkpoint, or of "
+            "its copy in ascend_opd_stage_dir) or 'distributed' (staged in host memory while the current teacher "
+            "scores, pushed over the engine's weight-update group: /init_weights_update_group + "
+            "/update_weights_from_distributed, slime's own sync path)", choices=("disk", "distributed")),
+    Setting("ascend_opd_switch_backend", str, "gloo",
+            "distributed transport: the group's backend; gloo broadcasts from host memory, nccl/hccl need the pool's "
+            "process on the device", choices=("gloo", "nccl", "hccl")),
+    Setting("ascend_opd_switch_master_address", str, None,
+            "distributed transport: the address the engines reach the pool's process at (unset: this node's IP "
+            "as Ray reports it, else 127.0.0.1)", optional=True),
+    Setting("ascend_opd_switch_bucket_mb", int, 256,
+            "distributed transport: MiB of tensors per /update_weights_from_distributed call", minimum=1),
+    Setting("ascend_opd_stage_dir", str, None, "disk transport: local stage directory (NVMe cache tier) for "
+            "switched teachers", optional=True),
     Setting("ascend_opd_prefetch", bool, True, "stage the next switched teacher in the background"),
     Setting("ascend_opd_pool_actor", str, None,
             "name of a Ray actor holding the TeacherPool, shared by several rollout workers (unset: in-process)",

@@ -332,6 +332,7 @@ class TeacherPool:
             self._closed = True
             self._discard_slot()
         self._executor.shutdown(wait=True)
+        self.loader.close()
 
     def __enter__(self) -> TeacherPool:
         return self

@@ -163,14 +163,34 @@ async def score_grouped(
     return results
 
 
+def _node_address() -> str:
+    """This node's IP as Ray reports it (where the engines reach the pool's process), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - no Ray here: a single-host job
+        pass
+    return "127.0.0.1"
+
+
 class _PoolSwitcher:
     """Switch the engines of ``ascend_opd_switch_engine_urls`` through a TeacherPool (local or Ray actor)."""
 
     def __init__(self, teachers: Sequence[TeacherSpec], settings: Mapping[str, Any], student: Mapping[str, Any]):
-        from .engine_loader import SGLangEngineLoader
-
         urls = list(settings["ascend_opd_switch_engine_urls"])
-        factory = functools.partial(SGLangEngineLoader, urls, stage_dir=settings["ascend_opd_stage_dir"])
+        if settings["ascend_opd_switch_transport"] == "distributed":
+            from .push_loader import DistributedPushLoader
+
+            factory = functools.partial(
+                DistributedPushLoader, urls, backend=settings["ascend_opd_switch_backend"],
+                master_address=settings["ascend_opd_switch_master_address"] or _node_address(),
+                bucket_bytes=int(settings["ascend_opd_switch_bucket_mb"]) << 20)
+        else:
+            from .engine_loader import SGLangEngineLoader
+
+            factory = functools.partial(SGLangEngineLoader, urls, stage_dir=settings["ascend_opd_stage_dir"])
         specs = [t.to_dict() for t in teachers]
         self.prefetch_enabled = bool(settings["ascend_opd_prefetch"])
         self.actor_name = settings["ascend_opd_pool_actor"]

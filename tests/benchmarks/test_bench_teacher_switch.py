@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[2] / "benchmarks" / "bench_teacher_switch.py"
 
 
@@ -27,3 +29,17 @@ def test_bench_prints_switches_per_rollout_for_both_orders():
     assert all(g <= n for g, n in zip(rows["grouped"], needed, strict=True)), out
     assert sum(rows["grouped"]) <= sum(rows["completion order"])
     assert re.search(r"^RESULT teacher_switch_order ratio=[\d.]+ target=<=needed PASS$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_engine_row_switches_a_torch_engine_both_ways_and_prints_the_ratio():
+    r = subprocess.run([sys.executable, str(BENCH), "--order-only", "--engine", "--quick"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    m = re.search(r"disk reload \(page cache dropped\) \[([\d., ]+)\] s.*staged push \(prefetched while scoring\) "
+                  r"\[([\d., ]+)\] s.*versions \[([^\]]*)\]", out)
+    assert m, out
+    assert len(m.group(1).split(",")) == len(m.group(2).split(",")) == 2  # two switches each way, interleaved
+    assert m.group(3) == "'opd:teacher2:1', 'opd:teacher1:2'", out  # the engine served each pushed teacher
+    assert re.search(r"^RESULT teacher_switch_engine ratio=[\d.]+ target=<=0.1 (PASS|FAIL)$", out, re.M), out

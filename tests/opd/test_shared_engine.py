@@ -60,7 +60,8 @@ def test_a_teacher_without_checkpoint_files_is_left_to_the_pool(teachers, tmp_pa
 def test_parse_args_refuses_switched_teachers_of_two_architectures_in_one_line(teachers, tmp_path):
     specs, dirs, _ = teachers
     wide = _other(tmp_path, "wide", hidden=24)
-    settings = {"ascend_opd_switch_engine_urls": ["http://127.0.0.1:30001"]}
+    settings = {"ascend_opd_switch_engine_urls": ["http://127.0.0.1:30001"], "ascend_opd_switch_transport": "disk",
+                "ascend_opd_stage_dir": None}
     args = types.SimpleNamespace()
     _validate_shared_engine(args, settings, parse_teachers(specs))  # one architecture: passes
     mixed = parse_teachers(specs + [{"name": "wide", "checkpoint_dir": str(wide), "domains": ["wide"]}])
@@ -74,3 +75,14 @@ def test_parse_args_refuses_switched_teachers_of_two_architectures_in_one_line(t
     _validate_shared_engine(args, settings, own)
     _validate_shared_engine(types.SimpleNamespace(sglang_model_routers={"wide": "x"}), settings, mixed)
     _validate_shared_engine(args, {"ascend_opd_switch_engine_urls": []}, mixed)  # no pool-switched engine
+
+
+def test_a_stage_dir_with_the_distributed_transport_is_refused_in_one_line(teachers, tmp_path):
+    specs, _, _ = teachers
+    settings = {"ascend_opd_switch_engine_urls": ["http://127.0.0.1:30001"], "ascend_opd_switch_transport":
+                "distributed", "ascend_opd_stage_dir": str(tmp_path / "stage")}
+    with pytest.raises(SettingsError) as err:
+        _validate_shared_engine(types.SimpleNamespace(), settings, parse_teachers(specs))
+    assert "\n" not in str(err.value) and "Fix: unset ascend_opd_stage_dir" in str(err.value)
+    _validate_shared_engine(types.SimpleNamespace(), {**settings, "ascend_opd_stage_dir": None},
+                            parse_teachers(specs))  # host-memory staging: passes

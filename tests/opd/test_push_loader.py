@@ -1,0 +1,79 @@
+"""Teacher switching over the engine's weight-update group (``ascend_opd_switch_transport: distributed``): the
+pool stages the next teacher in host memory and the switch pushes it to a real torch engine (another process,
+slime's rank layout), which then serves that teacher's weights exactly."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import torch
+
+from slime_ascend.demo.slime_job import make_model, start_engine, stop
+from slime_ascend.opd.pool import TeacherLoadError, TeacherPool
+from slime_ascend.opd.push_loader import DistributedPushLoader, buckets
+from slime_ascend.opd.safetensors_dir import read_safetensors_dir
+from slime_ascend.rollout.torch_engine.model import load_model, score_tokens
+
+TOKENS = [5, 17, 99, 3, 250, 64, 7, 18]
+
+
+def _post(url, payload):
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _served_log_probs(url: str) -> torch.Tensor:
+    out = _post(url + "/generate", {"input_ids": TOKENS, "sampling_params": {"temperature": 1.0, "max_new_tokens": 0},
+                                    "return_logprob": True, "logprob_start_len": 0})
+    return torch.tensor([entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]])
+
+
+def _version(url: str) -> str:
+    with urllib.request.urlopen(url + "/get_weight_version", timeout=30) as resp:
+        return json.loads(resp.read())["weight_version"]
+
+
+def test_buckets_keep_order_and_size():
+    state = {n: torch.zeros(k, dtype=torch.float32) for n, k in (("a", 10), ("b", 10), ("c", 30), ("d", 1))}
+    assert buckets(state, 80) == [["a", "b"], ["c"], ["d"]]  # c (120 bytes) alone, d after it
+    assert buckets(state, 10_000) == [["a", "b", "c", "d"]]
+    assert [n for b in buckets(state, 1) for n in b] == list(state)
+
+
+@pytest.mark.slow
+def test_switches_push_each_teacher_into_the_engine_from_host_memory(tmp_path):
+    student = make_model(tmp_path / "student", seed=0)
+    teachers = {name: make_model(tmp_path / name, seed=seed) for name, seed in (("math", 1), ("code", 2))}
+    other_shape = make_model(tmp_path / "wide", seed=3, config_overrides={"intermediate_size": 96})
+    engine = start_engine(student, tmp_path / "engine.log")
+    try:
+        loader = DistributedPushLoader(engine.url, bucket_bytes=64 << 10)  # several buckets a teacher
+        specs = [{"name": n, "checkpoint_dir": str(d), "domains": [n]} for n, d in teachers.items()]
+        specs.append({"name": "wide", "checkpoint_dir": str(other_shape), "domains": ["wide"]})
+        one_teacher = read_safetensors_dir(teachers["math"])[1]
+        with TeacherPool(specs, loader) as pool:
+            pool.set_schedule(["math", "code", "math"])  # stages math now, in the background
+            for n, name in enumerate(["math", "code", "math"], start=1):
+                info = pool.activate(name)
+                assert info.switched and info.prefetch in ("hit", "late"), info  # staged while "scoring"
+                assert _version(engine.url) == f"opd:{name}:{n}"
+                expected = score_tokens(load_model(teachers[name]), TOKENS)
+                assert torch.allclose(_served_log_probs(engine.url), expected, atol=1e-5), name
+            m = pool.metrics()
+            assert m["switches"] == 3 and m["cold_loads"] == 0 and m["read_bytes"] == 3 * one_teacher
+            # host memory: the engine holds the resident teacher; the pool at most the one staged copy
+            assert m["peak_host_bytes"] <= one_teacher, m
+            assert loader.pushed_bytes == 3 * one_teacher
+            # a teacher of other shapes: the engine refuses the pushed version, keeps serving the last good one
+            with pytest.raises(TeacherLoadError, match="activation failed"):
+                pool.activate("wide")
+            assert pool.state()["wide"]["status"] == "failed"
+            assert _version(engine.url) == "opd:math:3"
+            assert torch.allclose(_served_log_probs(engine.url), score_tokens(load_model(teachers["math"]), TOKENS),
+                                  atol=1e-5)
+        assert "switched to weight version opd:code:2 from" in engine.log.read_text()
+    finally:
+        stop(engine.proc)
