@@ -1,5 +1,5 @@
 """KV ownership in slime's own ``train.py``: ``cosched`` + the torch engine's prefix cache, with ``compaction``
-(multi-turn) and ``staleness`` (``cpu``).
+(multi-turn, the environment paying its own reward), ``staleness`` and ``verifier-gate`` (``cpu``).
 
 Two torch engines served with ``--prefix-cache-tokens`` behind slime's router (external engines: every check below
 reads each engine's own report, ``/server_info``'s ``prefix_cache``, and its log after slime's run has ended, and
@@ -46,12 +46,15 @@ from test_slime_compaction import BATCH, EPISODE, N_SAMPLES
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
-PLUGINS = ("cpu", "compaction", "staleness", "cosched")
+PLUGINS = ("cpu", "compaction", "staleness", "cosched", "verifier-gate")
 NUM_ROLLOUT = 2
 NUM_ENGINES = 2
 CAPACITY = 3  # slots per engine: 6 for the 8 episodes (BATCH x N_SAMPLES) slime runs at once
 SETTINGS = {  # test_slime_compaction.py's episode: 3 facts, a 1024-token budget, one compaction a rollout
     **EPISODE,
+    # the environment pays its own reward (the tiny model never answers the lookup: 0 throughout), so the
+    # verifier gate checks the environment's verifier in slime's processes before the first rollout
+    "ascend_compaction_env_reward": "true",
     "ascend_staleness_tau": "1",
     "ascend_cosched_capacity": str(CAPACITY),
 }
@@ -104,6 +107,11 @@ def test_train_py_compaction_sessions_keep_their_kv_owner_across_versions(model_
     assert run.returncode == 0, run.log[-6000:]
     print(f"train.py ran {run.seconds:.0f} s")
 
+    # the verifier gate checked the environment's reward at slime's parse_args (driver and RolloutManager), with
+    # the no-op played to the turn limit and the unfinished episode scored as it stands
+    gate = [line for line in run.log.splitlines() if "verifier gate:" in line and "passes oracle, no_action and "
+            "unfinished" in line]
+    assert any("RolloutManager" in line for line in gate) and "kv_lookup" in "".join(gate), gate
     # cosched dispatched compaction's turns (its generate talks to the engines itself)
     assert "cosched: compaction's turns are dispatched, one session per episode" in run.log
     cosched = [m for m in run.metrics() if "rollout/cosched_requests" in m]
