@@ -41,27 +41,89 @@ def _settings(args: Any):
 def dispatcher(args: Any) -> CapacityDispatcher:
     global _dispatcher
     if _dispatcher is None:
-        capacity = _settings(args).capacity or int(getattr(args, "sglang_server_concurrency", 0) or 1)
-        _dispatcher = CapacityDispatcher(capacity)
+        settings = _settings(args)
+        capacity = settings.capacity or int(getattr(args, "sglang_server_concurrency", 0) or 1)
+        _dispatcher = CapacityDispatcher(capacity, unit=settings.unit)
     return _dispatcher
+
+
+_PD_MODES = ("prefill", "decode")
+
+
+def _refuse_disaggregated(where: str, mode: Any) -> None:
+    if mode in _PD_MODES:
+        raise RuntimeError(f"cosched: {where} is a {mode} server of a prefill/decode-disaggregated deployment; cosched "
+                           "places whole requests on one engine and cannot pair prefill with decode. Fix: drop "
+                           "cosched from SLIME_ASCEND_PLUGINS for this job (slime's router pairs them)")
+
+
+async def _kv_budgets(urls: list[str], fraction: float) -> dict[str, int]:
+    """Each engine's KV budget: ``fraction`` of the ``max_total_num_tokens`` its ``/v1/loads`` reports, summed over
+    its data-parallel ranks (SGLang's answer; the torch engine's with ``--max-total-tokens``)."""
+    from slime.utils.http_utils import get
+
+    budgets = {}
+    for url in urls:
+        answer = await get(url.rstrip("/") + "/v1/loads")
+        ranks = answer.get("loads") if isinstance(answer, dict) else None
+        ranks = [r for r in ranks if isinstance(r, dict)] if isinstance(ranks, list) else []
+        for rank in ranks:
+            _refuse_disaggregated(url, (rank.get("disaggregation") or {}).get("mode"))
+        total = sum(int(r.get("max_total_num_tokens") or 0) for r in ranks)
+        if total <= 0:
+            raise RuntimeError(f"cosched: ascend_cosched_unit is kv_tokens but {url}/v1/loads reports no "
+                               "max_total_num_tokens (the engine's KV capacity). Fix: an SGLang that serves /v1/loads, "
+                               "serve-torch with --max-total-tokens N, or ascend_cosched_unit: requests")
+        budgets[url] = max(1, int(total * fraction))
+    return budgets
 
 
 async def _refresh(args: Any, d: CapacityDispatcher) -> None:
     global _listed_at
     now = time.monotonic()
-    if d.engines and now - _listed_at < _settings(args).refresh_s:
+    settings = _settings(args)
+    if d.engines and now - _listed_at < settings.refresh_s:
         return
     from slime.utils.http_utils import get
 
     listed = await get(f"http://{args.sglang_router_ip}:{args.sglang_router_port}/workers")
-    urls = [w["url"] for w in (listed or {}).get("workers", []) if isinstance(w, dict) and w.get("url")]
+    workers = [w for w in (listed or {}).get("workers", []) if isinstance(w, dict) and w.get("url")]
+    for worker in workers:  # sglang-router names each worker's role (slime's sglang_config: regular/prefill/decode)
+        _refuse_disaggregated(worker["url"], worker.get("worker_type"))
+    urls = [w["url"] for w in workers]
     if not urls:
         raise RuntimeError(f"cosched: the router at {args.sglang_router_ip}:{args.sglang_router_port} lists no "
                            "worker; no engine to send the request to")
+    budgets = (await _kv_budgets(urls, float(settings.kv_fraction))
+               if d.unit == "kv_tokens" else None)
     if urls != d.engines:
-        logger.info("cosched: dispatching over %d engines, %d slots each: %s", len(urls), d.capacity, urls)
-    d.set_engines(urls)
+        logger.info("cosched: dispatching over %d engines, %s: %s", len(urls),
+                    f"{d.capacity} slots each" if budgets is None else f"KV tokens {budgets}", urls)
+    d.set_engines(urls, budgets)
     _listed_at = now
+
+
+def request_cost(args: Any, d: CapacityDispatcher, prompt_tokens: int, sampling_params: dict) -> int:
+    """What a request takes of its engine's budget: one slot, or in KV tokens its prompt plus the tokens it may
+    generate (``max_new_tokens``, else slime's ``--rollout-max-response-len``)."""
+    if d.unit != "kv_tokens":
+        return 1
+    new = (sampling_params or {}).get("max_new_tokens") or getattr(args, "rollout_max_response_len", 0) or 0
+    return max(1, int(prompt_tokens) + int(new))
+
+
+def _prompt_tokens(args: Any, sample: Any) -> int:
+    """The tokens of the prompt slime's generate will send: the sample's own tokens when it has them (a later
+    turn), else its prompt through slime's tokenizer."""
+    tokens = getattr(sample, "tokens", None)
+    if tokens:
+        return len(tokens)
+    prompt = getattr(sample, "prompt", "")
+    if not isinstance(prompt, str):
+        return sum(len(str(m.get("content", ""))) for m in prompt if isinstance(m, dict))  # characters: an upper bound
+    from slime.rollout.sglang_rollout import GenerateState
+
+    return len(GenerateState(args).tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
 def _routed(args: Any, url: str) -> Any:
@@ -74,11 +136,12 @@ def _routed(args: Any, url: str) -> Any:
 async def generate(original, args: Any, sample: Any, sampling_params: dict) -> Any:
     d = dispatcher(args)
     await _refresh(args, d)
-    url = await d.acquire(getattr(sample, "session_id", None))
+    cost = request_cost(args, d, _prompt_tokens(args, sample) if d.unit == "kv_tokens" else 0, sampling_params)
+    url = await d.acquire(getattr(sample, "session_id", None), cost)
     try:
         return await original(_routed(args, url), sample, sampling_params)
     finally:
-        d.release(url)
+        d.release(url, cost)
 
 
 def report(args: Any, samples: list, raw_rewards: list, rewards: list) -> tuple[list, list]:

@@ -50,11 +50,12 @@ class SessionEngine:
         d = hooks.dispatcher(self.args)
         await hooks._refresh(self.args, d)
         owner = d.owner(self.session)
-        url = await d.acquire(self.session)
+        cost = hooks.request_cost(self.args, d, len(input_ids), sampling_params)
+        url = await d.acquire(self.session, cost)
         try:
             result = await _client(url).generate(input_ids, sampling_params)
         finally:
-            d.release(url)
+            d.release(url, cost)
         meta = result.meta_info or {}
         d.record_answer(url, int(meta.get("prompt_tokens", len(input_ids)) or 0), int(meta.get("cached_tokens") or 0),
                         owner_turn=owner is not None and owner == url, stale_prefix=stale_prefix(meta))

@@ -119,3 +119,18 @@ def test_main_prints_wall_and_modelled_ratios_side_by_side(monkeypatch, capsys):
 def test_bench_refuses_a_bad_layout_in_one_line():
     r = subprocess.run([sys.executable, str(BENCH), "--engines", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--engines must be 1..8" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_kv_rows_model_both_units_on_the_real_dispatcher():
+    """The KV-capacity rows: on known inputs the modelled schedule respects the area bound, and counting KV tokens
+    beats counting requests when the engines' KV budgets differ (a deterministic model, no timing)."""
+    bench = _bench()
+    rows = {r["name"]: r for r in bench.kv_row(quick=True, seeds=2)}
+    requests, kv = rows["rollout_scheduling_kv/requests"], rows["rollout_scheduling_kv/kv_tokens"]
+    assert 1.0 <= kv["ratio"] < requests["ratio"], (kv, requests)
+    # one request alone: its duration, whatever the unit; two that do not fit together on one engine run one after
+    # the other there, side by side on two
+    assert bench.kv_schedule([100], [150], [2.0], "kv_tokens", 1) == 2.0
+    assert bench.kv_schedule([100], [60, 60], [1.0, 1.0], "kv_tokens", 4) == 2.0
+    assert bench.kv_schedule([100], [60, 60], [1.0, 1.0], "requests", 4) == 2.0  # the engine queues the second
+    assert bench.kv_schedule([100, 100], [60, 60], [1.0, 1.0], "kv_tokens", 4) == 1.0

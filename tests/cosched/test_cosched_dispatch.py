@@ -116,7 +116,7 @@ def test_engines_leaving_and_joining():
         assert waiter.result() == "b"
         d.release(held)  # a's running request still releases
         assert d.engines == ["b"]
-        with pytest.raises(ValueError, match="holds no slot"):
+        with pytest.raises(ValueError, match="holds no such request"):
             d.release("a")
 
     run(main())
@@ -291,5 +291,72 @@ def test_placement_matches_the_reference_policy(engines, capacity, ops):
             "rollout/cosched_moves"]
         for _, task in queue:
             task.cancel()
+
+    run(main())
+
+
+@settings(max_examples=40, deadline=None)
+@given(budgets=st.lists(st.integers(8, 64), min_size=1, max_size=3), costs=st.lists(st.integers(1, 80), min_size=1,
+                                                                                    max_size=30),
+       seed=st.integers(0, 10**6))
+def test_kv_tokens_never_over_an_engines_budget_unless_alone_and_never_idle_while_a_request_fits(budgets, costs, seed):
+    """The KV unit: each engine's budget its KV tokens, each request its prompt plus max_new_tokens. Whatever the
+    order: an engine holds more than its budget only with one request (one above the whole budget runs alone), and
+    the head of the queue waits only while it fits nowhere."""
+    rng = random.Random(seed)
+    urls = [f"e{i}" for i in range(len(budgets))]
+    budget = dict(zip(urls, budgets))
+
+    async def main():
+        d = CapacityDispatcher(1, unit="kv_tokens")
+        d.set_engines(urls, budgets=budget)
+        held = {u: [] for u in urls}
+
+        async def request(i, cost):
+            url = await d.acquire(rng.choice([None, f"s{i % 4}"]), cost=cost)
+            held[url].append(cost)
+            assert sum(held[url]) <= budget[url] or len(held[url]) == 1, (url, held[url], budget[url])
+            for _ in range(rng.randint(0, 3)):
+                await asyncio.sleep(0)
+            held[url].remove(cost)
+            d.release(url, cost)
+
+        tasks = [asyncio.create_task(request(i, c)) for i, c in enumerate(costs)]
+        while not all(t.done() for t in tasks):
+            if d._waiters:  # the head fits nowhere: every engine busy and too full for it
+                head = d._waiters[0].cost
+                assert all(e.running > 0 and e.budget - e.used < head for e in d._engines.values()), head
+            await asyncio.sleep(0)
+        stats = d.take_stats()
+        assert stats["rollout/cosched_requests"] == len(costs)
+        # above every budget: oversized wherever it ran; above the smallest only: oversized if it ran there alone
+        assert sum(c > max(budgets) for c in costs) <= stats["rollout/cosched_oversized"] <= sum(
+            c > min(budgets) for c in costs)
+        assert all(e.used == 0 and e.running == 0 for e in d._engines.values())
+
+    run(main())
+
+
+def test_kv_tokens_place_by_free_tokens_and_keep_a_session_where_its_turn_fits():
+    async def main():
+        d = CapacityDispatcher(1, unit="kv_tokens")
+        d.set_engines(["small", "big"], budgets={"small": 100, "big": 300})
+        assert await d.acquire("s", cost=50) == "big"  # most free tokens
+        assert await d.acquire(cost=200) == "big"  # 250 of 300 used
+        assert await d.acquire("s", cost=80) == "small"  # the owner (big) has 50 free: moved
+        assert d.owner("s") == "small"
+        waiter = asyncio.create_task(d.acquire(cost=60))  # fits nowhere: small 20 free, big 50 free
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        d.release("big", 200)
+        await asyncio.sleep(0)
+        assert waiter.result() == "big"
+        stats = d.take_stats()
+        assert stats["rollout/cosched_engine0_budget"] == 100 and stats["rollout/cosched_engine1_budget"] == 300
+        assert stats["rollout/cosched_moves"] == 1 and stats["rollout/cosched_oversized"] == 0
+        with pytest.raises(ValueError, match="at least 1"):
+            await d.acquire(cost=0)
+        with pytest.raises(ValueError, match="budget of engine"):
+            d.set_engines(["x"], budgets={"x": 0})
 
     run(main())

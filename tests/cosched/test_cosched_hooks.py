@@ -18,7 +18,7 @@ from slime_ascend.cosched import sessions as cosched_sessions
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     hooks.reset()
-    monkeypatch.setattr(hooks, "_settings", lambda args: SimpleNamespace(capacity=1, refresh_s=30.0))
+    monkeypatch.setattr(hooks, "_settings", lambda args: SimpleNamespace(capacity=1, refresh_s=30.0, unit="requests", kv_fraction=0.9))
     yield
     hooks.reset()
 
@@ -181,7 +181,7 @@ def _routed_compaction(monkeypatch, capacity, sessions, **served_kw):
     from slime_ascend.compat.sample import get_sample_class
     from slime_ascend.rollout.engine_client import EngineClient
 
-    monkeypatch.setattr(hooks, "_settings", lambda args: SimpleNamespace(capacity=capacity, refresh_s=30.0))
+    monkeypatch.setattr(hooks, "_settings", lambda args: SimpleNamespace(capacity=capacity, refresh_s=30.0, unit="requests", kv_fraction=0.9))
 
     async def workers(url):
         return {"workers": [{"url": u} for u in ENGINES]}
@@ -287,3 +287,73 @@ def test_the_torch_engine_reports_the_version_of_the_prefix_it_reused(monkeypatc
     stale = engine.generate({**payload, "input_ids": payload["input_ids"] + [7, 8, 9]})["meta_info"]
     assert stale["cached_tokens"] > 0 and stale["weight_version"] == "v1"
     assert stale["cached_weight_version"] == "default" and cosched_sessions.stale_prefix(stale) is True
+
+
+def test_kv_unit_budgets_from_each_engines_loads_and_costs_from_prompt_and_max_new_tokens(monkeypatch):
+    """``ascend_cosched_unit: kv_tokens``: each engine's budget is its /v1/loads max_total_num_tokens (summed over DP
+    ranks) x kv_fraction; a request costs its prompt tokens plus max_new_tokens."""
+    monkeypatch.setattr(hooks, "_settings", lambda args: SimpleNamespace(capacity=1, refresh_s=30.0, unit="kv_tokens",
+                                                                         kv_fraction=0.5))
+    loads = {"http://e1:1": [{"dp_rank": 0, "max_total_num_tokens": 400}],
+             "http://e2:2": [{"dp_rank": 0, "max_total_num_tokens": 100}, {"dp_rank": 1, "max_total_num_tokens": 100}]}
+
+    async def get(url):
+        if url.endswith("/workers"):
+            return {"workers": [{"url": u, "worker_type": "regular"} for u in loads]}
+        return {"loads": loads[url.removesuffix("/v1/loads")]}
+
+    _router_lists(monkeypatch, get)
+    placed = []
+
+    async def slime_generate(args, sample, params):
+        placed.append(args.sglang_router_port)
+        await asyncio.sleep(0.01)
+        return sample
+
+    async def main():
+        args = _args()
+        samples = [SimpleNamespace(session_id=None, tokens=list(range(30))) for _ in range(3)]
+        # each costs 30 + 120 = 150: e1 (budget 200) takes one, e2 (budget 100) takes one alone (oversized), the
+        # third waits for e1
+        await asyncio.gather(*(hooks.generate(slime_generate, args, s, {"max_new_tokens": 120}) for s in samples))
+        d = hooks.dispatcher(args)
+        return d, d.take_stats()
+
+    d, stats = asyncio.run(main())
+    assert d.unit == "kv_tokens" and stats["rollout/cosched_engine0_budget"] == 200
+    assert stats["rollout/cosched_engine1_budget"] == 100 and stats["rollout/cosched_oversized"] == 1
+    assert sorted(placed) == [1, 1, 2] and stats["rollout/cosched_requests"] == 3
+
+
+@pytest.mark.parametrize("where", ["workers", "loads"])
+def test_a_prefill_decode_disaggregated_deployment_is_refused_in_one_line(monkeypatch, where):
+    monkeypatch.setattr(hooks, "_settings", lambda args: SimpleNamespace(capacity=1, refresh_s=30.0, unit="kv_tokens",
+                                                                         kv_fraction=0.9))
+
+    async def get(url):
+        if url.endswith("/workers"):
+            return {"workers": [{"url": "http://p:1", "worker_type": "prefill" if where == "workers" else "regular"}]}
+        return {"loads": [{"max_total_num_tokens": 100, "disaggregation": {"mode": "decode"}}]}
+
+    _router_lists(monkeypatch, get)
+
+    async def never(args, sample, params):
+        raise AssertionError("dispatched")
+
+    with pytest.raises(RuntimeError) as err:
+        asyncio.run(hooks.generate(never, _args(), SimpleNamespace(session_id=None, tokens=[1]), {}))
+    assert "prefill/decode-disaggregated" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_kv_unit_without_a_reported_kv_capacity_is_one_line(monkeypatch):
+    monkeypatch.setattr(hooks, "_settings", lambda args: SimpleNamespace(capacity=1, refresh_s=30.0, unit="kv_tokens",
+                                                                         kv_fraction=0.9))
+
+    async def get(url):
+        if url.endswith("/workers"):
+            return {"workers": [{"url": "http://e:1"}]}
+        return {"loads": [{"dp_rank": 0, "num_running_reqs": 0}]}
+
+    _router_lists(monkeypatch, get)
+    with pytest.raises(RuntimeError, match="reports no max_total_num_tokens.*--max-total-tokens"):
+        asyncio.run(hooks.generate(None, _args(), SimpleNamespace(session_id=None, tokens=[1]), {}))

@@ -6,9 +6,10 @@ reads each engine's own report, ``/server_info``'s ``prefix_cache``, and its log
 slime stops the engines it starts itself); compaction's ``kv_lookup`` episodes (the episode of
 tests/e2e/test_slime_compaction.py) are multi-turn (each action's prompt extends the last one) and every episode
 shares the environment's instructions, so a later turn, and a later rollout's first turn, would find a cached
-prefix. ``cosched`` dispatches every turn (``ascend_cosched_capacity`` 3 slots per engine, 8 episodes at once): an
-episode is one session, kept on the engine that served its last turn while that engine has a free slot, moved
-(counted) when it has none. slime pushes three weight versions (before rollout 0, after step 0, after step 1).
+prefix. ``cosched`` dispatches every turn by KV tokens (``ascend_cosched_unit: kv_tokens``: each engine's budget is
+90% of the ``max_total_num_tokens`` its ``/v1/loads`` reports, ``--max-total-tokens 4096``; a turn takes its prompt
+plus its ``max_new_tokens``; 8 episodes at once): an episode is one session, kept on the engine that served its last
+turn while the turn fits there, moved (counted) when it does not. slime pushes three weight versions (before rollout 0, after step 0, after step 1).
 
 Evidence, from the engines' own counters and logs and from slime's metrics (``rollout/cosched_*``, per rollout):
 
@@ -49,14 +50,18 @@ pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytes
 PLUGINS = ("cpu", "compaction", "staleness", "cosched", "verifier-gate")
 NUM_ROLLOUT = 2
 NUM_ENGINES = 2
-CAPACITY = 3  # slots per engine: 6 for the 8 episodes (BATCH x N_SAMPLES) slime runs at once
+# each engine's KV budget (serve-torch --max-total-tokens, reported in /v1/loads): a turn reserves its prompt (up to
+# ~1,000 tokens in this episode) plus its max_new_tokens, so an engine holds about 3 of the 8 episodes' turns at once
+MAX_TOTAL_TOKENS = 4096
+KV_FRACTION = 0.9
 SETTINGS = {  # test_slime_compaction.py's episode: 3 facts, a 1024-token budget, one compaction a rollout
     **EPISODE,
     # the environment pays its own reward (the tiny model never answers the lookup: 0 throughout), so the
     # verifier gate checks the environment's verifier in slime's processes before the first rollout
     "ascend_compaction_env_reward": "true",
     "ascend_staleness_tau": "1",
-    "ascend_cosched_capacity": str(CAPACITY),
+    "ascend_cosched_unit": "kv_tokens",
+    "ascend_cosched_kv_fraction": str(KV_FRACTION),
 }
 
 
@@ -68,7 +73,7 @@ def _cached_engine(model_dir, log) -> Engine:  # noqa: F811
     env = {k: v for k, v in os.environ.items() if k != "SLIME_ASCEND_PLUGINS"}
     env["OMP_NUM_THREADS"] = "1"  # one core per engine: the two engines do not oversubscribe the host's two
     cmd = [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--prefix-cache-tokens", "65536"]
+           "--port", str(port), "--prefix-cache-tokens", "65536", "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent),
                                 start_new_session=True)
@@ -119,6 +124,10 @@ def test_train_py_compaction_sessions_keep_their_kv_owner_across_versions(model_
     assert len(cosched) == NUM_ROLLOUT, cosched
     for m in cosched:
         dispatched = [m[f"rollout/cosched_engine{i}_dispatched"] for i in range(NUM_ENGINES)]
+        # dispatched by KV tokens: each engine's budget is kv_fraction of the capacity its /v1/loads reports
+        assert all(m[f"rollout/cosched_engine{i}_budget"] == int(MAX_TOTAL_TOKENS * KV_FRACTION)
+                   for i in range(NUM_ENGINES)), m
+        assert m["rollout/cosched_oversized"] == 0, m
         assert m["rollout/cosched_requests"] == m["rollout/cosched_answers"] == sum(dispatched), m
         assert min(dispatched) > 0, m  # both engines served the rollout
         # a later turn is an owner turn or a counted move; sessions stayed on their owner, which reused their prefix

@@ -98,6 +98,10 @@ def build_parser() -> ArgumentParser:
                         default=DEFAULT_MAX_WEIGHT_BYTES_IN_FLIGHT,
                         help="most bytes of /get_weights_by_name answers being built or sent at once, over all "
                         "connections; more is a 503 with Retry-After (default %(default)s)")
+    limits.add_argument("--max-total-tokens", type=positive_int, default=None, metavar="N",
+                        help="the KV budget (SGLang's flag): running requests reserve their prompt plus max_new_tokens "
+                        "and the next in arrival order waits until it fits (one above N runs alone); /v1/loads "
+                        "reports it as max_total_num_tokens (default: no budget)")
     add_server_flags(limits)
     cache = parser.add_argument_group("prefix cache (KV of earlier requests, reused only under the weight version "
                                       "that computed them)")
@@ -169,7 +173,8 @@ def serve_torch(argv: list[str] | None = None) -> int:
                              prefix_cache_tokens=args.prefix_cache_tokens,
                              prefix_cache_entries=args.prefix_cache_entries,
                              enable_return_routed_experts=args.enable_return_routed_experts,
-                             dump_dsa_index_sets=args.dump_dsa_index_sets, device=args.device)
+                             dump_dsa_index_sets=args.dump_dsa_index_sets, device=args.device,
+                             max_total_tokens=args.max_total_tokens)
     if args.weight_group_timeout is not None or args.keep_received_weights is not None:
         engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
     return _serve(engine, args, listener)
@@ -184,6 +189,7 @@ def _reward_model_start(args: Any) -> bool:
     if not is_reward_checkpoint(args.model):
         return False
     given = [flag for flag, on in (("--enable-return-routed-experts", args.enable_return_routed_experts),
+                                   ("--max-total-tokens", args.max_total_tokens is not None),
                                    ("--dump-dsa-index-sets", args.dump_dsa_index_sets is not None),
                                    ("--weight-group-timeout", args.weight_group_timeout is not None),
                                    ("--keep-received-weights", args.keep_received_weights is not None)) if on]

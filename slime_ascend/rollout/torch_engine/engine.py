@@ -57,6 +57,7 @@ Deviations: ``output_ids`` always include a matched stop token (only ``text`` is
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import inspect
 import itertools
@@ -361,6 +362,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         enable_return_routed_experts: bool = False,
         dump_dsa_index_sets: str | os.PathLike | None = None,
         device: str = "cpu",
+        max_total_tokens: int | None = None,
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
                             max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs,
@@ -433,6 +435,14 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         self._live: dict[int, _Request] = {}  # every prompt of every request not yet answered
         self._running: dict[int, _Request] = {}  # admitted (between admission and answer)
         self._parked = 0  # running requests parked by an in_place/retract pause
+        # the KV budget (SGLang's --max-total-tokens): the running requests reserve their prompt plus max_new_tokens
+        # and the next request in arrival order waits until its reservation fits (one above the whole budget runs
+        # alone); /v1/loads reports it as SGLang does (max_total_num_tokens, num_used_tokens)
+        if max_total_tokens is not None:
+            check_positive_ints(max_total_tokens=max_total_tokens)
+        self.max_total_tokens = max_total_tokens
+        self._kv_reserved = 0
+        self._kv_queue: collections.deque[int] = collections.deque()  # waiting requests, in arrival order
         self._seed_rng = random.Random(seed)
 
     # ------------------------------------------------------------------ info
@@ -474,6 +484,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "max_new_tokens": self.max_new_tokens,
             "max_top_logprobs": self.max_top_logprobs,
             "max_weight_values": self.max_weight_values,
+            "max_total_num_tokens": self.max_total_tokens,  # the KV budget (--max-total-tokens; None: none)
             **self.weight_read_info(),  # weight_read.py: the answer limits and the bytes of answers in flight
             "enable_return_routed_experts": self.enable_return_routed_experts,  # slime checks it under replay
             "routed_experts_in_every_answer": self.enable_return_routed_experts,  # rollout.replay_routes reads it
@@ -555,11 +566,14 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
     def loads(self) -> dict[str, Any]:
         with self._state:
             running, waiting = len(self._running), len(self._live) - len(self._running)
-        return {
-            "loads": [
-                {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting}
-            ]
-        }
+        load: dict[str, Any] = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                                "num_total_reqs": running + waiting}
+        if self.max_total_tokens is not None:  # SGLang's KV fields (GetLoadsReqOutput), of the reservations
+            with self._state:
+                used = self._kv_reserved
+            load.update(max_total_num_tokens=self.max_total_tokens, num_used_tokens=used,
+                        token_usage=used / self.max_total_tokens)
+        return {"loads": [load]}
 
     # ------------------------------------------------------------------ control
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
@@ -834,18 +848,41 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         """One wait on ``_state`` (held); wakes periodically to poll a request's client."""
         self._state.wait(timeout=_DISCONNECT_POLL_S if req.is_disconnected is not None else None)
 
+    def _kv_cost(self, req: _Request) -> int:
+        return len(req.input_ids) + int(req.sampling.max_new_tokens)
+
+    def _kv_blocked(self, req: _Request) -> bool:
+        """Under a KV budget: ``req`` is not first in line, or its reservation does not fit beside the running
+        requests' (``_state`` held)."""
+        if self.max_total_tokens is None:
+            return False
+        if self._kv_queue and self._kv_queue[0] != id(req):
+            return True
+        return bool(self._running) and self._kv_reserved + self._kv_cost(req) > self.max_total_tokens
+
     @contextlib.contextmanager
     def _admitted(self, req: _Request) -> Iterator[None]:
+        cost = self._kv_cost(req) if self.max_total_tokens is not None else 0
         with self._state:
             self._check_weights_present("generate")
-            while not self._client_gone(req) and (self._paused is not None or self._updating):
-                self._wait(req)
+            if self.max_total_tokens is not None:
+                self._kv_queue.append(id(req))
+            try:
+                while not self._client_gone(req) and (self._paused is not None or self._updating
+                                                      or self._kv_blocked(req)):
+                    self._wait(req)
+            finally:
+                if self.max_total_tokens is not None:
+                    self._kv_queue.remove(id(req))
+                    self._state.notify_all()  # the next in line may fit now
             self._running[id(req)] = req
+            self._kv_reserved += cost
         try:
             yield
         finally:
             with self._state:
                 self._running.pop(id(req), None)
+                self._kv_reserved -= cost
                 self._state.notify_all()
 
     def _check_step(self, req: _Request) -> str | None:

@@ -1,0 +1,63 @@
+"""The torch engine's KV budget (``serve-torch --max-total-tokens N``, SGLang's flag): running requests reserve their
+prompt plus ``max_new_tokens``; the next request in arrival order waits until it fits (one above the whole budget
+runs alone); ``/v1/loads`` reports the budget and the reservations in SGLang's fields."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from slime_ascend.rollout.torch_engine.engine import TorchEngine
+
+
+def _generate_in_thread(engine, ids, new, out, name):
+    def run():
+        out[name] = (time.monotonic(), engine.generate({"input_ids": ids, "sampling_params": {
+            "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}}), time.monotonic())
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_requests_wait_for_kv_room_in_arrival_order_and_loads_report_it():
+    engine = TorchEngine(max_total_tokens=100)
+    assert engine.loads()["loads"][0]["max_total_num_tokens"] == 100
+    assert engine.server_info()["max_total_num_tokens"] == 100
+    snapshots = []
+    engine_forward = engine._forward
+
+    def watched(*a, **k):  # at each forward: the reservations and which requests run (by prompt length)
+        with engine._state:
+            snapshots.append((engine._kv_reserved, frozenset(len(r.input_ids) for r in engine._running.values())))
+        return engine_forward(*a, **k)
+
+    engine._forward = watched
+    out = {}
+    threads = [_generate_in_thread(engine, list(range(3, 13)), 80, out, "a")]  # 10 + 80 = 90 reserved
+    time.sleep(0.05)
+    threads.append(_generate_in_thread(engine, list(range(3, 14)), 49, out, "b"))  # 11 + 49 = 60: waits for a
+    time.sleep(0.05)
+    threads.append(_generate_in_thread(engine, list(range(3, 8)), 5, out, "c"))  # 10 fits beside a; b is first
+    for t in threads:
+        t.join(120)
+    assert [len(out[n][1]["output_ids"]) for n in "abc"] == [80, 49, 5]
+    assert max(used for used, _ in snapshots) <= 100  # never more reserved than the budget
+    assert {10, 11} not in [set(running) for _, running in snapshots]  # b never ran beside a: no room
+    assert not any(running == {10, 5} for _, running in snapshots)  # c did not overtake b (arrival order)
+    assert any(running == {11, 5} for _, running in snapshots)  # c ran once b had started, beside it
+    assert engine.loads()["loads"][0]["num_used_tokens"] == 0
+
+
+def test_a_request_above_the_whole_budget_runs_alone():
+    engine = TorchEngine(max_total_tokens=20)
+    answer = engine.generate({"input_ids": list(range(3, 13)), "sampling_params": {"max_new_tokens": 30,
+                                                                                     "ignore_eos": True}})
+    assert len(answer["output_ids"]) == 30
+
+
+def test_the_budget_must_be_positive():
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        TorchEngine(max_total_tokens=0)
