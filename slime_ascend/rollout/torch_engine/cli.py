@@ -116,6 +116,16 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--dump-dsa-index-sets", default=None, metavar="DIR",
                         help="write each request's DSA key sets, per layer and fed position, to DIR/rollout-*.pt (a "
                         "GLM-5 model; compared with the train side's by `slime-ascend dsa-index-sets`)")
+    spec = parser.add_argument_group("speculative decoding (SGLang's flags; the STANDALONE algorithm: a draft model)")
+    spec.add_argument("--speculative-algorithm", default=None, choices=["STANDALONE"],
+                      help="STANDALONE: a draft model proposes tokens, one forward of the served model verifies "
+                      "them; the kept tokens follow the served model's distribution and carry its log-probs")
+    spec.add_argument("--speculative-draft-model-path", default=None, metavar="DIR",
+                      help="the draft model's checkpoint (same vocabulary; a dense model)")
+    spec.add_argument("--speculative-num-steps", type=positive_int, default=None, metavar="K",
+                      help="tokens the draft proposes per verifying forward")
+    spec.add_argument("--speculative-num-draft-tokens", type=positive_int, default=None, metavar="N",
+                      help="SGLang's count of verified tokens; for a chain of K steps it is K + 1 (checked)")
     sync = parser.add_argument_group("weight sync over a process group (/update_weights_from_distributed)")
     sync.add_argument("--weight-group-timeout", type=positive_float, default=None, metavar="S",
                       help="seconds to join a weight-update group (one deadline for the whole join), and for one "
@@ -125,6 +135,27 @@ def build_parser() -> ArgumentParser:
                       help="also write each version that served, as received (the bytes on the wire), to "
                       "DIR/weight_vNNNNNN/model.safetensors")
     return parser
+
+
+def _speculative(args: Any) -> dict[str, Any]:
+    """The engine's speculative-decoding arguments from SGLang's flags, refused in one line when they disagree."""
+    from ...command import UserError
+
+    given = [args.speculative_draft_model_path, args.speculative_num_steps, args.speculative_num_draft_tokens]
+    if args.speculative_algorithm is None:
+        if any(v is not None for v in given):
+            raise UserError("--speculative-draft-model-path / --speculative-num-steps / --speculative-num-draft-tokens "
+                            "need --speculative-algorithm STANDALONE")
+        return {}
+    if args.speculative_draft_model_path is None or args.speculative_num_steps is None:
+        raise UserError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR and "
+                        "--speculative-num-steps K")
+    if args.speculative_num_draft_tokens not in (None, args.speculative_num_steps + 1):
+        raise UserError(f"--speculative-num-draft-tokens {args.speculative_num_draft_tokens} with "
+                        f"--speculative-num-steps {args.speculative_num_steps}: a chain of K steps verifies K + 1 "
+                        f"tokens. Fix: --speculative-num-draft-tokens {args.speculative_num_steps + 1}, or leave it out")
+    return {"speculative_draft_model_path": args.speculative_draft_model_path,
+            "speculative_num_steps": args.speculative_num_steps}
 
 
 def _check_start(model: str | None) -> None:
@@ -152,6 +183,7 @@ def serve_torch(argv: list[str] | None = None) -> int:
     _check_start(args.model)
     # listening before torch is imported and the model loads: a client that connects meanwhile waits in the
     # accept queue for its answer instead of being refused (a launcher need not poll until the load is done)
+    speculative = _speculative(args)
     reward = _reward_model_start(args)
     listener = _listen(args.host, args.port, args.backlog)
     if not logging.getLogger().handlers:  # the engine's own events (weight updates) on stderr
@@ -174,7 +206,7 @@ def serve_torch(argv: list[str] | None = None) -> int:
                              prefix_cache_entries=args.prefix_cache_entries,
                              enable_return_routed_experts=args.enable_return_routed_experts,
                              dump_dsa_index_sets=args.dump_dsa_index_sets, device=args.device,
-                             max_total_tokens=args.max_total_tokens)
+                             max_total_tokens=args.max_total_tokens, **speculative)
     if args.weight_group_timeout is not None or args.keep_received_weights is not None:
         engine.configure_weight_group(timeout_s=args.weight_group_timeout, keep_dir=args.keep_received_weights)
     return _serve(engine, args, listener)
@@ -190,6 +222,7 @@ def _reward_model_start(args: Any) -> bool:
         return False
     given = [flag for flag, on in (("--enable-return-routed-experts", args.enable_return_routed_experts),
                                    ("--max-total-tokens", args.max_total_tokens is not None),
+                                   ("--speculative-algorithm", args.speculative_algorithm is not None),
                                    ("--dump-dsa-index-sets", args.dump_dsa_index_sets is not None),
                                    ("--weight-group-timeout", args.weight_group_timeout is not None),
                                    ("--keep-received-weights", args.keep_received_weights is not None)) if on]

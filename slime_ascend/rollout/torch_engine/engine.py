@@ -309,6 +309,14 @@ def _choose_token(
     return token, logprob, kept
 
 
+@dataclass
+class _DraftState:
+    """The draft model's KV cache of one request and how many of its tokens it holds."""
+
+    past: Any = None
+    length: int = 0
+
+
 class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
     """A CPU rollout engine with SGLang's request/response semantics (see the module docstring).
 
@@ -363,6 +371,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         dump_dsa_index_sets: str | os.PathLike | None = None,
         device: str = "cpu",
         max_total_tokens: int | None = None,
+        speculative_draft_model_path: str | os.PathLike | None = None,
+        speculative_num_steps: int = 0,
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
                             max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs,
@@ -421,6 +431,16 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             self._index_dump_count = itertools.count()
         self._index_dump_lock = threading.Lock()  # the one warning when a dump write fails (dumping stops)
 
+        # speculative decoding (SGLang's STANDALONE algorithm): a draft model proposes speculative_num_steps tokens,
+        # one forward of the served model verifies them (speculative.py: the kept tokens follow its distribution)
+        self.draft_model = None
+        self.speculative_num_steps = int(speculative_num_steps)
+        self._spec_stats: dict[str, list[int]] = {}  # weight version -> [verify forwards, tokens they emitted]
+        if speculative_draft_model_path is not None:
+            self._load_draft(str(speculative_draft_model_path))
+        elif self.speculative_num_steps:
+            raise ValueError("speculative_num_steps needs a draft model (--speculative-draft-model-path)")
+
         # a checkpoint of this architecture holds at most 8 bytes a parameter (float64), plus headers
         numel = sum(t.numel() for t in self.model.state_dict().values())
         self._max_checkpoint_bytes = 8 * numel + (64 << 20)
@@ -444,6 +464,24 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         self._kv_reserved = 0
         self._kv_queue: collections.deque[int] = collections.deque()  # waiting requests, in arrival order
         self._seed_rng = random.Random(seed)
+
+    def _load_draft(self, path: str) -> None:
+        """The draft model of speculative decoding, checked against the served one before it serves."""
+        if self.speculative_num_steps < 1:
+            raise ValueError("a draft model needs speculative_num_steps >= 1 (--speculative-num-steps)")
+        why = None
+        if self._routes is not None or self._index_sets is not None:
+            why = "the served model is an MoE or DSA model (its routes and key sets are recorded per fed token)"
+        elif self._prefix_cache.enabled:
+            why = "the prefix cache is on (drop --prefix-cache-tokens)"
+        if why:
+            raise ValueError(f"speculative decoding is not supported here: {why}")
+        draft = reference_model.load_model(path, self.dtype)
+        if int(draft.config.vocab_size) != self.vocab_size:
+            raise ValueError(f"the draft model {path} has vocab_size {draft.config.vocab_size}, the served model "
+                             f"{self.vocab_size}: speculative decoding needs one vocabulary")
+        self.draft_model = draft.to(self.device)
+        self.speculative_draft_model_path = path
 
     # ------------------------------------------------------------------ info
     def _eos_ids(self) -> set[int]:
@@ -490,7 +528,19 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "routed_experts_in_every_answer": self.enable_return_routed_experts,  # rollout.replay_routes reads it
             "disable_radix_cache": not self._prefix_cache.enabled,  # SGLang's field
             "prefix_cache": self._prefix_cache.stats(),  # prefix_cache.py: tokens saved, entries invalidated
+            **self._spec_info(),
         }
+
+    def _spec_info(self) -> dict[str, Any]:
+        if self.draft_model is None:
+            return {"speculative_algorithm": None}
+        with self._state:
+            stats = {v: list(c) for v, c in self._spec_stats.items()}
+        return {"speculative_algorithm": "STANDALONE", "speculative_num_steps": self.speculative_num_steps,
+                "speculative_draft_model_path": self.speculative_draft_model_path,
+                # per weight version: tokens emitted per verifying forward (SGLang's accept length), and the counts
+                "spec_accept_length_by_version": {v: c[1] / c[0] for v, c in stats.items() if c[0]},
+                "spec_verify_ct_by_version": {v: c[0] for v, c in stats.items()}}
 
     def model_info(self) -> dict[str, Any]:
         return {
@@ -973,6 +1023,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         routes: list[torch.Tensor] | None = [] if keep_routes else None
         past, reused, generation, cached_version = None, 0, None, None
         index_sets: list[dict[int, torch.Tensor]] | None = [] if self._index_dump is not None else None
+        spec_verify_ct = spec_tokens = 0
 
         with self._admitted(req):
             input_logprobs = 0 <= req.logprob_start_len < len(req.input_ids)  # -1 unless return_logprob
@@ -989,13 +1040,28 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                     input_lps = self._entries([None] + lps.tolist(), req.input_ids[start:], req)
                     if req.top_logprobs_num:
                         input_top = [None] + [self._top_entries(row, req) for row in rows]
+            speculate = (self.draft_model is not None and not req.top_logprobs_num
+                         and not cfg.return_top_p_token_ids)
+            drafted = _DraftState()
+            pending: list[tuple[int, float]] = []  # tokens a speculative step emitted, not yet taken
             for step in range(max_new):
                 abort = abort or self._check_step(req)
                 if abort is not None:
                     break
-                if step > 0:
-                    past, logits = self._forward(past, [out_ids[-1]], routes, index_sets)
-                token, logprob, kept = _choose_token(logits[-1], cfg, generator, self.return_original_logprob)
+                kept = None
+                if pending:
+                    token, logprob = pending.pop(0)
+                elif step > 0 and speculate:
+                    past, emitted = self._speculate(past, req.input_ids + out_ids, drafted,
+                                                    min(self.speculative_num_steps, max_new - step - 1), cfg,
+                                                    generator)
+                    spec_verify_ct += 1
+                    spec_tokens += len(emitted)
+                    (token, logprob), pending = emitted[0], emitted[1:]
+                else:
+                    if step > 0:
+                        past, logits = self._forward(past, [out_ids[-1]], routes, index_sets)
+                    token, logprob, kept = _choose_token(logits[-1], cfg, generator, self.return_original_logprob)
                 if req.top_logprobs_num:  # 0 unless return_logprob
                     # the distribution output_token_logprobs reports: T = 1 when greedy or original, else 1/T
                     t = 1.0 if cfg.greedy or self.return_original_logprob else cfg.temperature
@@ -1042,6 +1108,14 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "weight_version": weight_version,
             "e2e_latency": time.perf_counter() - started,
         }
+        if self.draft_model is not None:  # SGLang's name, and the tokens each verifying forward emitted
+            meta["spec_verify_ct"] = spec_verify_ct
+            meta["spec_accept_length"] = spec_tokens / spec_verify_ct if spec_verify_ct else 0.0
+            if spec_verify_ct:
+                with self._state:
+                    counts = self._spec_stats.setdefault(weight_version, [0, 0])
+                    counts[0] += spec_verify_ct
+                    counts[1] += spec_tokens
         if req.return_logprob:
             meta["input_token_logprobs"] = input_lps or []
             meta["output_token_logprobs"] = self._entries(out_lps, out_ids, req)
@@ -1055,6 +1129,54 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             meta["top_p_token_ids"] = kept_ids
             meta["top_p_token_offsets"] = kept_offsets
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    def _reported_logprob(self, row: torch.Tensor, token: int, cfg: SamplingConfig) -> float:
+        """The log-prob ``_choose_token`` reports for ``token`` from the logits ``row``: the target's, unscaled when
+        greedy or original, else at the request's temperature."""
+        t = 1.0 if cfg.greedy or self.return_original_logprob else cfg.temperature
+        return float(torch.log_softmax(row / t, dim=-1)[token])
+
+    def _speculate(self, past: Any, seq: list[int], drafted: _DraftState, k: int, cfg: SamplingConfig,
+                   generator: torch.Generator) -> tuple[Any, list[tuple[int, float]]]:
+        """One speculative step after ``seq`` (its last token not yet fed to the served model): the draft proposes
+        ``k`` tokens, one forward of the served model over the last token and the drafts verifies them
+        (:func:`slime_ascend.rollout.speculative.verify`); both caches are cut back to the kept tokens. Returns the
+        served model's cache and the emitted tokens with the served model's log-probs."""
+        from slime_ascend.rollout.speculative import categorical, sampling_distribution, verify
+
+        def dist(row: torch.Tensor) -> torch.Tensor:
+            return sampling_distribution(row, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+
+        tokens: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        with self._compute_lock, torch.no_grad():  # both models at one weight version (a switch takes the lock)
+            feed = seq[drafted.length:]
+            for _ in range(k):
+                out = self.draft_model(input_ids=torch.tensor([feed], dtype=torch.long, device=self.device),
+                                       **{self._cache_kwarg: drafted.past}, use_cache=True)
+                drafted.past, drafted.length = out.get(self._cache_kwarg), drafted.length + len(feed)
+                row = out.logits[0, -1].float().cpu()
+                if cfg.greedy:
+                    token = int(torch.argmax(row))
+                else:
+                    q = dist(row)
+                    token = categorical(q, float(torch.rand(1, generator=generator, dtype=torch.float64)))
+                    q_rows.append(q)
+                tokens.append(token)
+                feed = [token]
+            past, logits = self._forward_locked(past, [seq[-1]] + tokens, None)
+            if cfg.greedy:
+                emitted = verify(logits, tokens)
+            else:
+                uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64)
+                emitted = verify(torch.stack([dist(row) for row in logits]), tokens,
+                                 torch.stack(q_rows) if q_rows else torch.zeros(0, logits.shape[1]), uniforms)
+            kept = len(seq) + len(emitted) - 1  # the prompt, the outputs and the kept drafts: what both have seen
+            past.crop(kept)
+            if drafted.past is not None and drafted.length > kept:
+                drafted.past.crop(kept)
+                drafted.length = kept
+        return past, [(t, self._reported_logprob(logits[i], t, cfg)) for i, t in enumerate(emitted)]
 
     def _dump_index_sets(self, fed: list[int], reused: int, weight_version: str,
                          index_sets: list[dict[int, torch.Tensor]]) -> None:
