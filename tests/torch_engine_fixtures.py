@@ -1,10 +1,12 @@
 """What the torch engine's tests (tests/rollout, tests/reliability) share: module-scoped ``engine``
 and ``url`` fixtures (a TorchEngine served on 127.0.0.1 from a thread; bind them in a test module as
 ``engine, url = torch_engine_fixtures.engine, torch_engine_fixtures.url``), the prompt they send,
-a ``/generate`` posted from a background thread, and :func:`bf16_dir` (the tiny model, shifted, saved in BF16)."""
+a ``/generate`` posted from a background thread, :func:`served` (any engine of SGLang's HTTP surface, served from a
+thread: the reward model) and :func:`bf16_dir` (the tiny model, shifted, saved in BF16)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.torch_engine.engine import TorchEngine
 from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
 
@@ -28,6 +31,19 @@ def engine():
 def url(engine):
     with engine.start_in_thread() as base:
         yield base
+
+
+@contextlib.contextmanager
+def served(engine):
+    """``engine`` (anything :func:`make_server` serves) on 127.0.0.1 from a daemon thread; yields its base URL."""
+    server = make_server(engine, host="127.0.0.1", port=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def post_in_thread(url: str, payload: dict) -> tuple[threading.Thread, dict]:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..json_client import arequest_json
-from .render import check_template, render
+from .render import check_request, check_template, render
 
 DEFAULT_VERDICTS = {"yes": 1.0, "no": 0.0}
 
@@ -61,8 +61,7 @@ async def verdict(args: Any, sample: Any, url: str, template: str, verdicts: Map
 def check_kwargs(url: Any = None, template: Any = None, verdicts: Any = None, max_new_tokens: int = 16,
                  retries: int = 2, timeout_s: float = 30.0) -> None:
     """ValueError naming the first unusable kwarg (reward-mix calls it when the job starts)."""
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"kwargs.url must be the judge server's http(s) URL, got {url!r}")
+    check_request(url, retries, timeout_s, "judge server")
     check_template(template, "kwargs.template")
     if verdicts is not None:
         if not isinstance(verdicts, Mapping) or not verdicts:
@@ -73,11 +72,8 @@ def check_kwargs(url: Any = None, template: Any = None, verdicts: Any = None, ma
                 raise ValueError(f"kwargs.verdicts has a key that is not a word: {word!r}")
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"kwargs.verdicts[{word!r}] must be a finite number, got {value!r}")
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("retries", retries, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"kwargs.{name} must be an integer >= {low}, got {value!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-        raise ValueError(f"kwargs.timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"kwargs.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 
 
 verdict.check_kwargs = check_kwargs  # type: ignore[attr-defined]  # reward-mix's start-up check of the kwargs

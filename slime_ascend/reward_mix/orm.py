@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 from ..json_client import arequest_json
-from .render import check_template, render
+from .render import check_request, check_template, render
 
 PROTOCOLS = ("classify", "slime-rm")
 DEFAULT_TEMPLATE = "{prompt}{response}"
@@ -61,16 +61,12 @@ async def score(args: Any, sample: Any, url: str, protocol: str = "classify", te
 def check_kwargs(url: Any = None, protocol: str = "classify", template: str = DEFAULT_TEMPLATE,
                  label_index: int = 0, retries: int = 2, timeout_s: float = 30.0) -> None:
     """ValueError naming the first unusable kwarg (reward-mix calls it when the job starts)."""
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"kwargs.url must be the reward model server's http(s) URL, got {url!r}")
+    check_request(url, retries, timeout_s, "reward model server")
     if protocol not in PROTOCOLS:
         raise ValueError(f"kwargs.protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     check_template(template, "kwargs.template")
-    for name, value, low in (("label_index", label_index, 0), ("retries", retries, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"kwargs.{name} must be an integer >= {low}, got {value!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-        raise ValueError(f"kwargs.timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    if isinstance(label_index, bool) or not isinstance(label_index, int) or label_index < 0:
+        raise ValueError(f"kwargs.label_index must be an integer >= 0, got {label_index!r}")
 
 
 score.check_kwargs = check_kwargs  # type: ignore[attr-defined]  # reward-mix's start-up check of the kwargs

@@ -1,5 +1,5 @@
-"""The text a model-based term (``orm``, ``judge``) sends for one sample: a template over its prompt,
-response and label.
+"""What a model-based term (``orm``, ``judge``) sends for one sample: a template over its prompt, response and label,
+and the checks of the request kwargs both terms take (the server's URL, retries, the per-socket timeout).
 
 A template is a ``str.format`` string with the fields ``{prompt}``, ``{response}`` and ``{label}`` (``{{`` and
 ``}}`` for literal braces), checked when the job starts (:func:`check_template`). slime's prompt is text when
@@ -46,3 +46,13 @@ def render(template: str, sample: Any) -> str:
     return template.format(prompt=prompt_text(getattr(sample, "prompt", "")),
                            response=str(getattr(sample, "response", "") or ""),
                            label="" if label is None else str(label))
+
+
+def check_request(url: Any, retries: Any, timeout_s: Any, server: str) -> None:
+    """ValueError naming the first unusable one of a model term's request kwargs (``server`` names it)."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"kwargs.url must be the {server}'s http(s) URL, got {url!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"kwargs.retries must be an integer >= 0, got {retries!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise ValueError(f"kwargs.timeout_s must be a number of seconds > 0, got {timeout_s!r}")

@@ -16,26 +16,16 @@ import pytest
 from slime_ascend.json_client import JSONRequestError
 from slime_ascend.reward_mix import hooks, judge, orm, tiny_judge
 from slime_ascend.reward_mix.mix import MixError, parse_terms
-from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.torch_engine.engine import TorchEngine
 from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, save_model
 from slime_ascend.rollout.torch_engine.reward_model import RewardModelEngine, reward_scores, tiny_reward_model
+from torch_engine_fixtures import served
 
 SAMPLES = [SimpleNamespace(prompt=p, response=r, label="4")
            for p, r in (("What is 2+2? ", "4"), ("What is 2+2? ", "five"), ("Name a colour: ", "blue!"),
                         ("Name a colour: ", "red"), ("Say hi ", ""))]
 
 
-@contextlib.contextmanager
-def served(engine):
-    server = make_server(engine, host="127.0.0.1", port=0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @contextlib.contextmanager

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
-from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.torch_engine.model import build_byte_tokenizer, save_model
 from slime_ascend.rollout.torch_engine.reward_model import (RewardModelEngine, is_reward_checkpoint, reward_scores,
                                                             tiny_reward_model)
+from torch_engine_fixtures import served
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +21,6 @@ def reward_dirs(tmp_path_factory):
             for seed in (0, 1)}
 
 
-@contextlib.contextmanager
-def served(engine):
-    server = make_server(engine, host="127.0.0.1", port=0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def post(url: str, body) -> tuple[int, object]:
