@@ -71,6 +71,10 @@ def _layout_from_slime(text: str) -> tuple[dict, str | None]:
             out["grad_dtype"], i = "bf16", i + 1
         elif flag == "--no-sequence-parallel":
             out["sequence_parallel"], i = False, i + 1
+        elif flag == "--enable-mtp-training":
+            out["mtp_training"], i = True, i + 1
+        elif flag == "--sglang-speculative-algorithm":  # the model's own MTP layers draft (SGLang's NEXTN / EAGLE)
+            out["rollout_mtp"], i = str(val).upper() in ("NEXTN", "EAGLE", "EAGLE3"), i + step
         elif flag == "--use-critic" or (flag == "--advantage-estimator" and val == "ppo"):
             out["critic"] = True
             i += 1 if flag == "--use-critic" else step
@@ -148,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher-config", help="the teachers' HF config (default: the model's)")
     # the switches default to None ("not given"), so that only a switch given here overrides --slime-args
     p.add_argument("--critic", action="store_true", default=None, help="a PPO critic")
+    p.add_argument("--mtp-training", action="store_true", default=None,
+                   help="the MTP layers train on the last stage (slime's --enable-mtp-training)")
+    p.add_argument("--rollout-mtp", action="store_true", default=None,
+                   help="the engines draft with the MTP layers (--sglang-speculative-algorithm NEXTN or EAGLE)")
     p.add_argument("--no-reference", dest="reference", action="store_false", default=None, help="no reference model")
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false", default=None)
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false", default=None)

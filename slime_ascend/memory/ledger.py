@@ -41,9 +41,12 @@ Assumptions stated once (each formula's docstring gives its source):
   keeps one fp32 softmax buffer for backward and, off CUDA (Ascend, CPU), its entropy term materialises
   ``softmax * logits`` (``slime/utils/ppo_utils.py``, ``sum_softmax_logits``; einsum on CUDA): ``12 V/t`` bytes
   per token in all.
+* MTP (``num_nextn_predict_layers``): counted where they live, when the layout says so: trained on the last stage
+  (``mtp_training``, slime's ``--enable-mtp-training``: their parameters in the model state, one decoder layer's
+  activations plus the ``eh_proj`` input per MTP layer, and the MTP loss's fp32 logits and softmax) and as the
+  engines' NEXTN draft (``rollout_mtp``: bf16 weights and a KV pool of their own over the same tokens).
 * Not included: CUDA/ACL graphs and NCCL/HCCL internal buffers, the framework context (~0.5-1 GiB per
-  device on a real accelerator), the MTP layers, the DSA indexer's training activations, kernel
-  autotuning caches.
+  device on a real accelerator), the DSA indexer's training activations, kernel autotuning caches.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class ModelShape:
     index_heads: int = 0         # DSA lightning indexer (DeepSeek-V3.2 / GLM-5) when > 0
     index_head_dim: int = 0
     model_type: str = ""
+    mtp_layers: int = 0          # num_nextn_predict_layers (DeepSeek-V3 / GLM-5's MTP): counted only where the
+                                 # layout trains them (mtp_training) or the engines draft with them (rollout_mtp)
 
     @property
     def mla(self) -> bool:
@@ -176,6 +181,7 @@ class ModelShape:
             shared_ffn=shared, moe_layers=moe_layers, router_bias=experts > 0 and "n_routed_experts" in cfg,
             kv_lora_rank=kv_lora, **{k: opt(k) if kv_lora else 0 for k in mla},
             index_heads=opt("index_n_heads"), index_head_dim=opt("index_head_dim"), model_type=model_type,
+            mtp_layers=opt("num_nextn_predict_layers"),
         )
 
 
@@ -280,6 +286,14 @@ def layer_params(m: ModelShape, i: int) -> LayerParams:
     return LayerParams(dense, expert)
 
 
+def mtp_layer_params(m: ModelShape) -> LayerParams:
+    """One MTP layer (DeepSeek-V3's layout, which GLM-5 follows): a decoder layer of the model's last kind (MoE when
+    the model has MoE layers) plus ``eh_proj`` (``2h -> h``) and the ``enorm``, ``hnorm`` and ``shared_head.norm``
+    norms; the embedding and the output head are the main model's, shared."""
+    base = layer_params(m, m.moe_layers[-1] if m.moe_layers else m.layers - 1)
+    return LayerParams(base.dense + 2 * m.hidden * m.hidden + 3 * m.hidden, base.expert)
+
+
 def param_count(m: ModelShape) -> int:
     """Total parameters: ``V*h`` embedding (+ ``V*h`` ``lm_head`` unless tied) + ``h`` final norm + the layers."""
     layers = (layer_params(m, i) for i in range(m.layers))
@@ -328,6 +342,8 @@ class Layout:
     teacher_tp: int = 0                # their engine TP (0: rollout_tp)
     sync_format: str = "none"          # weight-sync quantisation: none|fp8-block|int8-w8a8|int4-group
     qat: str = "none"                  # the qat plugin's fake-quant format: none|fp8-block|int8-w8a8|int4-group
+    mtp_training: bool = False         # slime's --enable-mtp-training: the MTP layers train on the last stage
+    rollout_mtp: bool = False          # the engines draft with the MTP layers (--sglang-speculative-algorithm NEXTN)
     sync_bucket_bytes: int = 512 * 1024**2  # --update-weight-buffer-size
     margin: float = 0.10               # allocator fragmentation margin, fraction of the role's peak
 
@@ -626,6 +642,10 @@ def _rank_params(m: ModelShape, lay: Layout, layers: list[int], first: bool, las
             dense += m.hidden
         elif not m.tied or lay.pp > 1:
             dense += m.vocab * m.hidden / lay.tp
+        if lay.mtp_training and not value_head:  # Megatron puts the MTP block after the last stage's layers
+            mtp = mtp_layer_params(m)
+            dense += m.mtp_layers * mtp.dense / lay.tp
+            expert += m.mtp_layers * mtp.expert / lay.ep
     return dense, expert
 
 
@@ -683,6 +703,16 @@ def _train_role(led: Ledger, role: str, m: ModelShape, lay: Layout, value_head: 
         add(f"layer activations ({len(layers)} layers x {inflight} micro-batch{'es' if inflight > 1 else ''})",
             "saved activations", sum(per_layer.values()) * inflight, "autograd (Megatron layers)", "train step",
             f"Korthikanti 2022 generalised: {how}")
+    if last and lay.mtp_training and not value_head:
+        moe = bool(m.moe_layers)
+        add(f"MTP layers' activations ({m.mtp_layers} x {inflight} micro-batch{'es' if inflight > 1 else ''})",
+            "saved activations", m.mtp_layers * inflight * (layer_activation_bytes(m, lay, moe, T)
+                                                            + 2 * e * m.hidden * T / lay.tp),
+            "autograd (Megatron MTP block)", "train step",
+            "one decoder layer's activations + the eh_proj input [emb; hidden] 2e*h/t, per MTP layer")
+        add("MTP logits + softmax fp32 (the MTP loss input)", "saved activations",
+            m.mtp_layers * 8 * m.vocab / lay.tp * T, "Megatron MTP loss (process_mtp_loss)", "train step",
+            "8 x V/t per token per MTP layer")
     cpu = lay.kernels == "cpu"
     if first and not cpu:  # cpu: layer 0's first norm upcasts the embedding output and keeps only the copy
         add("embedding output", "saved activations", e * m.hidden * T / lay.tp * inflight, "autograd",
@@ -793,6 +823,13 @@ def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sy
     fmt = "bf16" if sync == "none" else f"{sync} + scales"
     add(f"weights ({fmt}) / engine TP {tp}", "model state", weights, "SGLang model runner", WHOLE_RUN,
         "sum over tensors of quantised bytes / TP")
+    drafts = m.mtp_layers if lay.rollout_mtp and role == "rollout" else 0
+    if drafts:  # the NEXTN/EAGLE draft: the MTP layers in bf16 beside the model, with a KV pool of their own
+        mtp = mtp_layer_params(m)
+        draft_w = drafts * (mtp.dense + mtp.expert) * base / tp
+        add(f"MTP draft weights ({drafts} layer{'s' if drafts > 1 else ''}, bf16) / engine TP {tp}", "model state",
+            draft_w, "SGLang speculative worker (NEXTN draft)", WHOLE_RUN, "MTP layer params x 2 B / TP")
+        weights += draft_w
     kv_e = DTYPE_BYTES[lay.kv_dtype]
     if m.mla:
         kv_tok = m.layers * (m.kv_lora_rank + m.qk_rope_head_dim) * kv_e
@@ -810,10 +847,14 @@ def _engine_role(led: Ledger, role: str, m: ModelShape, lay: Layout, tp: int, sy
             raise ValueError(f"{role}: the weights ({weights / GIB:.1f} GiB per rank) do not fit in --mem-fraction "
                              f"{lay.mem_fraction} of --device-gib {lay.device_gib}. Fix: raise --rollout-tp "
                              f"(or --teacher-tp), or pass --kv-cache-tokens")
-        tokens = int(pool // (kv_tok + idx_tok))
+        tokens = int(pool // (kv_tok * (m.layers + drafts) / m.layers + idx_tok))
         how = f"(mem_fraction x device - weights) / bytes per token = {tokens:,} tokens"
     add(f"KV cache ({tokens:,} tokens, {lay.kv_dtype})", "live IO", tokens * kv_tok, "SGLang token-to-KV pool",
         WHOLE_RUN, f"{kv_formula}; {how}")
+    if drafts:
+        add(f"MTP draft KV cache ({tokens:,} tokens, {drafts} layer{'s' if drafts > 1 else ''})", "live IO",
+            tokens * kv_tok * drafts / m.layers, "SGLang speculative worker's token-to-KV pool", WHOLE_RUN,
+            "the main KV per token / layers x MTP layers")
     if idx_tok:
         add(f"DSA index key cache ({tokens:,} tokens, fp8 + fp32 scale)", "live IO", tokens * idx_tok,
             "SGLang NSA indexer key pool", WHOLE_RUN, "layers x (index_head_dim x 1 B + 4 B scale) per token")
@@ -847,6 +888,10 @@ def build_ledger(config: dict[str, Any] | ModelShape, layout: Layout,
     layout.validate()
     m = config if isinstance(config, ModelShape) else ModelShape.from_hf(config)
     check_layout_fits(m, layout)
+    if (layout.mtp_training or layout.rollout_mtp) and not m.mtp_layers:
+        flag = "--mtp-training" if layout.mtp_training else "--rollout-mtp"
+        raise ValueError(f"{flag}: the model config has no MTP layers (num_nextn_predict_layers). Fix: drop {flag}, "
+                         "or pass the config of a model with MTP (DeepSeek-V3, GLM-5)")
     led = Ledger(m, layout)
     e = DTYPE_BYTES[layout.param_dtype]
     actor_params, actor_last = _train_role(led, "actor", m, layout, value_head=False)

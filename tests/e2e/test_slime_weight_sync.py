@@ -28,12 +28,16 @@ One slime run per format (the sync plugins conflict: one job syncs one format).
 
 The fp8-sync job also runs ``cosched`` (its evidence is separable: the dispatch counts in slime's rollout metrics,
 which weight sync does not touch): with two slime-managed engines read from slime's router (``/workers``), each
-rollout's requests are all dispatched by the plugin, spread over both engines, and none moves (no sessions).
+rollout's requests are all dispatched by the plugin, spread over both engines, and none moves (no sessions). And its
+engines decode speculatively (slime's ``--sglang-speculative-*`` flags, a draft model: the BF16 start checkpoint):
+slime's own ``rollout/spec_accept_length`` / ``spec_accept_rate`` from the answers' SGLang fields, and each engine's log
+of the accept length under each version it leaves.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -259,6 +263,10 @@ def test_fp8_sync_over_slime_distributed_transport_with_managed_engines(model_di
     prompts = make_prompts(tmp_path / "prompts.jsonl")
     flags = _managed_distributed_flags(slime_flags(model_dir, prompts, [], tmp_path, num_rollout=NUM_ROLLOUT), qdir,
                                        prompts)
+    # speculative decoding on slime's engines, from slime's own --sglang-speculative-* flags: the draft is the BF16
+    # model slime starts from, which no push changes
+    flags += ["--sglang-speculative-algorithm", "STANDALONE", "--sglang-speculative-draft-model-path", str(model_dir),
+              "--sglang-speculative-num-steps", "3", "--sglang-speculative-num-draft-tokens", "4"]
     probe = tmp_path / "probe"
     run = run_slime("train.py", flags, tmp_path, plugins, custom_config=config,
                     extra_env={"PYTHONPATH": str(Path(__file__).parent), "WEIGHT_PROBE_DIR": str(probe)})
@@ -284,6 +292,14 @@ def test_fp8_sync_over_slime_distributed_transport_with_managed_engines(model_di
         assert m["rollout/cosched_requests"] == sum(dispatched) == requests and min(dispatched) > 0, m
         assert m["rollout/cosched_moves"] == 0, m
         assert all(0 < m[f"rollout/cosched_engine{i}_busy_fraction"] <= 1 for i in range(NUM_ENGINES)), m
+    # speculative decoding: slime's own rollout metrics (from the SGLang meta-info fields every answer carries) and
+    # each engine's account, as the next version comes in, of how the draft kept up with the version it leaves
+    spec = [m for m in run.metrics() if "rollout/spec_accept_length" in m]
+    assert len(spec) == NUM_ROLLOUT and all(m["rollout/spec_accept_length"] > 1 for m in spec), spec
+    assert all(0 < m["rollout/spec_accept_rate"] <= 1 for m in spec), spec
+    for v in range(1, NUM_ROLLOUT + 1):
+        kept = re.findall(rf"speculative decoding under weight version {v}: accept length ([\d.]+)", log)
+        assert len(kept) == NUM_ENGINES and all(float(x) > 1 for x in kept), (v, kept)
     # slime started the engines (its SGLangEngine actors), and nothing went through disk
     assert log.count("torch-engine: slime-managed engine starting on ") == NUM_ENGINES
     assert not any((tmp_path / "weights").iterdir())

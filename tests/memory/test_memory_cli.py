@@ -125,3 +125,25 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_slime_args_mtp_training_and_a_nextn_draft(tmp_path, capsys):
+    """slime's --enable-mtp-training and SGLang's NEXTN speculation (the model's own MTP layers draft) put the MTP rows
+    in; STANDALONE (a separate draft model) does not."""
+    cfg = dict(model_type="deepseek_v3", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, vocab_size=512,
+               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+               q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+               num_nextn_predict_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    line = (f"python train.py --hf-checkpoint {tmp_path} --enable-mtp-training --sglang-speculative-algorithm NEXTN "
+            "--sglang-speculative-num-steps 3")
+    assert cli.main(["memory", "--slime-args", line, "--json", "--kv-cache-tokens", "100"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layout"]["mtp_training"] is True and doc["layout"]["rollout_mtp"] is True
+    names = [e["name"] for role in doc["roles"].values() for e in role["entries"]]
+    assert any(n.startswith("MTP layers' activations") for n in names)
+    assert any(n.startswith("MTP draft weights") for n in names)
+    assert cli.main(["memory", "--slime-args", line.replace("NEXTN", "STANDALONE"), "--json",
+                     "--kv-cache-tokens", "100"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["rollout_mtp"] is False

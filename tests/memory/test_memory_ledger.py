@@ -217,3 +217,54 @@ def test_qat_rows_hold_the_fake_quant_copies_by_hand():
     assert not [e for e in base.role_entries("actor") if e.name.startswith("QAT")]
     with pytest.raises(ValueError, match="--qat 'int3' is not known"):
         build_ledger(m, Layout(qat="int3"))
+
+
+MTP_CFG = dict(model_type="deepseek_v3", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, vocab_size=512,
+               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_nextn_predict_layers=1)
+
+
+def test_an_mtp_layer_is_a_decoder_layer_of_the_moe_kind_plus_its_projection_and_norms():
+    """DeepSeek-V3's MTP layer (GLM-5 follows it): transformers' own decoder layer at a MoE index, counted from its
+    parameters, plus eh_proj (2h -> h) and the enorm, hnorm and shared_head norms."""
+    transformers = need("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    from slime_ascend.memory.ledger import mtp_layer_params
+
+    cfg = transformers.DeepseekV3Config(**{k: v for k, v in MTP_CFG.items() if k != "model_type"},
+                                        n_group=1, topk_group=1)
+    layer = DeepseekV3DecoderLayer(cfg, layer_idx=2)  # past first_k_dense_replace: MoE
+    by_torch = sum(v.numel() for v in layer.state_dict().values()) + 2 * 64 * 64 + 3 * 64
+    m = ModelShape.from_hf(MTP_CFG)
+    assert m.mtp_layers == 1
+    mtp = mtp_layer_params(m)
+    assert mtp.dense + mtp.expert == by_torch
+    assert param_count(m) == param_count(ModelShape.from_hf({**MTP_CFG, "num_nextn_predict_layers": 0}))  # not in it
+
+
+def test_mtp_rows_where_the_layout_puts_them():
+    from slime_ascend.memory.ledger import mtp_layer_params
+
+    m = ModelShape.from_hf(MTP_CFG)
+    mtp = mtp_layer_params(m)
+    base = build_ledger(MTP_CFG, Layout(kv_cache_tokens=100, max_tokens_per_gpu=256))
+    trained = build_ledger(MTP_CFG, Layout(kv_cache_tokens=100, max_tokens_per_gpu=256, mtp_training=True))
+    # model state: the MTP layer's parameters on the (one, last) stage, at the same bytes per parameter (bf16 params,
+    # fp32 grads, fp32 main params and Adam: 18 B with DP 1)
+    assert trained.total("actor", "model state") - base.total("actor", "model state") == pytest.approx(
+        (mtp.dense + mtp.expert) * 18)
+    names = {e.name: e.bytes for e in trained.entries if e.role == "actor"}
+    lay = Layout(kv_cache_tokens=100, max_tokens_per_gpu=256)
+    assert names["MTP layers' activations (1 x 1 micro-batch)"] == pytest.approx(
+        layer_activation_bytes(m, lay, True, 256) + 2 * 2 * 64 * 256)
+    assert names["MTP logits + softmax fp32 (the MTP loss input)"] == 8 * 512 * 256
+    assert not any(e.name.startswith("MTP") for e in base.entries)
+    # the engines' NEXTN draft: bf16 weights and their own KV over the pool's tokens (MLA latent, one layer)
+    drafting = build_ledger(MTP_CFG, Layout(kv_cache_tokens=100, max_tokens_per_gpu=256, rollout_mtp=True))
+    rows = {e.name: e.bytes for e in drafting.entries if e.role == "rollout"}
+    assert rows["MTP draft weights (1 layer, bf16) / engine TP 1"] == (mtp.dense + mtp.expert) * 2
+    assert rows["MTP draft KV cache (100 tokens, 1 layer)"] == 100 * (16 + 8) * 2
+    with pytest.raises(ValueError, match="--mtp-training: the model config has no MTP layers"):
+        build_ledger(TINY, Layout(mtp_training=True))

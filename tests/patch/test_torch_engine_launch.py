@@ -165,3 +165,24 @@ def test_the_device_setting_refuses_a_name_the_engine_does_not_know():
     setting = next(s for s in TORCH_ENGINE.settings if s.key == "ascend_rollout_torch_device")
     assert setting.default == "cpu" and setting.check("npu:1") is None and setting.check("cuda") is None
     assert setting.check("tpu") == "must be cpu, cuda, cuda:N, npu or npu:N"
+
+
+def test_slimes_speculative_flags_reach_the_engine_command():
+    """slime's --sglang-speculative-* (ServerArgs fields) become serve-torch's flags for STANDALONE; SGLang's other
+    algorithms (the model's own MTP layer: EAGLE, NEXTN) are refused in one line."""
+    from slime_ascend.rollout.backends import BackendError
+    from slime_ascend.rollout.backends.torch_engine import BACKEND
+    from slime_ascend.rollout.torch_engine.cli import build_parser
+
+    base = {"model_path": "/m", "host": "h", "port": 1}
+    assert "--speculative-algorithm" not in BACKEND.command({**base, "speculative_algorithm": None}, BACKEND.options())
+    cmd = BACKEND.command({**base, "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/draft",
+                           "speculative_num_steps": 3, "speculative_num_draft_tokens": 4}, BACKEND.options())
+    parsed = build_parser().parse_args(cmd[cmd.index("serve-torch") + 1:])
+    assert (parsed.speculative_algorithm, parsed.speculative_draft_model_path, parsed.speculative_num_steps,
+            parsed.speculative_num_draft_tokens) == ("STANDALONE", "/draft", 3, 4)
+    for fields, phrase in (({"speculative_algorithm": "EAGLE"}, "draft model only"),
+                           ({"speculative_algorithm": "STANDALONE"}, "--sglang-speculative-draft-model-path")):
+        with pytest.raises(BackendError, match=phrase) as err:
+            BACKEND.command({**base, **fields}, BACKEND.options())
+        assert "\n" not in str(err.value)

@@ -44,6 +44,9 @@ def test_greedy_tokens_equal_the_plain_engines_and_log_probs_are_the_served_mode
     meta = b["meta_info"]
     # one token from the prefill, the rest from verifying forwards; the draft that is the model keeps all 4 drafts
     assert meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] * meta["spec_verify_ct"] == 23
+    # SGLang's counts, which slime's rollout metrics read: kept drafts plus one token per forward is every token
+    assert meta["spec_accept_token_num"] + meta["spec_verify_ct"] == 23
+    assert meta["spec_accept_token_num"] <= meta["spec_draft_token_num"] <= 4 * meta["spec_verify_ct"]
     if draft == "target":
         assert meta["spec_accept_length"] > 4
     info = spec.server_info()
@@ -61,13 +64,17 @@ def test_sampled_tokens_carry_the_served_models_log_probs_at_the_temperature(dir
         assert answer["meta_info"]["spec_accept_length"] > 1  # the draft that is the model: drafts are kept
 
 
-def test_acceptance_is_counted_per_weight_version(dirs):
+def test_acceptance_is_counted_per_weight_version(dirs, caplog):
     spec = TorchEngine(model_path=dirs["target"], speculative_draft_model_path=dirs["target"], speculative_num_steps=2)
     spec.generate(_body(temperature=0.0))
-    spec.update_weights_from_disk(str(dirs["other"]), weight_version="2")  # the policy moved; the draft did not
+    with caplog.at_level("INFO", logger="slime_ascend.rollout.engine"):
+        spec.update_weights_from_disk(str(dirs["other"]), weight_version="2")  # the policy moved; the draft did not
     spec.generate(_body(temperature=0.0))
     by_version = spec.server_info()["spec_accept_length_by_version"]
     assert set(by_version) == {"default", "2"} and by_version["default"] > by_version["2"], by_version
+    # the engine's log says how the draft kept up with each version as the next one comes in
+    assert f"speculative decoding under weight version default: accept length {by_version['default']:.2f}" \
+        in caplog.text
 
 
 def test_unsupported_combinations_are_refused(dirs, tmp_path):

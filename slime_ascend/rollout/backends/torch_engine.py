@@ -54,7 +54,8 @@ class TorchEngineBackend(RolloutBackend):
         ``enable_return_routed_experts`` (routing replay) makes every answer carry its routes;
         ``dsa_index_dump_dir`` (``dsa-determinism``'s ``ascend_dsa_index_dump_dir``) has it write each request's DSA
         key sets there (``--dump-dsa-index-sets``); ``ascend_rollout_torch_device`` is the device it computes on
-        (``--device``: on an Ascend host the NPU Ray gave the engine actor)."""
+        (``--device``: on an Ascend host the NPU Ray gave the engine actor); slime's ``--sglang-speculative-*``
+        become its speculative flags (:func:`speculative_flags`)."""
         nnodes = int(server_args.get("nnodes", 1) or 1)
         if nnodes != 1:
             raise BackendError(f"torch-engine: an engine spanning {nnodes} nodes (--rollout-num-gpus-per-engine above "
@@ -74,7 +75,30 @@ class TorchEngineBackend(RolloutBackend):
         return [sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--model", str(server_args["model_path"]),
                 "--host", host, "--port", str(int(server_args["port"])),
                 "--seed", str(int(server_args.get("random_seed", 0) or 0)), "--dtype", dtype, "--device", device,
-                *prefix_cache, *routes, *index_sets]
+                *prefix_cache, *routes, *index_sets, *speculative_flags(server_args)]
+
+
+def speculative_flags(server_args: Mapping[str, Any]) -> list[str]:
+    """serve-torch's speculative flags from slime's ``--sglang-speculative-*`` (SGLang's ``ServerArgs`` fields, as
+    slime's ``_compute_server_args`` copies them): the torch engine speculates with a draft model (``STANDALONE``);
+    another algorithm (EAGLE, NEXTN: the model's own MTP layer) is refused in one line."""
+    algorithm = server_args.get("speculative_algorithm")
+    if algorithm in (None, "", "NONE"):
+        return []
+    if str(algorithm).upper() != "STANDALONE":
+        raise BackendError(f"torch-engine: --sglang-speculative-algorithm {algorithm} is not supported; the torch engine "
+                           "speculates with a draft model only. Fix: --sglang-speculative-algorithm STANDALONE with "
+                           "--sglang-speculative-draft-model-path DIR, or leave speculation off")
+    draft, steps = server_args.get("speculative_draft_model_path"), server_args.get("speculative_num_steps")
+    if not draft or not steps:
+        raise BackendError("torch-engine: --sglang-speculative-algorithm STANDALONE needs "
+                           "--sglang-speculative-draft-model-path DIR and --sglang-speculative-num-steps K")
+    flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft),
+             "--speculative-num-steps", str(int(steps))]
+    tokens = server_args.get("speculative_num_draft_tokens")
+    if tokens:
+        flags += ["--speculative-num-draft-tokens", str(int(tokens))]
+    return flags
 
 
 BACKEND = TorchEngineBackend()

@@ -735,6 +735,10 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 if self._prefix_cache.enabled:
                     logger.info("weight version %s -> %s: dropped %d cached prefixes (%d tokens)", old,
                                 self.weight_version, entries, tokens)
+                counts = self._spec_stats.get(old) if self.draft_model is not None else None
+                if counts and counts[0]:  # how well the draft (which no push changes) kept up with that version
+                    logger.info("speculative decoding under weight version %s: accept length %.2f tokens a verifying "
+                                "forward (%d forwards)", old, counts[1] / counts[0], counts[0])
         finally:
             with self._state:
                 self._updating = False
@@ -1023,7 +1027,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         routes: list[torch.Tensor] | None = [] if keep_routes else None
         past, reused, generation, cached_version = None, 0, None, None
         index_sets: list[dict[int, torch.Tensor]] | None = [] if self._index_dump is not None else None
-        spec_verify_ct = spec_tokens = 0
+        spec_verify_ct = spec_tokens = spec_drafted = spec_accepted = 0
 
         with self._admitted(req):
             input_logprobs = 0 <= req.logprob_start_len < len(req.input_ids)  # -1 unless return_logprob
@@ -1052,11 +1056,12 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 if pending:
                     token, logprob = pending.pop(0)
                 elif step > 0 and speculate:
-                    past, emitted = self._speculate(past, req.input_ids + out_ids, drafted,
-                                                    min(self.speculative_num_steps, max_new - step - 1), cfg,
-                                                    generator)
+                    k = min(self.speculative_num_steps, max_new - step - 1)
+                    past, emitted = self._speculate(past, req.input_ids + out_ids, drafted, k, cfg, generator)
                     spec_verify_ct += 1
                     spec_tokens += len(emitted)
+                    spec_drafted += k
+                    spec_accepted += len(emitted) - 1
                     (token, logprob), pending = emitted[0], emitted[1:]
                 else:
                     if step > 0:
@@ -1108,8 +1113,10 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "weight_version": weight_version,
             "e2e_latency": time.perf_counter() - started,
         }
-        if self.draft_model is not None:  # SGLang's name, and the tokens each verifying forward emitted
+        if self.draft_model is not None:  # SGLang's names (slime's rollout metrics read them), and tokens per forward
             meta["spec_verify_ct"] = spec_verify_ct
+            meta["spec_accept_token_num"] = spec_accepted  # SGLang's names: the draft tokens kept, and proposed
+            meta["spec_draft_token_num"] = spec_drafted
             meta["spec_accept_length"] = spec_tokens / spec_verify_ct if spec_verify_ct else 0.0
             if spec_verify_ct:
                 with self._state:
