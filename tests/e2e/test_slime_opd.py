@@ -282,3 +282,188 @@ def test_train_py_opd_three_switched_teachers_pushed_once_per_rollout_each(model
             assert teacher == r["metadata"]["domain"]
             expected = score_tokens(checkpoints[teacher], r["tokens"])[-n:]
             assert torch.allclose(t["teacher_log_probs"].float(), expected, atol=1e-4), teacher
+
+
+def _teacher_top_k(engine_url: str, tokens: list[int], response_length: int, k: int) -> tuple[list, list]:
+    """The teacher's top-k ids and log-probs per response position, asked as the opd plugin asks (top_logprobs_num)."""
+    out = _post(engine_url + "/generate", {
+        "input_ids": list(tokens), "sampling_params": {"temperature": 1.0, "max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k})
+    rows = out["meta_info"]["input_top_logprobs"][1:]
+    rows = rows[len(rows) - response_length:]
+    return [[e[1] for e in row] for row in rows], [[e[0] for e in row] for row in rows]
+
+
+def _student_log_softmax(model, tokens, response_length: int):
+    """The student's full-vocabulary log-softmax at each response position ``[n, V]``: a plain Hugging Face
+    forward of the student checkpoint (not Megatron, not slime-ascend) over the dumped tokens; row ``p``
+    predicts response token ``p`` (``--rollout-temperature 1.0``: the logits are not rescaled)."""
+    import torch
+
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    length = ids.numel()
+    with torch.no_grad():
+        logits = model(input_ids=ids[None], use_cache=False).logits[0].float()
+    return torch.log_softmax(logits[length - response_length - 1:length - 1], dim=-1)
+
+
+def _slow_topk_kl(student_lp, ids, teacher_lp) -> list[float]:
+    """Per response position, one entry at a time: sum over the teacher's top-k ids v of
+    P_S(v) (log P_S(v) - log P_T(v)) - P_S(v) + P_T(v), P_S the student's full-vocabulary probability (not
+    renormalised over the k ids); a padding id (-1) or a non-finite teacher log-prob is skipped."""
+    out = []
+    for row, row_ids, row_t in zip(student_lp.tolist(), ids.tolist(), teacher_lp.tolist()):
+        total = 0.0
+        for v, lt in zip(row_ids, row_t):
+            if v < 0 or not math.isfinite(lt):
+                continue
+            ls = row[v]
+            total += math.exp(ls) * (ls - lt) - math.exp(ls) + math.exp(lt)
+        out.append(total)
+    return out
+
+
+def _slime_step_mean(samples, per_token: dict[int, list[float]]) -> float:
+    """slime's reported value of a per-token loss term (``sum_of_sample_mean`` over the micro-batches, divided
+    by the step's rollout count): sum over samples of sum_t x_t * mask_t / (the loss-mask total of the sample's
+    rollout), over the number of rollouts."""
+    rollout_mask = {}
+    for t in samples:
+        rollout_mask[t["rollout_ids"]] = rollout_mask.get(t["rollout_ids"], 0.0) + float(t["loss_masks"].sum())
+    total = 0.0
+    for i, t in enumerate(samples):
+        masked = sum(x * float(m) for x, m in zip(per_token[i], t["loss_masks"].tolist()))
+        total += masked / max(rollout_mask[t["rollout_ids"]], 1.0)
+    return total / len(rollout_mask)
+
+
+def test_train_py_opd_topk_mode(models, engines, tmp_path):
+    """``ascend_opd_mode: topk``: the teacher's top-k ids and log-probs travel from the RolloutManager to the
+    train actor in each sample's train_metadata (rollout.forward_metadata), into slime's loss batch
+    (train.loss_batch_metadata), and the loss adds coef_t * the top-k corrected reverse KL; the advantage is
+    the task term only. Two teachers on one engine with different coefficients (1.0 and 0.5)."""
+    import torch
+
+    teachers = [
+        {"name": "math", "checkpoint_dir": str(models["math"]), "domains": ["math"], "coef": COEFS["math"],
+         "url": engines["math"].url},
+        {"name": "code", "checkpoint_dir": str(models["math"]), "domains": ["code"], "coef": COEFS["code"],
+         "url": engines["math"].url},
+    ]
+    config = _write_config(tmp_path, teachers, engines["switch"].url, tmp_path / "teacher-stage")
+    import yaml
+
+    cfg = yaml.safe_load(config.read_text())
+    assert cfg["loss_type"] == "custom_loss" and cfg["custom_loss_function_path"] == "slime_ascend.hooks.loss_function"
+    cfg.update({"ascend_opd_mode": "topk", "ascend_opd_topk": TOPK, "ascend_opd_switch_engine_urls": []})
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    run, dumps = _run_train_py(models, engines, tmp_path, config)
+    print(f"slime train.py with cpu+opd (topk): {run.seconds:.1f} s")
+    for patch_id in ("rollout.forward_metadata", "train.rollout_log_metadata", "train.loss_batch_metadata"):
+        assert f"applied runtime patch {patch_id}" in run.log, patch_id
+
+    # ---- slime's train dump: each sample's payload is the routed teacher's top-k for exactly its tokens,
+    # and the advantage is the GRPO task advantage alone (the teacher signal is in the loss)
+    for rollout_id in range(NUM_ROLLOUT):
+        rollout = torch.load(dumps / f"rollout_{rollout_id}.pt", weights_only=False)["samples"]
+        train = torch.load(dumps / f"train_{rollout_id}.pt", weights_only=False)["samples"]
+        assert len(train) == 8
+        for position, t in enumerate(train):
+            r = rollout[position]
+            teacher = DOMAIN_TEACHER[r["metadata"]["domain"]]
+            md = t["metadata"]
+            assert (md["opd_teacher"], md["opd_coef"]) == (teacher, COEFS[teacher])
+            payload = md["opd_topk"]
+            n = t["response_lengths"]
+            assert payload["format"] == "opd_topk_v1" and payload["k"] == TOPK
+            assert tuple(payload["ids"].shape) == tuple(payload["log_probs"].shape) == (n, TOPK)
+            ids, lps = _teacher_top_k(engines["math"].url, r["tokens"], n, TOPK)
+            assert payload["ids"].tolist() == ids
+            assert torch.allclose(payload["log_probs"], torch.tensor(lps), atol=1e-4)
+            adv = t["advantages"].float()
+            assert torch.allclose(adv, torch.full_like(adv, float(t["rewards"])), atol=1e-5), adv
+
+    # ---- slime's step metrics: the top-k KL and its loss term every step
+    steps = [m for m in run.metrics() if "train/opd_topk_kl" in m]
+    assert len(steps) == NUM_ROLLOUT, run.metric_keys()
+    for m in steps:
+        assert math.isfinite(m["train/opd_topk_kl"]) and m["train/opd_topk_kl"] > 0, m
+        assert 0 < m["train/opd_topk_loss"] < m["train/opd_topk_kl"], m  # mean coef 0.75
+        assert math.isfinite(m["train/grad_norm"]) and m["train/grad_norm"] > 0, m
+
+    # ---- step 0, recomputed here from slime's train dump: one optimizer step per rollout (global batch 8 =
+    # the rollout), so step 0 trained the student checkpoint itself (step 1's weights are not kept). The
+    # student's full-vocabulary log-probs come from a Hugging Face forward of that checkpoint in bf16 (slime
+    # trains with --bf16), the loss from the slow loop above on each sample's dumped teacher top-k.
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(str(models["student"]), dtype=torch.bfloat16).eval()
+    train = torch.load(dumps / "train_0.pt", weights_only=False)["samples"]
+    kl_tokens, loss_tokens, pg_tokens = {}, {}, {}
+    for i, t in enumerate(train):
+        n = t["response_lengths"]
+        student_lp = _student_log_softmax(student, t["tokens"], n)
+        # the recomputation sees what slime trained with: its sampled-token log-probs are slime's (Megatron's)
+        # log_probs (measured: max |diff| 4.8e-7 on the Intel Xeon host; an fp32 forward is off by 2.2e-3)
+        sampled = student_lp.gather(-1, torch.as_tensor(t["tokens"][-n:]).long()[:, None]).squeeze(-1)
+        assert torch.allclose(sampled, t["log_probs"].float(), rtol=0, atol=2e-5), (i, sampled, t["log_probs"])
+        payload = t["metadata"]["opd_topk"]
+        kl_tokens[i] = _slow_topk_kl(student_lp, payload["ids"], payload["log_probs"])
+        loss_tokens[i] = [COEFS[t["metadata"]["opd_teacher"]] * x for x in kl_tokens[i]]
+        # slime's policy loss on step 0 is on-policy (ratio 1, ppo_kl 0): -A_t per token
+        pg_tokens[i] = [-a for a in t["advantages"].tolist()]
+    want_kl, want_loss = _slime_step_mean(train, kl_tokens), _slime_step_mean(train, loss_tokens)
+    want_pg = _slime_step_mean(train, pg_tokens)
+    m = steps[0]
+    assert m["train/step"] == 0 and m["train/ppo_kl"] == 0, m
+    # measured: slime's kl and loss agree with the recomputation to 1.3e-7 relative (an fp32 forward: 2e-4;
+    # a top-k renormalised KL is 5.09, i.e. 9000x, and dropping the -P_S + P_T correction makes it negative)
+    assert m["train/opd_topk_kl"] == pytest.approx(want_kl, rel=2e-5), (m, want_kl)
+    assert m["train/opd_topk_loss"] == pytest.approx(want_loss, rel=2e-5), (m, want_loss)
+    # slime's reported loss: the policy loss plus the coefficient-weighted top-k term (entropy coef 0, no KL
+    # loss). The GRPO advantages of each prompt's two samples cancel, so the step's policy loss is ~0, but each
+    # one-sample micro-batch's is ~±0.09: its float32 sum with the 5e-5 term rounds (measured |diff| 6.9e-9 on
+    # a loss of 4.5e-4; a missing term is off by 4.5e-4, an uncoefficiented one by 1.3e-4)
+    assert m["train/pg_loss"] == pytest.approx(want_pg, abs=1e-7), (m, want_pg)
+    assert m["train/loss"] == pytest.approx(want_pg + want_loss, rel=0, abs=2e-8), (m, want_pg, want_loss)
+
+
+def test_train_py_refuses_a_teacher_with_another_vocabulary(models, tmp_path):
+    """Teacher/student compatibility at start: slime's own ``train.py`` with a teacher whose vocabulary differs
+    from the student's stops in the driver (slime's ``parse_args``, before Ray or any rollout) with one line
+    naming the teacher and the field."""
+    import json
+    import shutil
+
+    code = shutil.copytree(models["code"], tmp_path / "teacher-code-bigger-vocab")
+    cfg = json.loads((code / "config.json").read_text())
+    student_vocab = cfg["vocab_size"]
+    cfg["vocab_size"] = student_vocab + 512
+    (code / "config.json").write_text(json.dumps(cfg))
+    nowhere = "http://127.0.0.1:9"  # never reached: the driver refuses first
+    teachers = [
+        {"name": "math", "checkpoint_dir": str(models["math"]), "domains": ["math"], "url": nowhere},
+        {"name": "code", "checkpoint_dir": str(code), "domains": ["code"]},
+    ]
+    config = _write_config(tmp_path, teachers, nowhere, tmp_path / "teacher-stage")
+    prompts = make_prompts(tmp_path / "prompts.jsonl", domains=("math", "code"))
+    # slime's parse_args asks the rollout engine for its server info (external engine discovery) before it
+    # returns, so the student's engine runs; the teachers' are never asked
+    rollout = start_engine(models["student"], tmp_path / "engine-rollout.log", ready=False)
+    try:
+        flags = slime_flags(models["student"], prompts, [rollout], tmp_path, num_rollout=1)
+        run = run_slime("train.py", flags, tmp_path, PLUGINS, custom_config=config, timeout=300)
+    finally:
+        stop(rollout.proc)
+    print(f"slime train.py refused the teacher in {run.seconds:.1f} s")
+    assert run.returncode == 2, run.log[-4000:]
+    errors = [line for line in run.log.splitlines() if line.startswith("slime-ascend: error:")]
+    assert len(errors) == 1, run.log[-4000:]
+    print(errors[0])
+    assert errors[0].startswith(
+        f"slime-ascend: error: opd teacher 'code': vocab_size {student_vocab + 512} differs from the student's "
+        f"{student_vocab} (--hf-checkpoint"), errors[0]
+    assert "Fix:" in errors[0] and "compat_check: warn" in errors[0]
+    # before any rollout: Ray never started, no engine was asked
+    assert "Started a local Ray instance" not in run.log and "RolloutManager" not in run.log
+    assert not (tmp_path / "teacher-stage").exists()

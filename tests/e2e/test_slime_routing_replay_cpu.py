@@ -29,7 +29,8 @@ The same job with the ``qat`` plugin (one more run, 1.6 min) closes the int4 loo
 dequant(quant(W)) with the spec ``int4-sync`` pushes, i.e. the engine's weights, so every sample's train-side
 log-probs equal the engine's within 1e-5 in both rollouts (measured 4.8e-7; slime's
 ``train/train_rollout_logprob_abs_diff`` 7e-8 and 1.6e-7), while the job above, without ``qat``, is 1.2e-2 to 4.7e-2
-apart on every sample (slime's mean 1.3e-2).
+apart on every sample (slime's mean 1.3e-2). Both jobs run ``icepop`` with a tight band ([1/1.001, 1.001]): the
+fraction of trained tokens it masks, in slime's trackers, is 0 under ``qat`` and above 0 in every step without it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ from slime_ascend.demo.slime_job import (TINY_QWEN3_MOE_ARGS, make_model, make_p
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
-PLUGINS = ("cpu", "int4-sync")  # the control job; the qat job adds "qat"
+# the control job; the qat job adds "qat". Both run IcePop with a tight band, so the masked fraction it logs shows what
+# the train/rollout gap costs in trained tokens (none under qat, some without it)
+PLUGINS = ("cpu", "int4-sync", "icepop")
+ICEPOP_BETA = 1.001  # tokens whose train/rollout ratio leaves [1/1.001, 1.001] are masked
 HERE = Path(__file__).parent
 LOGPROB_ATOL = 2e-5
 OWN_ROUTES_GAP = 1e-4
@@ -64,6 +68,7 @@ def _config(work: Path, plugins: tuple[str, ...] = PLUGINS) -> Path:
     assert main(["config", *plugins, "-o", str(out)]) == 0
     cfg = yaml.safe_load(out.read_text())
     cfg["bf16"] = False  # fp32 training: the reference forward is compared to 2e-5
+    cfg["ascend_icepop_beta"] = ICEPOP_BETA
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
 
@@ -224,6 +229,12 @@ def _gaps(work: Path, rollout_id: int) -> list[float]:
     return gaps
 
 
+def _tracked(run, tag: str) -> list[float]:
+    values = [v for _, v in run.tracked().get(tag, [])]
+    assert len(values) == NUM_ROLLOUT, (tag, sorted(run.tracked()))
+    return values
+
+
 def _tracked_gap(run) -> list[float]:
     """slime's own mismatch figure, ``train/train_rollout_logprob_abs_diff`` (mean |old - rollout| log-prob of
     each train step), as its trackers got it."""
@@ -253,3 +264,7 @@ def test_qat_makes_the_trainer_see_the_int4_engines_weights(qat_job, replay_job)
     qat_metric, control_metric = _tracked_gap(qat_run), _tracked_gap(control_run)
     print("train/train_rollout_logprob_abs_diff: qat", qat_metric, "control", control_metric)
     assert max(qat_metric) <= QAT_ATOL and min(control_metric) >= CONTROL_MEAN_GAP, (qat_metric, control_metric)
+    # what the gap costs: IcePop (band [1/1.001, 1.001]) masks no trained token under qat, some in every step without
+    qat_masked, control_masked = _tracked(qat_run, "train/icepop_masked"), _tracked(control_run, "train/icepop_masked")
+    print("train/icepop_masked: qat", qat_masked, "control", control_masked)
+    assert qat_masked == [0.0] * NUM_ROLLOUT and all(m > 0 for m in control_masked), (qat_masked, control_masked)
