@@ -284,6 +284,9 @@ def test_train_py_opd_three_switched_teachers_pushed_once_per_rollout_each(model
             assert torch.allclose(t["teacher_log_probs"].float(), expected, atol=1e-4), teacher
 
 
+TOPK = 4
+
+
 def _teacher_top_k(engine_url: str, tokens: list[int], response_length: int, k: int) -> tuple[list, list]:
     """The teacher's top-k ids and log-probs per response position, asked as the opd plugin asks (top_logprobs_num)."""
     out = _post(engine_url + "/generate", {
