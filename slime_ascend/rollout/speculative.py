@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["categorical", "sampling_distribution", "verify"]
+__all__ = ["categorical", "keep_mask", "sampling_distribution", "verify"]
 
 
-def sampling_distribution(logits: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
-                          min_p: float = 0.0) -> torch.Tensor:
-    """float64 probabilities ``[V]`` of sampling from ``logits [V]``: softmax at ``temperature``, then SGLang's
-    filters on the sorted probabilities (top-k; top-p drops a token when the mass strictly before it exceeds top_p;
-    min-p relative to the largest), the largest always kept, renormalised."""
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    sorted_probs, sorted_ids = torch.sort(probs, descending=True)
+def keep_mask(sorted_probs: torch.Tensor, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Which of the probabilities ``sorted_probs`` (descending) a sampler keeps, by SGLang's rules: top-k; top-p drops
+    a token when the mass strictly before it exceeds top_p; min-p relative to the largest; the largest always kept.
+    The torch engine's ``_choose_token`` and :func:`sampling_distribution` both filter with it."""
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)
     if top_k > 0:
         keep[top_k:] = False
@@ -38,6 +35,16 @@ def sampling_distribution(logits: torch.Tensor, temperature: float = 1.0, top_k:
     if min_p > 0.0:
         keep &= sorted_probs >= min_p * sorted_probs[0]
     keep[0] = True
+    return keep
+
+
+def sampling_distribution(logits: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+                          min_p: float = 0.0) -> torch.Tensor:
+    """float64 probabilities ``[V]`` of sampling from ``logits [V]``: softmax at ``temperature``, then
+    :func:`keep_mask` on the sorted probabilities, renormalised."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    sorted_probs, sorted_ids = torch.sort(probs, descending=True)
+    keep = keep_mask(sorted_probs, top_k, top_p, min_p)
     out = torch.zeros_like(probs)
     out[sorted_ids[keep]] = sorted_probs[keep]
     return out / out.sum()

@@ -90,6 +90,7 @@ from slime_ascend.rollout.torch_engine.weight_read import (DEFAULT_MAX_WEIGHT_AN
 from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
                                                   check_positive_ints, check_weight_version, next_weight_version)
+from slime_ascend.rollout.speculative import categorical, keep_mask, sampling_distribution, verify
 
 __all__ = ["TorchEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
 
@@ -292,15 +293,7 @@ def _choose_token(
     scaled_logprobs = torch.log_softmax(logits / cfg.temperature, dim=-1)
     probs = scaled_logprobs.exp()
     sorted_probs, sorted_ids = torch.sort(probs, descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if cfg.top_k > 0:
-        keep[cfg.top_k :] = False
-    if cfg.top_p < 1.0:  # SGLang's rule: drop a token when the mass strictly before it exceeds top_p
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        keep &= before <= cfg.top_p
-    if cfg.min_p > 0.0:
-        keep &= sorted_probs >= cfg.min_p * sorted_probs[0]
-    keep[0] = True
+    keep = keep_mask(sorted_probs, cfg.top_k, cfg.top_p, cfg.min_p)  # SGLang's top-k / top-p / min-p rules
     filtered = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
     choice = int(torch.multinomial(filtered / filtered.sum(), 1, generator=generator))
     token = int(sorted_ids[choice])
@@ -1027,7 +1020,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         routes: list[torch.Tensor] | None = [] if keep_routes else None
         past, reused, generation, cached_version = None, 0, None, None
         index_sets: list[dict[int, torch.Tensor]] | None = [] if self._index_dump is not None else None
-        spec_verify_ct = spec_tokens = spec_drafted = spec_accepted = 0
+        spec_verify_ct = spec_drafted = spec_accepted = 0  # each verifying forward emits its kept drafts + 1
 
         with self._admitted(req):
             input_logprobs = 0 <= req.logprob_start_len < len(req.input_ids)  # -1 unless return_logprob
@@ -1059,7 +1052,6 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                     k = min(self.speculative_num_steps, max_new - step - 1)
                     past, emitted = self._speculate(past, req.input_ids + out_ids, drafted, k, cfg, generator)
                     spec_verify_ct += 1
-                    spec_tokens += len(emitted)
                     spec_drafted += k
                     spec_accepted += len(emitted) - 1
                     (token, logprob), pending = emitted[0], emitted[1:]
@@ -1069,7 +1061,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                     token, logprob, kept = _choose_token(logits[-1], cfg, generator, self.return_original_logprob)
                 if req.top_logprobs_num:  # 0 unless return_logprob
                     # the distribution output_token_logprobs reports: T = 1 when greedy or original, else 1/T
-                    t = 1.0 if cfg.greedy or self.return_original_logprob else cfg.temperature
+                    t = self._reported_temperature(cfg)
                     out_top.append(self._top_entries(torch.log_softmax(logits[-1] / t, dim=-1), req))
                 out_ids.append(token)
                 out_lps.append(logprob)
@@ -1117,6 +1109,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             meta["spec_verify_ct"] = spec_verify_ct
             meta["spec_accept_token_num"] = spec_accepted  # SGLang's names: the draft tokens kept, and proposed
             meta["spec_draft_token_num"] = spec_drafted
+            spec_tokens = spec_accepted + spec_verify_ct
             meta["spec_accept_length"] = spec_tokens / spec_verify_ct if spec_verify_ct else 0.0
             if spec_verify_ct:
                 with self._state:
@@ -1137,11 +1130,15 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             meta["top_p_token_offsets"] = kept_offsets
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
+    def _reported_temperature(self, cfg: SamplingConfig) -> float:
+        """The temperature of the distribution output log-probs are reported from: 1 when greedy or original, else
+        the request's."""
+        return 1.0 if cfg.greedy or self.return_original_logprob else cfg.temperature
+
     def _reported_logprob(self, row: torch.Tensor, token: int, cfg: SamplingConfig) -> float:
         """The log-prob ``_choose_token`` reports for ``token`` from the logits ``row``: the target's, unscaled when
         greedy or original, else at the request's temperature."""
-        t = 1.0 if cfg.greedy or self.return_original_logprob else cfg.temperature
-        return float(torch.log_softmax(row / t, dim=-1)[token])
+        return float(torch.log_softmax(row / self._reported_temperature(cfg), dim=-1)[token])
 
     def _speculate(self, past: Any, seq: list[int], drafted: _DraftState, k: int, cfg: SamplingConfig,
                    generator: torch.Generator) -> tuple[Any, list[tuple[int, float]]]:
@@ -1149,7 +1146,6 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         ``k`` tokens, one forward of the served model over the last token and the drafts verifies them
         (:func:`slime_ascend.rollout.speculative.verify`); both caches are cut back to the kept tokens. Returns the
         served model's cache and the emitted tokens with the served model's log-probs."""
-        from slime_ascend.rollout.speculative import categorical, sampling_distribution, verify
 
         def dist(row: torch.Tensor) -> torch.Tensor:
             return sampling_distribution(row, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
