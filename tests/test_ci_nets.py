@@ -233,7 +233,7 @@ def test_a_real_loop_test_made_to_skip_at_run_time_fails_the_suites_run(tmp_path
     """One of slime's real-loop runs (tests/e2e), under the suite's own conftest and CI's variable, made to skip
     as it starts (a plugin skips it in setup, before any fixture): the run fails and names it."""
     (tmp_path / "skipper.py").write_text(SKIPPER)
-    target = "tests/e2e/test_slime_demo.py::test_demo_in_slime_loop"
+    target = "tests/e2e/test_slime_demo_glm5.py::test_demo_runs_its_plugins_on_slimes_glm5_spec"
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     env.update(SLIME_ASCEND_REQUIRE_SLIME="1",
                PYTHONPATH=os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])]))

@@ -17,6 +17,13 @@ Every default plugin runs on GLM-5: the one that did not, SAO's frozen-critic ch
 ``ChainedOptimizer`` (an MoE model's dense and expert optimizers) through its ``optimizer`` property, which asserts
 that it chains one (fixed in ``slime_ascend.sao.freeze``). One run of slime's loop, 2.5 min on the 2-core host
 (the GLM-5 policy and teachers fine-tuned in about 70 s of it).
+
+This is the demo's one run in slime's loop in the suite: the same command on the default tiny Qwen3 (its own
+module until the eighteenth session, 1.8 min of CI) asserted a subset of what this run asserts (every plugin's
+evidence, K critic passes, int8 versions served, a trained compaction segment, teacher switches, the verifier
+gate's passes at parse_args, the curves and the echoed lines); the Qwen3 model itself runs in slime's loop in every
+recipe of ``tests/examples/test_recipes_in_slime.py`` and the demo's default model, without slime, in CI's README
+command 1 and ``tests/demo``.
 """
 
 from __future__ import annotations
@@ -127,6 +134,9 @@ def test_demo_runs_its_plugins_on_slimes_glm5_spec(tmp_path):
     assert any(len(v) == STEPS for v in evidence["staleness"]["metrics"].values()), evidence["staleness"]
     # the train side's indexer selected with the deterministic top-k
     assert evidence["dsa-determinism"]["log"] == ["applied runtime patch train.dsa_deterministic_topk"]
+    # the verifier gate ran in slime's processes at parse_args, over the verifiers the job trains with
+    assert evidence["verifier-gate"]["log"] and all("passes oracle, no_action and unfinished" in line
+                                                     for line in evidence["verifier-gate"]["log"]), evidence
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))

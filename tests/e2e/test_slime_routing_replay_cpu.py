@@ -31,6 +31,12 @@ log-probs equal the engine's within 1e-5 in both rollouts (measured 4.8e-7; slim
 ``train/train_rollout_logprob_abs_diff`` 7e-8 and 1.6e-7), while the job above, without ``qat``, is 1.2e-2 to 4.7e-2
 apart on every sample (slime's mean 1.3e-2). Both jobs run ``icepop`` with a tight band ([1/1.001, 1.001]): the
 fraction of trained tokens it masks, in slime's trackers, is 0 under ``qat`` and above 0 in every step without it.
+
+The FP8 loop (issue 44 item 3; one more run, 0.65 min alone): ``qat`` in fp8-block mode + ``fp8-sync`` against the
+torch engine serving ``slime-ascend quantize --format fp8-block --block-size 32 32``: every sample's train-side
+log-probs equal the engine's within 1e-5 in both rollouts (measured 4.8e-7; slime's figure 1.1e-7 and 1.3e-7), IcePop
+masks nothing; the same engine's log-probs are 4.2e-3 to 1.1e-2 from the unquantised fp32 weights (engine routes
+replayed), the gap QAT closes.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ NUM_ROLLOUT, BATCH, N_SAMPLES = 2, 4, 2
 MOE = shlex.split(TINY_QWEN3_MOE_ARGS) + ["--moe-layer-freq", "[1,1]"]  # later flags win: both layers MoE
 
 
-def _config(work: Path, plugins: tuple[str, ...] = PLUGINS) -> Path:
+def _config(work: Path, plugins: tuple[str, ...] = PLUGINS, settings: dict | None = None) -> Path:
     import yaml
 
     from slime_ascend.cli import main
@@ -69,6 +75,7 @@ def _config(work: Path, plugins: tuple[str, ...] = PLUGINS) -> Path:
     cfg = yaml.safe_load(out.read_text())
     cfg["bf16"] = False  # fp32 training: the reference forward is compared to 2e-5
     cfg["ascend_icepop_beta"] = ICEPOP_BETA
+    cfg.update(settings or {})
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
 
@@ -80,19 +87,31 @@ def all_moe_model_dir(tmp_path_factory) -> Path:
                       config_overrides={"mlp_only_layers": []})
 
 
-@pytest.fixture(scope="module")
-def int4_engine_checkpoint(all_moe_model_dir, tmp_path_factory) -> Path:
+def _quantized(model_dir: Path, out: Path, *options: str) -> Path:
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("quantized") / "tiny-qwen3-all-moe-int4"
-    done = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(all_moe_model_dir), str(out),
-                           "--format", "int4-group", "--group-size", "32"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(model_dir), str(out), *options],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 
 
-def _run_job(model_dir: Path, engine_checkpoint: Path, work: Path, plugins: tuple[str, ...]):
+@pytest.fixture(scope="module")
+def int4_engine_checkpoint(all_moe_model_dir, tmp_path_factory) -> Path:
+    return _quantized(all_moe_model_dir, tmp_path_factory.mktemp("quantized") / "tiny-qwen3-all-moe-int4",
+                      "--format", "int4-group", "--group-size", "32")
+
+
+@pytest.fixture(scope="module")
+def fp8_engine_checkpoint(all_moe_model_dir, tmp_path_factory) -> Path:
+    """FP8 blocks of 32 x 32 (the tiny model's 64-wide linears hold several: a block boundary inside each)."""
+    return _quantized(all_moe_model_dir, tmp_path_factory.mktemp("quantized") / "tiny-qwen3-all-moe-fp8",
+                      "--format", "fp8-block", "--block-size", "32", "32")
+
+
+def _run_job(model_dir: Path, engine_checkpoint: Path, work: Path, plugins: tuple[str, ...],
+             settings: dict | None = None):
     prompts = make_prompts(work / "prompts.jsonl")
     engine = start_engine(engine_checkpoint, work / "engine.log", ready=False,
                           engine_args=("--enable-return-routed-experts",))
@@ -103,7 +122,7 @@ def _run_job(model_dir: Path, engine_checkpoint: Path, work: Path, plugins: tupl
               "--save-debug-rollout-data", str(work / "dump" / "rollout_{rollout_id}.pt"),
               "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt")]
     try:
-        run = run_slime("train.py", flags, work, plugins, custom_config=_config(work, plugins))
+        run = run_slime("train.py", flags, work, plugins, custom_config=_config(work, plugins, settings))
     finally:
         stop(engine.proc)
     print(f"\n{'+'.join(plugins)}: rc {run.returncode}, {run.seconds / 60:.2f} min")
@@ -120,6 +139,13 @@ def replay_job(all_moe_model_dir, int4_engine_checkpoint, tmp_path_factory):
 def qat_job(all_moe_model_dir, int4_engine_checkpoint, tmp_path_factory):
     """The same job with ``qat``: the trainer's forward uses dequant(quant(W)) of int4-sync's spec."""
     return _run_job(all_moe_model_dir, int4_engine_checkpoint, tmp_path_factory.mktemp("qat"), (*PLUGINS, "qat"))
+
+
+@pytest.fixture(scope="module")
+def fp8_qat_job(all_moe_model_dir, fp8_engine_checkpoint, tmp_path_factory):
+    """The FP8 loop: ``qat`` in fp8-block mode + ``fp8-sync`` against the torch engine serving the FP8 checkpoint."""
+    return _run_job(all_moe_model_dir, fp8_engine_checkpoint, tmp_path_factory.mktemp("fp8-qat"),
+                    ("cpu", "fp8-sync", "icepop", "qat"), {"ascend_qat_format": "fp8-block"})
 
 
 def _dump(work: Path, kind: str, rollout_id: int) -> dict:
@@ -268,3 +294,42 @@ def test_qat_makes_the_trainer_see_the_int4_engines_weights(qat_job, replay_job)
     qat_masked, control_masked = _tracked(qat_run, "train/icepop_masked"), _tracked(control_run, "train/icepop_masked")
     print("train/icepop_masked: qat", qat_masked, "control", control_masked)
     assert qat_masked == [0.0] * NUM_ROLLOUT and all(m > 0 for m in control_masked), (qat_masked, control_masked)
+
+
+def test_fp8_block_qat_makes_the_trainer_see_the_fp8_engines_weights(fp8_qat_job, all_moe_model_dir):
+    """Issue 44 item 3, the same loop for FP8 rollouts: ``qat`` in fp8-block mode + ``fp8-sync`` against the torch
+    engine serving ``slime-ascend quantize --format fp8-block --block-size 32 32``: every sample's train-side
+    log-probs equal the engine's within QAT_ATOL in both rollouts, slime's own mismatch figure too, and IcePop's
+    tight band masks no trained token.
+
+    The control, without a second slime job: the engine's rollout-0 log-probs (the loaded weights, known here)
+    against a reference forward of the same fp32 master weights without fake quant (transformers' Qwen3-MoE, the
+    engine's routes replayed, so only the weights differ): FP8's rounding moves them by more than CONTROL_GAP on
+    some token of every sample, which is the gap QAT closes."""
+    import torch
+
+    from slime_ascend.rollout.torch_engine.model import load_model
+
+    work, run = fp8_qat_job
+    assert "qat: fake-quantising" in run.log and "fp8-block" in run.log
+    assert "applied runtime patch train.quantize_params" in run.log
+    for rollout_id in range(NUM_ROLLOUT):
+        gaps = _gaps(work, rollout_id)
+        print(f"fp8 qat, rollout {rollout_id}: per-sample max |train - engine| log-prob",
+              ", ".join(f"{g:.1e}" for g in gaps))
+        assert max(gaps) <= QAT_ATOL, (rollout_id, gaps)
+    tracked = _tracked_gap(run)
+    masked = _tracked(run, "train/icepop_masked")
+    print("fp8 qat: train/train_rollout_logprob_abs_diff", tracked, "train/icepop_masked", masked)
+    assert max(tracked) <= QAT_ATOL and masked == [0.0] * NUM_ROLLOUT, (tracked, masked)
+
+    model = load_model(all_moe_model_dir, torch.float32)
+    control = []
+    for sample in _dump(work, "rollout", 0)["samples"]:
+        tokens = list(map(int, sample["tokens"]))
+        engine = torch.as_tensor(sample["rollout_log_probs"]).float()
+        master = _reference_logprobs(model, tokens, torch.as_tensor(sample["rollout_routed_experts"]))[-len(engine):]
+        control.append((engine - master).abs().max().item())
+    print("fp8 control (the engine against the unquantised fp32 weights, rollout 0):",
+          ", ".join(f"{g:.1e}" for g in control))
+    assert min(control) >= CONTROL_GAP, control
