@@ -105,6 +105,10 @@ PLUGIN = Plugin(
     + tuple(PatchUse(p, when=_A + "kernel_patches_enabled") for p in KERNEL_PATCHES)
     + (PatchUse("train.mindspeed_repatch", "train", when=_A + "mindspeed_wanted"),)
     + MINDSPEED_ADAPTATIONS
+    # --mtp-num-layers where Megatron-core names the MTP layer's decoder layer mtp_model_layer (0.19 on)
+    # and slime's mtp_kwargs where its Megatron patch is absent (stock Megatron-core derives the same MTP labels)
+    + (PatchUse("train.mtp_layer_name", "train", when="slime_ascend.patch.train.mtp_layer_name.wanted"),
+       PatchUse("train.mtp_training", "train", when="slime_ascend.patch.train.mtp_training.wanted"))
     + GLM5_PATCH_USES,  # slime's glm5 spec: torch_npu's sparse attention where it fits, else torch ops
     # slime's offload_train LD_PRELOADs torch_memory_saver's preload hook, which its NPU build does not support
     # (colocation on NPU: --release-train; launch.py); applied after slime's --colocate / critic rules

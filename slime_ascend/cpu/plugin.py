@@ -179,7 +179,10 @@ PLUGIN = Plugin(
              PatchUse("train.distrib_optimizer_step", when="slime_ascend.patch.train.distrib_optimizer_step.wanted"),
              # slime's routing replay in a Megatron-core without slime's Megatron patch (device-neutral; the
              # predicate lives with the patch: whether slime or Megatron already wire replay)
-             PatchUse("train.routing_replay", "train", when="slime_ascend.patch.train.routing_replay.wanted"))
+             PatchUse("train.routing_replay", "train", when="slime_ascend.patch.train.routing_replay.wanted"),
+             # --mtp-num-layers on Megatron-core 0.19: its MTP layer's new name, spelled as slime's converters read it
+             PatchUse("train.mtp_layer_name", "train", when="slime_ascend.patch.train.mtp_layer_name.wanted"),
+             PatchUse("train.mtp_training", "train", when="slime_ascend.patch.train.mtp_training.wanted"))
     + tuple(PatchUse(p, "import:megatron.core", when=_P + "host_without_cuda") for p in TORCH_PATCHES)
     + GLM5_PATCH_USES,  # slime's glm5 spec: torch ops, host linears, THD RoPE (slime_ascend.glm5)
     # slime forces offload_train for PPO (--advantage-estimator ppo: actor and critic share devices) and then

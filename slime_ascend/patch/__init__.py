@@ -34,6 +34,8 @@ fields; ``slime-ascend doctor`` prints them and checks each target against the i
 | train.cpu_moe_splits | megatron moe_utils.maybe_move_tensor_to_cpu (and token_dispatcher's by-name import): numpy split sizes from CPU tensors | megatron/megatron-moe-host-splits.md |
 | train.distrib_optimizer_step | megatron DistributedOptimizer.state_dict / load_state_dict over torch's Adam (no TE / Apex): step 0 before the first step (checkpoint loads), one step counter per param after a load | megatron/megatron-distrib-optimizer-torch-adam-step.md |
 | train.routing_replay | megatron moe_utils/router topk_routing_with_score_function, TopKRouter.__init__: slime's routing replay without its Megatron patch (device-neutral) | 0020-routing-replay-through-megatron-router-replay |
+| train.mtp_layer_name | update_weight.common._named_params_and_buffers_global: Megatron-core 0.19's mtp_model_layer spelled transformer_layer, as slime's converters read it (device-neutral) | 0027-mtp-layer-name-megatron-0.19 |
+| train.mtp_training | megatron GPTModel.forward: slime's mtp_kwargs accepted (labels = input_ids, which Megatron-core 0.19 derives itself) on a Megatron without slime's patch (device-neutral) | megatron/megatron-mtp-training.md |
 | train.reloadable_group_collectives | slime's ReloadableProcessGroup: forwards torch 2.14's reduce_scatter_single / all_gather_single / all_to_all_single / gather_single | 0017-reloadable-group-forwards-single-collectives |
 | driver.acknowledged_weight_update | RayTrainGroup._reload_rollout_weights_from_disk: every engine switched and read back, or all returned to the last acknowledged version | 0012-acknowledged-weight-update |
 | driver.acknowledged_collective_update | RayTrainGroup.update_weights (distributed / tensor transports): every engine's version read back and published | 0023-acknowledged-collective-update |
@@ -103,6 +105,8 @@ LEDGER: dict[str, str] = {
     "train.cpu_moe_splits": "slime_ascend.patch.train.cpu_moe_splits",
     "train.distrib_optimizer_step": "slime_ascend.patch.train.distrib_optimizer_step",
     "train.routing_replay": "slime_ascend.patch.train.routing_replay",
+    "train.mtp_layer_name": "slime_ascend.patch.train.mtp_layer_name",
+    "train.mtp_training": "slime_ascend.patch.train.mtp_training",
     "train.reloadable_group_collectives": "slime_ascend.patch.train.reloadable_group_collectives",
     "train.critic_train_iters": "slime_ascend.patch.train.critic_train_iters",
     "train.critic_advantage_function": "slime_ascend.patch.train.critic_advantage_function",

@@ -168,8 +168,9 @@ def test_the_device_setting_refuses_a_name_the_engine_does_not_know():
 
 
 def test_slimes_speculative_flags_reach_the_engine_command():
-    """slime's --sglang-speculative-* (ServerArgs fields) become serve-torch's flags for STANDALONE; SGLang's other
-    algorithms (the model's own MTP layer: EAGLE, NEXTN) are refused in one line."""
+    """slime's --sglang-speculative-* (ServerArgs fields) become serve-torch's flags: STANDALONE with its draft model;
+    EAGLE / NEXTN (the checkpoint's own MTP layer) as slime's GLM-5 scripts pass them; another algorithm, or one
+    without what it needs, is refused in one line."""
     from slime_ascend.rollout.backends import BackendError
     from slime_ascend.rollout.backends.torch_engine import BACKEND
     from slime_ascend.rollout.torch_engine.cli import build_parser
@@ -181,7 +182,14 @@ def test_slimes_speculative_flags_reach_the_engine_command():
     parsed = build_parser().parse_args(cmd[cmd.index("serve-torch") + 1:])
     assert (parsed.speculative_algorithm, parsed.speculative_draft_model_path, parsed.speculative_num_steps,
             parsed.speculative_num_draft_tokens) == ("STANDALONE", "/draft", 3, 4)
-    for fields, phrase in (({"speculative_algorithm": "EAGLE"}, "draft model only"),
+    # slime's scripts/run-glm5-744B-A40B.sh: EAGLE, 3 steps, top-k 1, 4 draft tokens
+    cmd = BACKEND.command({**base, "speculative_algorithm": "EAGLE", "speculative_num_steps": 3,
+                           "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}, BACKEND.options())
+    parsed = build_parser().parse_args(cmd[cmd.index("serve-torch") + 1:])
+    assert (parsed.speculative_algorithm, parsed.speculative_draft_model_path, parsed.speculative_num_steps,
+            parsed.speculative_eagle_topk, parsed.speculative_num_draft_tokens) == ("EAGLE", None, 3, 1, 4)
+    for fields, phrase in (({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3}, "is not supported"),
+                           ({"speculative_algorithm": "EAGLE"}, "--sglang-speculative-num-steps K"),
                            ({"speculative_algorithm": "STANDALONE"}, "--sglang-speculative-draft-model-path")):
         with pytest.raises(BackendError, match=phrase) as err:
             BACKEND.command({**base, **fields}, BACKEND.options())

@@ -81,9 +81,11 @@ def test_unsupported_combinations_are_refused(dirs, tmp_path):
     with pytest.raises(ValueError, match="prefix cache"):
         TorchEngine(model_path=dirs["target"], speculative_draft_model_path=dirs["target"], speculative_num_steps=2,
                     prefix_cache_tokens=1024)
-    with pytest.raises(ValueError, match="MoE or DSA"):
-        TorchEngine(model_path=save_model(load_model(None, moe=True), tmp_path / "moe"),
-                    speculative_draft_model_path=dirs["target"], speculative_num_steps=2)
+    with pytest.raises(ValueError, match="has no MTP layer"):  # NEXTN / EAGLE draft with the checkpoint's own
+        TorchEngine(model_path=dirs["target"], speculative_algorithm="NEXTN", speculative_num_steps=2)
+    with pytest.raises(ValueError, match="is another model"):
+        TorchEngine(model_path=dirs["target"], speculative_algorithm="EAGLE", speculative_num_steps=2,
+                    speculative_draft_model_path=dirs["other"])
     with pytest.raises(ValueError, match="needs a draft model"):
         TorchEngine(model_path=dirs["target"], speculative_num_steps=2)
     wide = save_model(load_model(None, config_overrides={"vocab_size": 512}), tmp_path / "v512")
@@ -95,3 +97,8 @@ def test_unsupported_combinations_are_refused(dirs, tmp_path):
                          capture_output=True, text=True, timeout=120)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode != 0 and len(lines) == 1 and "--speculative-num-draft-tokens 4" in lines[0], out.stderr
+    out = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "serve-torch", "--speculative-algorithm", "EAGLE",
+                          "--speculative-num-steps", "3", "--speculative-eagle-topk", "4"],
+                         capture_output=True, text=True, timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode != 0 and len(lines) == 1 and "--speculative-eagle-topk 1" in lines[0], out.stderr

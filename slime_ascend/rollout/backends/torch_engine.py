@@ -80,21 +80,28 @@ class TorchEngineBackend(RolloutBackend):
 
 def speculative_flags(server_args: Mapping[str, Any]) -> list[str]:
     """serve-torch's speculative flags from slime's ``--sglang-speculative-*`` (SGLang's ``ServerArgs`` fields, as
-    slime's ``_compute_server_args`` copies them): the torch engine speculates with a draft model (``STANDALONE``);
-    another algorithm (EAGLE, NEXTN: the model's own MTP layer) is refused in one line."""
+    slime's ``_compute_server_args`` copies them): ``STANDALONE`` speculates with a draft model; ``EAGLE`` / ``NEXTN``
+    (slime's GLM-5 scripts: ``--sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 3
+    --sglang-speculative-eagle-topk 1 --sglang-speculative-num-draft-tokens 4``) with the served checkpoint's own MTP
+    layer. Another algorithm is refused in one line."""
     algorithm = server_args.get("speculative_algorithm")
     if algorithm in (None, "", "NONE"):
         return []
-    if str(algorithm).upper() != "STANDALONE":
+    algorithm = str(algorithm).upper()
+    if algorithm not in ("STANDALONE", "EAGLE", "NEXTN"):
         raise BackendError(f"torch-engine: --sglang-speculative-algorithm {algorithm} is not supported; the torch engine "
-                           "speculates with a draft model only. Fix: --sglang-speculative-algorithm STANDALONE with "
-                           "--sglang-speculative-draft-model-path DIR, or leave speculation off")
+                           "speculates with a draft model (STANDALONE) or the checkpoint's own MTP layer (EAGLE, "
+                           "NEXTN). Fix: one of those, or leave speculation off")
     draft, steps = server_args.get("speculative_draft_model_path"), server_args.get("speculative_num_steps")
-    if not draft or not steps:
-        raise BackendError("torch-engine: --sglang-speculative-algorithm STANDALONE needs "
-                           "--sglang-speculative-draft-model-path DIR and --sglang-speculative-num-steps K")
-    flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft),
-             "--speculative-num-steps", str(int(steps))]
+    if not steps or (algorithm == "STANDALONE" and not draft):
+        raise BackendError(f"torch-engine: --sglang-speculative-algorithm {algorithm} needs "
+                           f"--sglang-speculative-num-steps K{' and --sglang-speculative-draft-model-path DIR' if algorithm == 'STANDALONE' else ''}")
+    flags = ["--speculative-algorithm", algorithm, "--speculative-num-steps", str(int(steps))]
+    if draft:
+        flags += ["--speculative-draft-model-path", str(draft)]
+    topk = server_args.get("speculative_eagle_topk")
+    if algorithm != "STANDALONE" and topk:
+        flags += ["--speculative-eagle-topk", str(int(topk))]
     tokens = server_args.get("speculative_num_draft_tokens")
     if tokens:
         flags += ["--speculative-num-draft-tokens", str(int(tokens))]

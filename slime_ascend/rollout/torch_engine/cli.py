@@ -116,12 +116,18 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--dump-dsa-index-sets", default=None, metavar="DIR",
                         help="write each request's DSA key sets, per layer and fed position, to DIR/rollout-*.pt (a "
                         "GLM-5 model; compared with the train side's by `slime-ascend dsa-index-sets`)")
-    spec = parser.add_argument_group("speculative decoding (SGLang's flags; the STANDALONE algorithm: a draft model)")
-    spec.add_argument("--speculative-algorithm", default=None, choices=["STANDALONE"],
-                      help="STANDALONE: a draft model proposes tokens, one forward of the served model verifies "
-                      "them; the kept tokens follow the served model's distribution and carry its log-probs")
+    spec = parser.add_argument_group("speculative decoding (SGLang's flags: STANDALONE, a draft model; NEXTN / EAGLE, "
+                                     "the checkpoint's own MTP layer)")
+    spec.add_argument("--speculative-algorithm", default=None, choices=["STANDALONE", "NEXTN", "EAGLE"],
+                      help="STANDALONE: a draft model proposes tokens; NEXTN / EAGLE: the checkpoint's own MTP layer "
+                      "does (config.num_nextn_predict_layers), switched with the model by every weight update; one "
+                      "forward of the served model verifies them: the kept tokens follow its distribution and carry "
+                      "its log-probs")
     spec.add_argument("--speculative-draft-model-path", default=None, metavar="DIR",
-                      help="the draft model's checkpoint (same vocabulary; a dense model)")
+                      help="STANDALONE: the draft model's checkpoint (same vocabulary); NEXTN / EAGLE: none, or the "
+                      "served checkpoint itself")
+    spec.add_argument("--speculative-eagle-topk", type=positive_int, default=None, metavar="1",
+                      help="NEXTN / EAGLE: draft candidates per step; the engine drafts a chain (1)")
     spec.add_argument("--speculative-num-steps", type=positive_int, default=None, metavar="K",
                       help="tokens the draft proposes per verifying forward")
     spec.add_argument("--speculative-num-draft-tokens", type=positive_int, default=None, metavar="N",
@@ -141,20 +147,30 @@ def _speculative(args: Any) -> dict[str, Any]:
     """The engine's speculative-decoding arguments from SGLang's flags, refused in one line when they disagree."""
     from ...command import UserError
 
-    given = [args.speculative_draft_model_path, args.speculative_num_steps, args.speculative_num_draft_tokens]
-    if args.speculative_algorithm is None:
+    given = [args.speculative_draft_model_path, args.speculative_num_steps, args.speculative_num_draft_tokens,
+             args.speculative_eagle_topk]
+    algorithm = args.speculative_algorithm
+    if algorithm is None:
         if any(v is not None for v in given):
             raise UserError("--speculative-draft-model-path / --speculative-num-steps / --speculative-num-draft-tokens "
-                            "need --speculative-algorithm STANDALONE")
+                            "/ --speculative-eagle-topk need --speculative-algorithm (STANDALONE, NEXTN or EAGLE)")
         return {}
-    if args.speculative_draft_model_path is None or args.speculative_num_steps is None:
-        raise UserError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR and "
-                        "--speculative-num-steps K")
+    if args.speculative_num_steps is None:
+        raise UserError(f"--speculative-algorithm {algorithm} needs --speculative-num-steps K")
+    if algorithm == "STANDALONE":
+        if args.speculative_draft_model_path is None:
+            raise UserError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR and "
+                            "--speculative-num-steps K")
+        if args.speculative_eagle_topk is not None:
+            raise UserError("--speculative-eagle-topk is NEXTN / EAGLE's; STANDALONE drafts a chain. Fix: drop it")
+    elif args.speculative_eagle_topk not in (None, 1):
+        raise UserError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: the engine drafts one chain. Fix: "
+                        "--speculative-eagle-topk 1 (slime's GLM-5 scripts' value), or leave it out")
     if args.speculative_num_draft_tokens not in (None, args.speculative_num_steps + 1):
         raise UserError(f"--speculative-num-draft-tokens {args.speculative_num_draft_tokens} with "
                         f"--speculative-num-steps {args.speculative_num_steps}: a chain of K steps verifies K + 1 "
                         f"tokens. Fix: --speculative-num-draft-tokens {args.speculative_num_steps + 1}, or leave it out")
-    return {"speculative_draft_model_path": args.speculative_draft_model_path,
+    return {"speculative_algorithm": algorithm, "speculative_draft_model_path": args.speculative_draft_model_path,
             "speculative_num_steps": args.speculative_num_steps}
 
 

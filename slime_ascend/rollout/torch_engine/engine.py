@@ -91,6 +91,7 @@ from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
                                                   check_positive_ints, check_weight_version, next_weight_version)
 from slime_ascend.rollout.speculative import categorical, keep_mask, sampling_distribution, verify
+from slime_ascend.rollout.torch_engine.mtp import MTPDraft
 
 __all__ = ["TorchEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
 
@@ -302,6 +303,24 @@ def _choose_token(
     return token, logprob, kept
 
 
+class _HiddenTap:
+    """The served model's final hidden states of the last forward (a forward hook on its final norm):
+    ``[fed tokens, hidden]``, what MTP speculation reads."""
+
+    def __init__(self, norm: torch.nn.Module):
+        self._last: torch.Tensor | None = None
+        norm.register_forward_hook(self._hook)
+
+    def _hook(self, _module: Any, _inputs: Any, output: torch.Tensor) -> None:
+        self._last = output.detach()[0]
+
+    def take(self) -> torch.Tensor:
+        last, self._last = self._last, None
+        if last is None:
+            raise RuntimeError("the served model's final norm did not run in this forward")
+        return last
+
+
 @dataclass
 class _DraftState:
     """The draft model's KV cache of one request and how many of its tokens it holds."""
@@ -366,6 +385,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         max_total_tokens: int | None = None,
         speculative_draft_model_path: str | os.PathLike | None = None,
         speculative_num_steps: int = 0,
+        speculative_algorithm: str | None = None,
     ) -> None:
         check_positive_ints(max_batch_size=max_batch_size, max_prompt_tokens=max_prompt_tokens,
                             max_new_tokens=max_new_tokens, max_top_logprobs=max_top_logprobs,
@@ -424,13 +444,31 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             self._index_dump_count = itertools.count()
         self._index_dump_lock = threading.Lock()  # the one warning when a dump write fails (dumping stops)
 
-        # speculative decoding (SGLang's STANDALONE algorithm): a draft model proposes speculative_num_steps tokens,
-        # one forward of the served model verifies them (speculative.py: the kept tokens follow its distribution)
+        # speculative decoding: a draft proposes speculative_num_steps tokens, one forward of the served model
+        # verifies them (speculative.py: the kept tokens follow its distribution). SGLang's algorithms: STANDALONE (a
+        # draft model of its own), NEXTN / EAGLE (the checkpoint's own MTP layer, mtp.py; SGLang resolves NEXTN to
+        # EAGLE), which every weight update switches with the model
         self.draft_model = None
+        self._mtp_draft: MTPDraft | None = None
+        self._hidden_tap: _HiddenTap | None = None
+        self.speculative_algorithm: str | None = None
+        self.speculative_draft_model_path: str | None = None
         self.speculative_num_steps = int(speculative_num_steps)
         self._spec_stats: dict[str, list[int]] = {}  # weight version -> [verify forwards, tokens they emitted]
-        if speculative_draft_model_path is not None:
+        algorithm = speculative_algorithm or ("STANDALONE" if speculative_draft_model_path is not None else None)
+        algorithm = None if algorithm is None else str(algorithm).upper()
+        if algorithm == "STANDALONE":
+            if speculative_draft_model_path is None:
+                raise ValueError("the STANDALONE algorithm needs a draft model (--speculative-draft-model-path)")
             self._load_draft(str(speculative_draft_model_path))
+        elif algorithm in ("NEXTN", "EAGLE"):
+            if speculative_draft_model_path is not None and str(speculative_draft_model_path) != self.model_path:
+                raise ValueError(f"{algorithm} drafts with the served checkpoint's own MTP layer; "
+                                 f"--speculative-draft-model-path {speculative_draft_model_path} is another model "
+                                 "(drop it, or use STANDALONE)")
+            self._load_mtp_draft()
+        elif algorithm is not None:
+            raise ValueError(f"speculative algorithm {algorithm} is not supported (STANDALONE, NEXTN, EAGLE)")
         elif self.speculative_num_steps:
             raise ValueError("speculative_num_steps needs a draft model (--speculative-draft-model-path)")
 
@@ -458,23 +496,37 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         self._kv_queue: collections.deque[int] = collections.deque()  # waiting requests, in arrival order
         self._seed_rng = random.Random(seed)
 
-    def _load_draft(self, path: str) -> None:
-        """The draft model of speculative decoding, checked against the served one before it serves."""
+    def _check_speculation(self) -> None:
         if self.speculative_num_steps < 1:
-            raise ValueError("a draft model needs speculative_num_steps >= 1 (--speculative-num-steps)")
-        why = None
-        if self._routes is not None or self._index_sets is not None:
-            why = "the served model is an MoE or DSA model (its routes and key sets are recorded per fed token)"
-        elif self._prefix_cache.enabled:
-            why = "the prefix cache is on (drop --prefix-cache-tokens)"
-        if why:
-            raise ValueError(f"speculative decoding is not supported here: {why}")
+            raise ValueError("speculative decoding needs speculative_num_steps >= 1 (--speculative-num-steps)")
+        if self._prefix_cache.enabled:
+            raise ValueError("speculative decoding is not supported here: the prefix cache is on (drop "
+                             "--prefix-cache-tokens)")
+
+    def _load_mtp_draft(self) -> None:
+        """Speculation with the served checkpoint's own MTP layer (NEXTN / EAGLE): the served model's final hidden
+        states are kept per request (a hook on its final norm) for the layer to read."""
+        self._check_speculation()
+        self._mtp_draft = MTPDraft(self.model)
+        self._hidden_tap = _HiddenTap(self.model.model.norm)
+        self.speculative_algorithm = "EAGLE"
+
+    def _load_draft(self, path: str) -> None:
+        """The draft model of speculative decoding, checked against the served one before it serves. An MoE or DSA
+        served model is verified like a dense one: of the verifying forward, only the kept tokens' routes and key
+        sets are recorded (``_speculate``)."""
+        self._check_speculation()
         draft = reference_model.load_model(path, self.dtype)
         if int(draft.config.vocab_size) != self.vocab_size:
             raise ValueError(f"the draft model {path} has vocab_size {draft.config.vocab_size}, the served model "
                              f"{self.vocab_size}: speculative decoding needs one vocabulary")
         self.draft_model = draft.to(self.device)
         self.speculative_draft_model_path = path
+        self.speculative_algorithm = "STANDALONE"
+
+    @property
+    def speculating(self) -> bool:
+        return self.draft_model is not None or self._mtp_draft is not None
 
     # ------------------------------------------------------------------ info
     def _eos_ids(self) -> set[int]:
@@ -525,12 +577,12 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         }
 
     def _spec_info(self) -> dict[str, Any]:
-        if self.draft_model is None:
+        if not self.speculating:
             return {"speculative_algorithm": None}
         with self._state:
             stats = {v: list(c) for v, c in self._spec_stats.items()}
-        return {"speculative_algorithm": "STANDALONE", "speculative_num_steps": self.speculative_num_steps,
-                "speculative_draft_model_path": self.speculative_draft_model_path,
+        return {"speculative_algorithm": self.speculative_algorithm, "speculative_num_steps": self.speculative_num_steps,
+                "speculative_draft_model_path": self.speculative_draft_model_path or self.model_path,
                 # per weight version: tokens emitted per verifying forward (SGLang's accept length), and the counts
                 "spec_accept_length_by_version": {v: c[1] / c[0] for v, c in stats.items() if c[0]},
                 "spec_verify_ct_by_version": {v: c[0] for v, c in stats.items()}}
@@ -728,8 +780,9 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 if self._prefix_cache.enabled:
                     logger.info("weight version %s -> %s: dropped %d cached prefixes (%d tokens)", old,
                                 self.weight_version, entries, tokens)
-                counts = self._spec_stats.get(old) if self.draft_model is not None else None
-                if counts and counts[0]:  # how well the draft (which no push changes) kept up with that version
+                counts = self._spec_stats.get(old) if self.speculating else None
+                if counts and counts[0]:  # how well the draft (a draft model: no push changes it; the MTP layer:
+                    # switched with the model) kept up with that version
                     logger.info("speculative decoding under weight version %s: accept length %.2f tokens a verifying "
                                 "forward (%d forwards)", old, counts[1] / counts[0], counts[0])
         finally:
@@ -951,15 +1004,17 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             return req.abort_message
 
     def _forward(self, past: Any, ids: list[int], routes: list[torch.Tensor] | None = None,
-                 index_sets: list[dict[int, torch.Tensor]] | None = None) -> tuple[Any, torch.Tensor]:
+                 index_sets: list[dict[int, torch.Tensor]] | None = None,
+                 hiddens: list[torch.Tensor] | None = None) -> tuple[Any, torch.Tensor]:
         """Feed ``ids`` after the KV cache ``past``; returns the new cache and float32 logits ``[len(ids), V]``.
         ``routes`` (an MoE model): gets the experts of the fed tokens appended; ``index_sets`` (a DSA model
-        dumping them): the key sets each layer read."""
+        dumping them): the key sets each layer read; ``hiddens`` (MTP speculation): the final hidden states."""
         with self._compute_lock:
-            return self._forward_locked(past, ids, routes, index_sets)
+            return self._forward_locked(past, ids, routes, index_sets, hiddens)
 
     def _forward_locked(self, past: Any, ids: list[int], routes: list[torch.Tensor] | None,
-                        index_sets: list[dict[int, torch.Tensor]] | None = None) -> tuple[Any, torch.Tensor]:
+                        index_sets: list[dict[int, torch.Tensor]] | None = None,
+                        hiddens: list[torch.Tensor] | None = None) -> tuple[Any, torch.Tensor]:
         with torch.no_grad():
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), **{self._cache_kwarg: past},
@@ -971,11 +1026,15 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                 sets = self._index_sets.take()
                 if index_sets is not None:
                     index_sets.append(sets)
+            if self._hidden_tap is not None:
+                hidden = self._hidden_tap.take()
+                if hiddens is not None:
+                    hiddens.append(hidden)
         # sampled and scored on the host (device.py): the same answer from the same logits on any device
         return out.get(self._cache_kwarg), out.logits[0].float().cpu()
 
     def _prefill(self, req: _Request, limit: int, routes: list[torch.Tensor] | None,
-                 index_sets: list[dict[int, torch.Tensor]] | None = None
+                 index_sets: list[dict[int, torch.Tensor]] | None = None, hiddens: list[torch.Tensor] | None = None
                  ) -> tuple[Any, torch.Tensor, int, int, str | None]:
         """The prompt's forward after the longest cached prefix of it (at most ``limit`` tokens) that the serving
         weights computed: lookup and forward under one hold of the compute lock (a weight switch takes it).
@@ -988,7 +1047,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             if routes is not None and hit is not None:
                 routes.append(hit.routes)
             past, logits = self._forward_locked(None if hit is None else hit.kv, req.input_ids[reused:], routes,
-                                                index_sets)
+                                                index_sets, hiddens)
         return past, logits, reused, generation, None if hit is None else hit.version
 
     def _entries(self, values: list[Any], ids: list[int], req: _Request) -> list[list[Any]]:
@@ -1021,6 +1080,9 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         past, reused, generation, cached_version = None, 0, None, None
         index_sets: list[dict[int, torch.Tensor]] | None = [] if self._index_dump is not None else None
         spec_verify_ct = spec_drafted = spec_accepted = 0  # each verifying forward emits its kept drafts + 1
+        speculate = self.speculating and not req.top_logprobs_num and not cfg.return_top_p_token_ids
+        # MTP speculation: the served model's final hidden state at every fed position (what the MTP layer reads)
+        hiddens: list[torch.Tensor] | None = [] if speculate and self._mtp_draft is not None else None
 
         with self._admitted(req):
             input_logprobs = 0 <= req.logprob_start_len < len(req.input_ids)  # -1 unless return_logprob
@@ -1028,7 +1090,8 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             if abort is None and (max_new > 0 or input_logprobs):
                 # reuse leaves the last prompt token to feed, and every scored position (SGLang's radix match)
                 limit = min(len(req.input_ids) - 1, req.logprob_start_len if input_logprobs else len(req.input_ids))
-                past, logits, reused, generation, cached_version = self._prefill(req, limit, routes, index_sets)
+                past, logits, reused, generation, cached_version = self._prefill(req, limit, routes, index_sets,
+                                                                                 hiddens)
                 if input_logprobs:
                     start = req.logprob_start_len
                     targets = torch.tensor(req.input_ids[start + 1 :], dtype=torch.long)
@@ -1037,8 +1100,6 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                     input_lps = self._entries([None] + lps.tolist(), req.input_ids[start:], req)
                     if req.top_logprobs_num:
                         input_top = [None] + [self._top_entries(row, req) for row in rows]
-            speculate = (self.draft_model is not None and not req.top_logprobs_num
-                         and not cfg.return_top_p_token_ids)
             drafted = _DraftState()
             pending: list[tuple[int, float]] = []  # tokens a speculative step emitted, not yet taken
             for step in range(max_new):
@@ -1050,14 +1111,15 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                     token, logprob = pending.pop(0)
                 elif step > 0 and speculate:
                     k = min(self.speculative_num_steps, max_new - step - 1)
-                    past, emitted = self._speculate(past, req.input_ids + out_ids, drafted, k, cfg, generator)
+                    past, emitted = self._speculate(past, req.input_ids + out_ids, drafted, k, cfg, generator,
+                                                    routes, index_sets, hiddens)
                     spec_verify_ct += 1
                     spec_drafted += k
                     spec_accepted += len(emitted) - 1
                     (token, logprob), pending = emitted[0], emitted[1:]
                 else:
                     if step > 0:
-                        past, logits = self._forward(past, [out_ids[-1]], routes, index_sets)
+                        past, logits = self._forward(past, [out_ids[-1]], routes, index_sets, hiddens)
                     token, logprob, kept = _choose_token(logits[-1], cfg, generator, self.return_original_logprob)
                 if req.top_logprobs_num:  # 0 unless return_logprob
                     # the distribution output_token_logprobs reports: T = 1 when greedy or original, else 1/T
@@ -1105,7 +1167,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "weight_version": weight_version,
             "e2e_latency": time.perf_counter() - started,
         }
-        if self.draft_model is not None:  # SGLang's names (slime's rollout metrics read them), and tokens per forward
+        if self.speculating:  # SGLang's names (slime's rollout metrics read them), and tokens per forward
             meta["spec_verify_ct"] = spec_verify_ct
             meta["spec_accept_token_num"] = spec_accepted  # SGLang's names: the draft tokens kept, and proposed
             meta["spec_draft_token_num"] = spec_drafted
@@ -1141,33 +1203,48 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         return float(torch.log_softmax(row / self._reported_temperature(cfg), dim=-1)[token])
 
     def _speculate(self, past: Any, seq: list[int], drafted: _DraftState, k: int, cfg: SamplingConfig,
-                   generator: torch.Generator) -> tuple[Any, list[tuple[int, float]]]:
-        """One speculative step after ``seq`` (its last token not yet fed to the served model): the draft proposes
-        ``k`` tokens, one forward of the served model over the last token and the drafts verifies them
-        (:func:`slime_ascend.rollout.speculative.verify`); both caches are cut back to the kept tokens. Returns the
-        served model's cache and the emitted tokens with the served model's log-probs."""
+                   generator: torch.Generator, routes: list[torch.Tensor] | None = None,
+                   index_sets: list[dict[int, torch.Tensor]] | None = None,
+                   hiddens: list[torch.Tensor] | None = None) -> tuple[Any, list[tuple[int, float]]]:
+        """One speculative step after ``seq`` (its last token not yet fed to the served model): the draft (a draft
+        model, or the checkpoint's MTP layer reading ``hiddens``) proposes ``k`` tokens, one forward of the served
+        model over the last token and the drafts verifies them (:func:`slime_ascend.rollout.speculative.verify`);
+        the caches are cut back to the kept tokens, and so are the verifying forward's records (``routes``,
+        ``index_sets``, ``hiddens``): what the request keeps is what feeding the kept tokens one by one records.
+        Returns the served model's cache and the emitted tokens with the served model's log-probs."""
 
         def dist(row: torch.Tensor) -> torch.Tensor:
             return sampling_distribution(row, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
 
+        def choose(row: torch.Tensor) -> int:
+            if cfg.greedy:
+                return int(torch.argmax(row))
+            q = dist(row)
+            q_rows.append(q)
+            return categorical(q, float(torch.rand(1, generator=generator, dtype=torch.float64)))
+
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
-        with self._compute_lock, torch.no_grad():  # both models at one weight version (a switch takes the lock)
-            feed = seq[drafted.length:]
-            for _ in range(k):
-                out = self.draft_model(input_ids=torch.tensor([feed], dtype=torch.long, device=self.device),
-                                       **{self._cache_kwarg: drafted.past}, use_cache=True)
-                drafted.past, drafted.length = out.get(self._cache_kwarg), drafted.length + len(feed)
-                row = out.logits[0, -1].float().cpu()
-                if cfg.greedy:
-                    token = int(torch.argmax(row))
-                else:
-                    q = dist(row)
-                    token = categorical(q, float(torch.rand(1, generator=generator, dtype=torch.float64)))
-                    q_rows.append(q)
-                tokens.append(token)
-                feed = [token]
-            past, logits = self._forward_locked(past, [seq[-1]] + tokens, None)
+        with self._compute_lock, torch.no_grad():  # the model and its draft at one weight version (a switch locks)
+            if self._mtp_draft is not None:
+                assert hiddens is not None
+                hidden = torch.cat(hiddens)  # positions 0 .. len(seq) - 2: every fed token
+                next_ids = list(seq[1:])
+                for _ in range(k):
+                    row, out = self._mtp_draft.step(hidden, next_ids)
+                    token = choose(row.cpu())
+                    tokens.append(token)
+                    hidden, next_ids = torch.cat([hidden, out.unsqueeze(0)]), next_ids + [token]
+            else:
+                feed = seq[drafted.length:]
+                for _ in range(k):
+                    out = self.draft_model(input_ids=torch.tensor([feed], dtype=torch.long, device=self.device),
+                                           **{self._cache_kwarg: drafted.past}, use_cache=True)
+                    drafted.past, drafted.length = out.get(self._cache_kwarg), drafted.length + len(feed)
+                    token = choose(out.logits[0, -1].float().cpu())
+                    tokens.append(token)
+                    feed = [token]
+            past, logits = self._forward_locked(past, [seq[-1]] + tokens, routes, index_sets, hiddens)
             if cfg.greedy:
                 emitted = verify(logits, tokens)
             else:
@@ -1176,6 +1253,13 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                                  torch.stack(q_rows) if q_rows else torch.zeros(0, logits.shape[1]), uniforms)
             kept = len(seq) + len(emitted) - 1  # the prompt, the outputs and the kept drafts: what both have seen
             past.crop(kept)
+            fed = len(emitted)  # of the verifying forward: the last token and the kept drafts
+            if routes:
+                routes[-1] = routes[-1][:fed]
+            if index_sets:
+                index_sets[-1] = {layer: sets[:fed] for layer, sets in index_sets[-1].items()}
+            if hiddens:
+                hiddens[-1] = hiddens[-1][:fed]
             if drafted.past is not None and drafted.length > kept:
                 drafted.past.crop(kept)
                 drafted.length = kept

@@ -199,7 +199,9 @@ class IndexSetRecorder:
     def for_model(cls, model: torch.nn.Module) -> "IndexSetRecorder | None":
         if not is_glm_moe_dsa(model):
             return None
-        return cls({i: layer.self_attn for i, layer in enumerate(model.model.layers)})
+        from .mtp import decoder_layers
+
+        return cls({i: layer.self_attn for i, layer in enumerate(decoder_layers(model))})
 
     def _hook(self, index: int):
         def hook(_module, _inputs, output):

@@ -25,6 +25,7 @@ import torch
 
 from ...files import MAX_JSON_BYTES, check_regular_file, read_json_object, read_regular_file, regular_files  # noqa: F401
 from .glm5 import align_glm_moe_dsa
+from .mtp import attach_mtp_layers, decoder_layers, mtp_layer_count
 
 __all__ = [
     "TINY_QWEN3_KWARGS",
@@ -415,13 +416,33 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         state = (checkpoint or read_checkpoint(model_dir, dtype)).state
+        attach_mtp_layers(model, state)  # the checkpoint's MTP layers, held with the model (.mtp)
         apply_state_dict(model, state, source=str(model_dir))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True)
         _reset_rotary_buffers(model)
+        if mtp_layer_count(model.config):  # transformers drops them on load
+            attach_mtp_layers(model, read_mtp_state(model_dir, model.config, dtype))
     model = align_glm_moe_dsa(model)
     model.name_or_path = str(model_dir)
     return model.eval()
+
+
+def read_mtp_state(model_dir: str | Path, config: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of ``config``'s MTP layers (``model.layers.<num_hidden_layers + i>.*``) in ``model_dir``'s
+    safetensors files, in ``dtype`` (floating tensors)."""
+    from safetensors import safe_open
+
+    first = int(config.num_hidden_layers)
+    prefixes = tuple(f"model.layers.{first + i}." for i in range(mtp_layer_count(config)))
+    state: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefixes):
+                    tensor = f.get_tensor(name)
+                    state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return state
 
 
 def _reset_rotary_buffers(model: torch.nn.Module) -> None:
@@ -524,7 +545,7 @@ class RouteRecorder:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> "RouteRecorder | None":
-        layers = getattr(getattr(model, "model", None), "layers", None) or []
+        layers = decoder_layers(model)  # not the MTP layers after them (.mtp): the forward does not run those
         moe = {i: layer.mlp for i, layer in enumerate(layers)
                if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp, "gate")}
         return cls(model, moe) if moe and getattr(model.config, "num_experts_per_tok", None) else None

@@ -1,0 +1,170 @@
+"""The multi-token-prediction (MTP) layers of a served checkpoint, held with the model they belong to.
+
+GLM-5 (like DeepSeek-V3 and GLM-4.5) stores ``config.num_nextn_predict_layers`` MTP layers after its decoder layers,
+as ``model.layers.<num_hidden_layers + i>.*``: a decoder layer of the model's own kind (attention, DSA indexer,
+MoE) plus ``enorm`` / ``hnorm`` (the norms of the next token's embedding and of the model's hidden state),
+``eh_proj`` (their concatenation projected back to the hidden size) and ``shared_head.norm``; the embedding and the
+LM head are the model's (a checkpoint may also store copies as ``embed_tokens`` / ``shared_head.head``, held
+here as stored). transformers drops them on load (``GlmMoeDsaForCausalLM`` ignores them as unexpected keys);
+slime's GLM-5 converters read and write them by these names, and slime's weight pushes carry them when the job
+trains MTP (``--mtp-num-layers``).
+
+:func:`attach_mtp_layers` appends them to ``model.model.layers``, after the ``num_hidden_layers`` layers the model's
+own forward runs (transformers' forward slices ``layers[:num_hidden_layers]``): the model's ``state_dict`` then holds
+them under their checkpoint names, so every weight path of the engine (load, disk, tensor, distributed and delta
+pushes, ``/get_weights_by_name``) checks, switches and reads them with the model, in one version, and a push that
+lacks them is refused by name like any missing weight. :func:`decoder_layers` is what the model's forward runs
+(what route and key-set recorders hook). No slime import here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+__all__ = ["attach_mtp_layers", "decoder_layers", "mtp_layer_count", "mtp_layers", "mtp_names"]
+
+_MODULE_EXTRAS = ("enorm", "hnorm", "eh_proj", "shared_head")
+
+
+def mtp_layer_count(config: Any) -> int:
+    """How many MTP layers ``config`` declares (``num_nextn_predict_layers``; 0 when absent)."""
+    return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers ``model``'s own forward runs (``model.model.layers[:num_hidden_layers]``)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return list(layers[: int(model.config.num_hidden_layers)])
+
+
+def mtp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MTP layers :func:`attach_mtp_layers` appended (empty for a model without them)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return list(layers[int(model.config.num_hidden_layers):])
+
+
+def mtp_names(state: dict[str, Any], config: Any) -> list[str]:
+    """The names of ``state`` that belong to ``config``'s MTP layers."""
+    first = int(config.num_hidden_layers)
+    prefixes = tuple(f"model.layers.{first + i}." for i in range(mtp_layer_count(config)))
+    return [name for name in state if prefixes and name.startswith(prefixes)]
+
+
+def _layer_config(config: Any, index: int, state: dict[str, torch.Tensor]) -> Any:
+    """``config`` with its per-layer lists long enough for layer ``index``, each MTP entry read off the checkpoint
+    (an MoE layer where ``state`` has experts for it, a DSA indexer of its own where it has one)."""
+    out = copy.deepcopy(config)
+    prefix = f"model.layers.{index}."
+    kinds = {
+        "mlp_layer_types": "sparse" if any(n.startswith(prefix + "mlp.experts.") for n in state) else "dense",
+        "indexer_types": "full" if any(n.startswith(prefix + "self_attn.indexer.") for n in state) else "shared",
+    }
+    for field in ("mlp_layer_types", "indexer_types", "layer_types"):
+        values = getattr(out, field, None)
+        if isinstance(values, list) and values and len(values) <= index:
+            fill = kinds.get(field, values[-1])
+            object.__setattr__(out, field, values + [fill] * (index + 1 - len(values)))
+    return out
+
+
+def attach_mtp_layers(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:
+    """Append ``model.config``'s MTP layers to ``model.model.layers`` and load them from ``state`` (checkpoint
+    names; the rest of ``state`` is ignored). Returns how many were attached (0 when the config declares none).
+
+    Raises ValueError when the config declares MTP layers that ``state`` does not hold."""
+    count = mtp_layer_count(model.config)
+    if count == 0:
+        return 0
+    from .model import to_model_layout
+
+    config = model.config
+    first = int(config.num_hidden_layers)
+    layers = model.model.layers
+    if len(layers) != first:
+        raise ValueError(f"the model holds {len(layers)} layers where its config has {first}: MTP layers are "
+                         "attached once, to a model just loaded")
+    decoder_cls = type(layers[-1])
+    norm_cls = type(model.model.norm)
+    hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
+    param = next(model.parameters())
+    for i in range(count):
+        index = first + i
+        prefix = f"model.layers.{index}."
+        held = {n: t for n, t in state.items() if n.startswith(prefix)}
+        if f"{prefix}eh_proj.weight" not in held:
+            raise ValueError(f"config.num_nextn_predict_layers is {count} but the checkpoint has no "
+                             f"{prefix}eh_proj.weight: its MTP layer {i} is missing")
+        layer = decoder_cls(_layer_config(config, index, state), index)
+        layer.enorm = norm_cls(hidden, eps=eps)
+        layer.hnorm = norm_cls(hidden, eps=eps)
+        layer.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        layer.shared_head = torch.nn.Module()
+        layer.shared_head.norm = norm_cls(hidden, eps=eps)
+        if f"{prefix}shared_head.head.weight" in held:
+            layer.shared_head.head = torch.nn.Linear(hidden, int(config.vocab_size), bias=False)
+        if f"{prefix}embed_tokens.weight" in held:
+            layer.embed_tokens = torch.nn.Embedding(int(config.vocab_size), hidden)
+        layers.append(layer.to(device=param.device, dtype=param.dtype))
+    own = model.state_dict()
+    wanted = mtp_names(own, config)
+    loaded = to_model_layout(model, {n: t for n, t in state.items() if n in set(mtp_names(state, config))})
+    missing = sorted(set(wanted) - set(loaded))
+    unexpected = sorted(set(loaded) - set(wanted))
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint's MTP layers do not match the model's kind: missing={missing[:5]} "
+                         f"(total {len(missing)}), unexpected={unexpected[:5]} (total {len(unexpected)})")
+    with torch.no_grad():
+        for name, tensor in loaded.items():
+            if tensor.shape != own[name].shape:
+                raise ValueError(f"MTP weight {name}: shape {tuple(tensor.shape)}, the model's "
+                                 f"{tuple(own[name].shape)}")
+            own[name].copy_(tensor)
+    return count
+
+
+class MTPDraft:
+    """Drafting with ``model``'s first MTP layer, as SGLang's NEXTN / EAGLE over a checkpoint's own MTP layer and
+    as Megatron trains it (``multi_token_prediction.py``): row ``i`` of the layer's input is
+    ``eh_proj([enorm(embed(x[i + 1])), hnorm(h[i])])`` with ``h[i]`` the served model's final hidden state at
+    position ``i`` (after its final norm), read with RoPE position ``i`` and causal attention over the rows before it;
+    the row's output after ``shared_head.norm`` gives the draft logits for ``x[i + 2]`` (through ``shared_head.head``
+    where the checkpoint has one, else the model's LM head) and stands in for ``h[i + 1]`` in the next draft step,
+    whose served-model hidden state does not exist yet. No cache: each step runs the layer over every row (the
+    engine's models are small; SGLang keeps the layer's own KV)."""
+
+    def __init__(self, model: torch.nn.Module):
+        layers = mtp_layers(model)
+        if not layers:
+            raise ValueError("the served checkpoint has no MTP layer (config.num_nextn_predict_layers): NEXTN / EAGLE "
+                             "speculation drafts with the model's own MTP layer. Fix: serve a checkpoint with one, or "
+                             "speculate with a draft model (STANDALONE)")
+        self.model = model
+        self.layer = layers[0]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        embed = getattr(self.layer, "embed_tokens", None) or self.model.model.embed_tokens
+        return embed(ids)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = getattr(self.layer.shared_head, "head", None) or self.model.lm_head
+        return head(hidden)
+
+    def step(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step over rows ``0..n-1`` (``hidden`` ``[n, H]``, ``next_ids`` the ``n`` tokens ``x[i + 1]``):
+        the last row's draft logits ``[V]`` (float32) and its output hidden state ``[H]``."""
+        from transformers.masking_utils import create_causal_mask
+
+        layer, model = self.layer, self.model
+        ids = torch.tensor([next_ids], dtype=torch.long, device=hidden.device)
+        x = layer.eh_proj(torch.cat([layer.enorm(self._embed(ids)), layer.hnorm(hidden.unsqueeze(0))], dim=-1))
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None, past_key_values=None,
+                                  position_ids=positions)
+        out = layer(x, attention_mask=mask, position_ids=positions, past_key_values=None, use_cache=False,
+                    position_embeddings=model.model.rotary_emb(x, position_ids=positions))
+        out = out[0] if isinstance(out, tuple) else out
+        normed = layer.shared_head.norm(out)[0, -1]
+        return self._head(normed).float(), normed

@@ -1,0 +1,148 @@
+"""The torch engine with a checkpoint's MTP layer (GLM-5's ``model.layers.<num_hidden_layers>.*``, the tiny GLM-5 of
+``slime_ascend.glm5.tiny_mtp``): the layer is held with the model (its weights in the model's state, switched by
+every weight update in one version; a push without them refused by name), and NEXTN / EAGLE speculation drafts
+with it. The speculative RL contract on an MoE + DSA model: greedy answers equal plain decoding token for token and
+route for route; sampled answers carry the served model's log-probs (a plain full-sequence forward's within 1e-6
+in fp32) and the routes and DSA key sets a plain forward of the same tokens records; acceptance is reported per
+request and per weight version, and the engine's acceptance moves when a push changes the MTP layer."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from slime_ascend.glm5.tiny_mtp import save_tiny_glm5_with_mtp
+from slime_ascend.rollout.torch_engine.engine import RequestError, TorchEngine
+from slime_ascend.rollout.torch_engine.model import RouteRecorder, load_model, read_checkpoint
+from slime_ascend.rollout.torch_engine.mtp import mtp_layers
+
+PROMPT = [1, 5, 7, 9, 11, 13, 2, 4]
+MTP_PREFIX = "model.layers.4."
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_glm5_with_mtp(tmp_path_factory.mktemp("glm5-mtp") / "tiny-glm5-mtp")
+
+
+def _body(**sampling):
+    return {"input_ids": PROMPT, "return_logprob": True, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 20, "ignore_eos": True, **sampling}}
+
+
+def _routes(answer):
+    return np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype=np.int32)
+
+
+def _plain_forward(model, ids):
+    """Log-probs of ``ids[1:]`` and the routes of ``ids[:-1]`` from one full-sequence forward."""
+    recorder = RouteRecorder.for_model(model)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0].float()
+    lps = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+    return lps, recorder.take(len(ids) - 1).numpy().reshape(-1)
+
+
+def test_the_mtp_layer_is_held_with_the_model_and_a_push_without_it_is_refused(ckpt, tmp_path):
+    engine = TorchEngine(model_path=ckpt, enable_return_routed_experts=True)
+    assert len(mtp_layers(engine.model)) == 1
+    state = read_checkpoint(ckpt, torch.float32).state
+    mtp = sorted(n for n in state if n.startswith(MTP_PREFIX))
+    assert {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.4.hnorm.weight",
+            "model.layers.4.shared_head.norm.weight", "model.layers.4.self_attn.indexer.wk.weight"} <= set(mtp)
+    held = engine.model.state_dict()
+    assert torch.equal(held["model.layers.4.eh_proj.weight"], state["model.layers.4.eh_proj.weight"])
+    # the main forward does not run it: the answer is the same as the model's without an MTP layer
+    assert engine.generate(_body(temperature=0.0))["output_ids"]
+    without = {n: t for n, t in state.items() if not n.startswith(MTP_PREFIX)}
+    with pytest.raises(RequestError, match=r"missing=\['model\.layers\.4\."):
+        _push_disk(engine, without, ckpt, tmp_path)
+    assert engine.weight_version == "default"  # refused whole: nothing switched
+
+
+def _push_disk(engine, state, ckpt, out):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = out / "push"
+    out.mkdir()
+    for name in ("config.json",):
+        shutil.copy(ckpt / name, out / name)
+    save_file({n: t.contiguous() for n, t in state.items()}, str(out / "model.safetensors"))
+    return engine.update_weights_from_disk(str(out))
+
+
+def test_nextn_greedy_equals_plain_decoding_token_for_token_and_route_for_route(ckpt):
+    plain = TorchEngine(model_path=ckpt, enable_return_routed_experts=True)
+    spec = TorchEngine(model_path=ckpt, enable_return_routed_experts=True, speculative_algorithm="NEXTN",
+                       speculative_num_steps=3)
+    a, b = plain.generate(_body(temperature=0.0)), spec.generate(_body(temperature=0.0))
+    assert b["output_ids"] == a["output_ids"]
+    assert np.array_equal(_routes(a), _routes(b))
+    got = torch.tensor([e[0] for e in b["meta_info"]["output_token_logprobs"]])
+    want = torch.tensor([e[0] for e in a["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, want, atol=1e-6)
+    assert b["meta_info"]["spec_verify_ct"] >= 1
+    info = spec.server_info()
+    assert info["speculative_algorithm"] == "EAGLE" and info["speculative_draft_model_path"] == str(ckpt)
+
+
+def test_nextn_sampled_tokens_carry_the_served_models_log_probs_and_routes(ckpt):
+    spec = TorchEngine(model_path=ckpt, enable_return_routed_experts=True, speculative_algorithm="EAGLE",
+                       speculative_num_steps=3)
+    model = load_model(ckpt, torch.float32)
+    accepted = []
+    for seed in range(3):
+        answer = spec.generate(_body(temperature=1.0, sampling_seed=seed))
+        ids = PROMPT + answer["output_ids"]
+        lps, routes = _plain_forward(model, ids)
+        got = torch.tensor([e[0] for e in answer["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, lps[len(PROMPT) - 1:], atol=1e-6), float((got - lps[len(PROMPT) - 1:]).abs().max())
+        assert np.array_equal(_routes(answer), routes)  # the fed tokens: the prompt and the outputs but the last
+        meta = answer["meta_info"]
+        assert meta["spec_accept_token_num"] + meta["spec_verify_ct"] == len(answer["output_ids"]) - 1
+        accepted.append(meta["spec_accept_length"])
+    # the untrained tiny MTP layer against a near-uniform tiny model: drafts are kept at temperature 1
+    assert max(accepted) > 1, accepted
+
+
+def test_a_push_switches_the_mtp_layer_with_the_model(ckpt, tmp_path, caplog):
+    spec = TorchEngine(model_path=ckpt, speculative_algorithm="NEXTN", speculative_num_steps=3)
+    spec.generate(_body(temperature=1.0, sampling_seed=0))
+    state = read_checkpoint(ckpt, torch.float32).state
+    moved = dict(state)
+    moved[MTP_PREFIX + "eh_proj.weight"] = state[MTP_PREFIX + "eh_proj.weight"] * 50  # a draft that proposes worse
+    with caplog.at_level("INFO", logger="slime_ascend.rollout.engine"):
+        _push_disk(spec, moved, ckpt, tmp_path)
+    assert torch.equal(spec.model.state_dict()[MTP_PREFIX + "eh_proj.weight"], moved[MTP_PREFIX + "eh_proj.weight"])
+    assert spec.weight_version == "1"
+    spec.generate(_body(temperature=1.0, sampling_seed=0))
+    by_version = spec.server_info()["spec_accept_length_by_version"]
+    assert set(by_version) == {"default", "1"}, by_version
+    assert "speculative decoding under weight version default: accept length" in caplog.text
+
+
+def _records(directory):
+    return [torch.load(p, weights_only=False) for p in sorted(directory.glob("rollout-*.pt"))]
+
+
+def _key_sets(record):
+    return {layer: [frozenset(int(i) for i in row if i >= 0) for row in rows] for layer, rows in record["layers"].items()}
+
+
+def test_nextn_records_the_dsa_key_sets_a_plain_forward_of_the_same_tokens_reads(ckpt, tmp_path):
+    spec = TorchEngine(model_path=ckpt, speculative_algorithm="NEXTN", speculative_num_steps=3,
+                       dump_dsa_index_sets=tmp_path / "spec")
+    plain = TorchEngine(model_path=ckpt, dump_dsa_index_sets=tmp_path / "plain")
+    answer = spec.generate(_body(temperature=1.0, sampling_seed=3))
+    assert answer["meta_info"]["spec_verify_ct"] >= 1
+    ids = PROMPT + answer["output_ids"]
+    # the plain engine reads the same tokens in one prefill: every fed position's key sets in one forward
+    plain.generate({"input_ids": ids[:-1], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+    (got,), (want,) = _records(tmp_path / "spec"), _records(tmp_path / "plain")
+    assert got["tokens"] == ids[:-1] == want["tokens"]
+    assert _key_sets(got) == _key_sets(want)
