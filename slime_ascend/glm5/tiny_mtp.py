@@ -19,9 +19,9 @@ from .tiny import NUM_LAYERS, TINY_GLM5_KWARGS
 __all__ = ["save_tiny_glm5_with_mtp"]
 
 
-def save_tiny_glm5_with_mtp(out_dir: str | Path, seed: int = 0) -> Path:
-    """The tiny GLM-5 drawn from ``seed`` (fp32) with one MTP layer and the byte tokenizer, as an HF directory;
-    returns it (an existing one is kept)."""
+def save_tiny_glm5_with_mtp(out_dir: str | Path, seed: int = 0, layers: int = NUM_LAYERS) -> Path:
+    """The tiny GLM-5 drawn from ``seed`` (fp32, ``layers`` decoder layers: its own 4 by default) with one MTP layer
+    and the byte tokenizer, as an HF directory; returns it (an existing one is kept)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -30,7 +30,7 @@ def save_tiny_glm5_with_mtp(out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
-    total = NUM_LAYERS + 1
+    total = layers + 1
     per_layer = {"mlp_layer_types": ["dense"] + ["sparse"] * (total - 1),
                  "indexer_types": (["full", "shared"] * total)[: total - 1] + ["full"]}  # the MTP layer: own indexer
     model = load_model(None, dtype=torch.float32, seed=seed, glm5=True,
@@ -39,12 +39,12 @@ def save_tiny_glm5_with_mtp(out_dir: str | Path, seed: int = 0) -> Path:
     config = json.loads((out / "config.json").read_text())
     for name, value in list(config.items()):  # the per-layer lists back to the decoder layers
         if isinstance(value, list) and len(value) == total:
-            config[name] = value[:NUM_LAYERS]
-    config.update(num_hidden_layers=NUM_LAYERS, num_nextn_predict_layers=1)
+            config[name] = value[:layers]
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     hidden = int(TINY_GLM5_KWARGS["hidden_size"])
     generator = torch.Generator().manual_seed(seed + 7919)
-    prefix = f"model.layers.{NUM_LAYERS}."
+    prefix = f"model.layers.{layers}."
     for path in out.glob("*.safetensors"):
         state = load_file(str(path))
         if not any(name.startswith(prefix) for name in state):

@@ -146,3 +146,25 @@ def test_nextn_records_the_dsa_key_sets_a_plain_forward_of_the_same_tokens_reads
     (got,), (want,) = _records(tmp_path / "spec"), _records(tmp_path / "plain")
     assert got["tokens"] == ids[:-1] == want["tokens"]
     assert _key_sets(got) == _key_sets(want)
+
+
+def test_the_cached_draft_equals_the_uncached_reference_row_by_row(ckpt):
+    """MTPDraft.draft (the layer's own KV cache: the known rows fed once, the chained rows cut off after each step)
+    against MTPDraft.step (every row recomputed from scratch), greedy, over two steps of one request."""
+    from slime_ascend.rollout.torch_engine.mtp import MTPDraft, MTPDraftState
+
+    model = load_model(ckpt, torch.float32)
+    draft, state = MTPDraft(model), MTPDraftState()
+    seq = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(2):
+            hidden = model.model(input_ids=torch.tensor([seq[:-1]])).last_hidden_state[0]
+            got = draft.draft(state, hidden, seq, 3, lambda row: int(torch.argmax(row)))
+            want, rows_h, rows_x = [], hidden, list(seq[1:])
+            for _ in range(3):
+                logits, out = draft.step(rows_h, rows_x)
+                want.append(int(torch.argmax(logits)))
+                rows_h, rows_x = torch.cat([rows_h, out.unsqueeze(0)]), rows_x + [want[-1]]
+            assert got == want
+            assert state.rows == len(seq) - 1 and state.cache.get_seq_length() == len(seq) - 1
+            seq = seq + got[:2]  # two drafts kept, as a verifying forward might

@@ -91,7 +91,7 @@ from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
                                                   check_positive_ints, check_weight_version, next_weight_version)
 from slime_ascend.rollout.speculative import categorical, keep_mask, sampling_distribution, verify
-from slime_ascend.rollout.torch_engine.mtp import MTPDraft
+from slime_ascend.rollout.torch_engine.mtp import MTPDraft, MTPDraftState
 
 __all__ = ["TorchEngine", "RequestError", "SamplingConfig", "checkpoint_quantization", "parse_sampling_params"]
 
@@ -323,10 +323,12 @@ class _HiddenTap:
 
 @dataclass
 class _DraftState:
-    """The draft model's KV cache of one request and how many of its tokens it holds."""
+    """One request's draft state: the draft model's KV cache and how many of its tokens it holds, or the MTP
+    layer's (``mtp``)."""
 
     past: Any = None
     length: int = 0
+    mtp: MTPDraftState | None = None
 
 
 class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
@@ -1100,7 +1102,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                     input_lps = self._entries([None] + lps.tolist(), req.input_ids[start:], req)
                     if req.top_logprobs_num:
                         input_top = [None] + [self._top_entries(row, req) for row in rows]
-            drafted = _DraftState()
+            drafted = _DraftState(mtp=MTPDraftState() if self._mtp_draft is not None else None)
             pending: list[tuple[int, float]] = []  # tokens a speculative step emitted, not yet taken
             for step in range(max_new):
                 abort = abort or self._check_step(req)
@@ -1227,14 +1229,10 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         q_rows: list[torch.Tensor] = []
         with self._compute_lock, torch.no_grad():  # the model and its draft at one weight version (a switch locks)
             if self._mtp_draft is not None:
-                assert hiddens is not None
-                hidden = torch.cat(hiddens)  # positions 0 .. len(seq) - 2: every fed token
-                next_ids = list(seq[1:])
-                for _ in range(k):
-                    row, out = self._mtp_draft.step(hidden, next_ids)
-                    token = choose(row.cpu())
-                    tokens.append(token)
-                    hidden, next_ids = torch.cat([hidden, out.unsqueeze(0)]), next_ids + [token]
+                assert hiddens is not None and drafted.mtp is not None
+                if k:  # positions 0 .. len(seq) - 2: every fed token's hidden state
+                    tokens = self._mtp_draft.draft(drafted.mtp, torch.cat(hiddens), seq, k,
+                                                   lambda row: choose(row.cpu()))
             else:
                 feed = seq[drafted.length:]
                 for _ in range(k):

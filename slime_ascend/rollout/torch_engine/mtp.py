@@ -54,8 +54,9 @@ def mtp_names(state: dict[str, Any], config: Any) -> list[str]:
 
 
 def _layer_config(config: Any, index: int, state: dict[str, torch.Tensor]) -> Any:
-    """``config`` with its per-layer lists long enough for layer ``index``, each MTP entry read off the checkpoint
-    (an MoE layer where ``state`` has experts for it, a DSA indexer of its own where it has one)."""
+    """The config MTP layer ``index`` is built from: ``config`` as a one-layer model whose layer 0 is the MTP layer
+    (an MoE layer where ``state`` has experts for it, a DSA indexer of its own where it has one). The layer then
+    indexes its own one-layer KV cache (:class:`MTPDraft`) as layer 0; the main forward never runs it."""
     out = copy.deepcopy(config)
     prefix = f"model.layers.{index}."
     kinds = {
@@ -64,9 +65,9 @@ def _layer_config(config: Any, index: int, state: dict[str, torch.Tensor]) -> An
     }
     for field in ("mlp_layer_types", "indexer_types", "layer_types"):
         values = getattr(out, field, None)
-        if isinstance(values, list) and values and len(values) <= index:
-            fill = kinds.get(field, values[-1])
-            object.__setattr__(out, field, values + [fill] * (index + 1 - len(values)))
+        if isinstance(values, list) and values:
+            object.__setattr__(out, field, [kinds.get(field, values[-1])])
+    object.__setattr__(out, "num_hidden_layers", 1)
     return out
 
 
@@ -97,7 +98,9 @@ def attach_mtp_layers(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
         if f"{prefix}eh_proj.weight" not in held:
             raise ValueError(f"config.num_nextn_predict_layers is {count} but the checkpoint has no "
                              f"{prefix}eh_proj.weight: its MTP layer {i} is missing")
-        layer = decoder_cls(_layer_config(config, index, state), index)
+        layer_config = _layer_config(config, index, state)
+        layer = decoder_cls(layer_config, 0)
+        layer.mtp_config = layer_config  # what its KV cache is made for (MTPDraft)
         layer.enorm = norm_cls(hidden, eps=eps)
         layer.hnorm = norm_cls(hidden, eps=eps)
         layer.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
@@ -125,15 +128,27 @@ def attach_mtp_layers(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     return count
 
 
+class MTPDraftState:
+    """One request's MTP-layer KV cache and how many of its rows (positions with the served model's own hidden
+    state) it holds."""
+
+    def __init__(self) -> None:
+        self.cache: Any = None
+        self.rows = 0
+
+
 class MTPDraft:
-    """Drafting with ``model``'s first MTP layer, as SGLang's NEXTN / EAGLE over a checkpoint's own MTP layer and
-    as Megatron trains it (``multi_token_prediction.py``): row ``i`` of the layer's input is
-    ``eh_proj([enorm(embed(x[i + 1])), hnorm(h[i])])`` with ``h[i]`` the served model's final hidden state at
-    position ``i`` (after its final norm), read with RoPE position ``i`` and causal attention over the rows before it;
-    the row's output after ``shared_head.norm`` gives the draft logits for ``x[i + 2]`` (through ``shared_head.head``
+    """Drafting with ``model``'s first MTP layer, as SGLang's NEXTN / EAGLE over a checkpoint's own MTP layer and as
+    Megatron trains it (``multi_token_prediction.py``): row ``i`` of the layer's input is
+    ``eh_proj([enorm(embed(x[i + 1])), hnorm(h[i])])`` with ``h[i]`` the served model's final hidden state at position
+    ``i`` (after its final norm), read with RoPE position ``i`` and causal attention over the rows before it; the
+    row's output after ``shared_head.norm`` gives the draft logits for ``x[i + 2]`` (through ``shared_head.head``
     where the checkpoint has one, else the model's LM head) and stands in for ``h[i + 1]`` in the next draft step,
-    whose served-model hidden state does not exist yet. No cache: each step runs the layer over every row (the
-    engine's models are small; SGLang keeps the layer's own KV)."""
+    whose served-model hidden state does not exist yet.
+
+    The layer keeps its own KV cache per request (:class:`MTPDraftState`): the rows of positions whose served-model
+    hidden state exists are fed once, as they become known; the rows drafted on stand-ins are fed after them and
+    cut off again once the step has drafted (the served model then verifies, and its hidden states replace them)."""
 
     def __init__(self, model: torch.nn.Module):
         layers = mtp_layers(model)
@@ -152,19 +167,61 @@ class MTPDraft:
         head = getattr(self.layer.shared_head, "head", None) or self.model.lm_head
         return head(hidden)
 
-    def step(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step over rows ``0..n-1`` (``hidden`` ``[n, H]``, ``next_ids`` the ``n`` tokens ``x[i + 1]``):
-        the last row's draft logits ``[V]`` (float32) and its output hidden state ``[H]``."""
+    def rows(self, hidden: torch.Tensor, next_ids: list[int] | torch.Tensor, start: int = 0,
+             state: MTPDraftState | None = None) -> torch.Tensor:
+        """The layer's output after ``shared_head.norm`` for rows ``start ..`` (``hidden`` ``[m, H]``, ``next_ids``
+        their ``x[i + 1]``), ``[m, H]``; after ``state``'s cache when given (the rows join it), else uncached.
+        Differentiable (the engine calls it under ``torch.no_grad``)."""
+        from transformers import DynamicCache
         from transformers.masking_utils import create_causal_mask
 
         layer, model = self.layer, self.model
-        ids = torch.tensor([next_ids], dtype=torch.long, device=hidden.device)
+        cache = None
+        if state is not None:
+            if state.cache is None:
+                state.cache = DynamicCache(config=layer.mtp_config)
+            cache = state.cache
+        ids = torch.as_tensor(next_ids, dtype=torch.long, device=hidden.device).reshape(1, -1)
         x = layer.eh_proj(torch.cat([layer.enorm(self._embed(ids)), layer.hnorm(hidden.unsqueeze(0))], dim=-1))
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None, past_key_values=None,
-                                  position_ids=positions)
-        out = layer(x, attention_mask=mask, position_ids=positions, past_key_values=None, use_cache=False,
+        positions = torch.arange(start, start + x.shape[1], device=x.device).unsqueeze(0)
+        mask = create_causal_mask(config=layer.mtp_config, inputs_embeds=x, attention_mask=None,
+                                  past_key_values=cache, position_ids=positions)
+        out = layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
                     position_embeddings=model.model.rotary_emb(x, position_ids=positions))
         out = out[0] if isinstance(out, tuple) else out
-        normed = layer.shared_head.norm(out)[0, -1]
-        return self._head(normed).float(), normed
+        return layer.shared_head.norm(out)[0]
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft logits of output rows (float32)."""
+        return self._head(normed).float()
+
+    def _rows(self, state: MTPDraftState, hidden: torch.Tensor, next_ids: list[int], start: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = self.rows(hidden, next_ids, start, state)[-1]
+        return self.logits(normed), normed
+
+    def draft(self, state: MTPDraftState, hidden: torch.Tensor, seq: list[int], k: int,
+              choose: Any) -> list[int]:
+        """``k`` draft tokens after ``seq`` (its last token not yet fed to the served model), ``hidden`` ``[len(seq)
+        - 1, H]`` the served model's final hidden states of the fed positions; ``choose(logits) -> token`` picks each
+        (greedy or sampled by the caller). The cache keeps the rows of ``hidden`` only."""
+        known = hidden.shape[0]
+        if known != len(seq) - 1:
+            raise ValueError(f"MTP draft: {known} hidden states for {len(seq)} tokens (one per fed token expected)")
+        if state.rows > known:  # the served model's cache was cut below the rows held (a new request's state)
+            state.cache.crop(known)
+            state.rows = known
+        row, out = self._rows(state, hidden[state.rows:], list(seq[state.rows + 1:]), state.rows)
+        state.rows = known
+        tokens = [choose(row)]
+        for position in range(known, known + k - 1):
+            row, out = self._rows(state, out.unsqueeze(0), [tokens[-1]], position)
+            tokens.append(choose(row))
+        state.cache.crop(known)
+        return tokens
+
+    def step(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One uncached draft step over rows ``0..n-1``: the last row's logits and output hidden state (the reference
+        :meth:`draft` must agree with)."""
+        normed = self.rows(hidden, next_ids)[-1]
+        return self.logits(normed), normed
