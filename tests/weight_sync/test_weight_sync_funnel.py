@@ -182,3 +182,33 @@ def test_an_unquantised_engine_checkpoint_stops_the_driver_in_one_line(plugin, c
     assert len(lines) == 1 and lines[0].startswith(f"slime-ascend: error: plugin {plugin!r} syncs") and "Fix:" in lines[0]
     key = f"ascend_{plugin.replace('-', '_')}_check_engine_format"
     runtime.check(fresh(sync_args(plugin, ckpts["hf"], **{key: False})))  # the documented way out
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "int4-group"])
+def test_an_mtp_layer_goes_by_the_same_rules_online_and_offline(fmt, tmp_path):
+    """GLM-5's MTP layer (``model.layers.<num_hidden_layers>.*``, what slime pushes with ``--mtp-num-layers``): each
+    tensor the sync funnel makes of it is byte-identical to ``slime-ascend quantize``'s (its decoder linears quantised,
+    ``eh_proj``, the norms and the head norm kept), as every other layer's."""
+    g = torch.Generator().manual_seed(7)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+
+    h = SRC["model.embed_tokens.weight"].shape[1]
+    mtp = {"model.layers.2.eh_proj.weight": r(h, 2 * h), "model.layers.2.enorm.weight": r(h),
+           "model.layers.2.hnorm.weight": r(h), "model.layers.2.shared_head.norm.weight": r(h),
+           "model.layers.2.self_attn.q_proj.weight": r(h, h), "model.layers.2.mlp.down_proj.weight": r(h, 2 * h)}
+    hf = write_hf(tmp_path / "hf", {**SRC, **mtp})
+    convert_checkpoint(hf, tmp_path / fmt, fmt)
+    args = sync_args(plugin_for(fmt), tmp_path / fmt)
+    reader = CheckpointReader(tmp_path / fmt)
+    for name, t in mtp.items():
+        out = funnel.quantize_params(args, "module.module.mtp.layers.0.x", [(name, t)], quant_config(tmp_path / fmt))
+        assert out is not None
+        for out_name, out_t in out:
+            assert out_name in reader and tensors_bit_equal(out_t, reader.get(out_name)), out_name
+        names = {n for n, _ in out}
+        if name.endswith(("q_proj.weight", "down_proj.weight")):
+            assert names != {name} or reader.get(name).dtype != torch.bfloat16, (name, names)  # quantised
+        else:
+            assert names == {name} and reader.get(name).dtype == torch.bfloat16, (name, names)  # kept
