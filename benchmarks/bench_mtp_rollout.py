@@ -62,7 +62,7 @@ def make_checkpoint(out: Path, layers: int, residual_scale: float) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from slime_ascend.glm5.tiny_mtp import save_tiny_glm5_with_mtp
+    from slime_ascend.rollout.torch_engine.tiny_mtp import save_tiny_glm5_with_mtp
 
     checkpoint = save_tiny_glm5_with_mtp(out, layers=layers)
     config = json.loads((checkpoint / "config.json").read_text())

@@ -133,31 +133,37 @@ class FaultProxy:
                     proxy._release.wait()
                     self.close_connection = True
                     return
-                conn = http.client.HTTPConnection(*proxy.target, timeout=600)
+                # in flight until its answer is written back: a kill waiting for the forwarded requests must not
+                # cut the connection of one the engine answered (under load the cut came first: "Server
+                # disconnected" for an answered request)
                 try:
-                    headers = {k: v for k, v in self.headers.items()
-                               if k.lower() not in ("host", "connection", "content-length", "transfer-encoding")}
-                    conn.request(method, self.path, body=body or None, headers=headers)
-                    answer = conn.getresponse()
-                    data = answer.read()
-                except OSError:  # the engine is gone: so is this connection
-                    self.close_connection = True
-                    return
+                    conn = http.client.HTTPConnection(*proxy.target, timeout=600)
+                    try:
+                        headers = {k: v for k, v in self.headers.items()
+                                   if k.lower() not in ("host", "connection", "content-length", "transfer-encoding")}
+                        conn.request(method, self.path, body=body or None, headers=headers)
+                        answer = conn.getresponse()
+                        data = answer.read()
+                    except OSError:  # the engine is gone: so is this connection
+                        self.close_connection = True
+                        return
+                    finally:
+                        conn.close()
+                    self.send_response(answer.status)
+                    for key, value in answer.getheaders():
+                        if key.lower() not in ("connection", "content-length", "transfer-encoding", "date", "server"):
+                            self.send_header(key, value)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    self.wfile.flush()
+                    if answer.status == 200:
+                        with proxy._lock:
+                            proxy.answered[path] += 1
                 finally:
-                    conn.close()
                     with proxy._idle:
                         proxy._in_flight -= 1
                         proxy._idle.notify_all()
-                self.send_response(answer.status)
-                for key, value in answer.getheaders():
-                    if key.lower() not in ("connection", "content-length", "transfer-encoding", "date", "server"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                if answer.status == 200:
-                    with proxy._lock:
-                        proxy.answered[path] += 1
 
             def do_GET(self):
                 self._forward("GET")

@@ -1,7 +1,7 @@
 """GLM-5's multi-token-prediction (MTP) layer trained in slime's own ``train.py`` and used for speculative rollouts in
 the same job (issue 43), on this CPU with slime's own GLM-5 spec.
 
-The model: the tiny GLM-5 with one MTP layer (:func:`slime_ascend.glm5.tiny_mtp.save_tiny_glm5_with_mtp`:
+The model: the tiny GLM-5 with one MTP layer (:func:`slime_ascend.rollout.torch_engine.tiny_mtp.save_tiny_glm5_with_mtp`:
 ``model.layers.4.*``, ``num_nextn_predict_layers: 1``). slime loads it with ``--mtp-num-layers 1`` through its own
 GLM-5 converters and trains it with ``--enable-mtp-training`` (MTP loss scale 0.1), with two runtime patches a
 stock Megatron-core 0.19 needs: ``train.mtp_layer_name`` (Megatron's ``mtp_model_layer`` spelled as slime's
@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags, start_engine, stop
-from slime_ascend.glm5.tiny_mtp import save_tiny_glm5_with_mtp
+from slime_ascend.rollout.torch_engine.tiny_mtp import save_tiny_glm5_with_mtp
 from test_slime_glm5_cpu import HERE, _config, _glm5_flags
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1800)]

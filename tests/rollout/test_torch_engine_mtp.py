@@ -1,5 +1,5 @@
 """The torch engine with a checkpoint's MTP layer (GLM-5's ``model.layers.<num_hidden_layers>.*``, the tiny GLM-5 of
-``slime_ascend.glm5.tiny_mtp``): the layer is held with the model (its weights in the model's state, switched by
+``slime_ascend.rollout.torch_engine.tiny_mtp``): the layer is held with the model (its weights in the model's state, switched by
 every weight update in one version; a push without them refused by name), and NEXTN / EAGLE speculation drafts
 with it. The speculative RL contract on an MoE + DSA model: greedy answers equal plain decoding token for token and
 route for route; sampled answers carry the served model's log-probs (a plain full-sequence forward's within 1e-6
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from slime_ascend.glm5.tiny_mtp import save_tiny_glm5_with_mtp
+from slime_ascend.rollout.torch_engine.tiny_mtp import save_tiny_glm5_with_mtp
 from slime_ascend.rollout.torch_engine.engine import RequestError, TorchEngine
 from slime_ascend.rollout.torch_engine.model import RouteRecorder, load_model, read_checkpoint
 from slime_ascend.rollout.torch_engine.mtp import mtp_layers

@@ -199,9 +199,9 @@ class IndexSetRecorder:
     def for_model(cls, model: torch.nn.Module) -> "IndexSetRecorder | None":
         if not is_glm_moe_dsa(model):
             return None
-        from .mtp import decoder_layers
-
-        return cls({i: layer.self_attn for i, layer in enumerate(decoder_layers(model))})
+        # the decoder layers the forward runs: not a checkpoint's MTP layers after them (mtp.py)
+        layers = model.model.layers[: int(model.config.num_hidden_layers)]
+        return cls({i: layer.self_attn for i, layer in enumerate(layers)})
 
     def _hook(self, index: int):
         def hook(_module, _inputs, output):

@@ -416,13 +416,13 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = t
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         state = (checkpoint or read_checkpoint(model_dir, dtype)).state
-        attach_mtp_layers(model, state)  # the checkpoint's MTP layers, held with the model (.mtp)
+        attach_mtp_layers(model, state, to_model_layout)  # the checkpoint's MTP layers, held with the model (.mtp)
         apply_state_dict(model, state, source=str(model_dir))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True)
         _reset_rotary_buffers(model)
         if mtp_layer_count(model.config):  # transformers drops them on load
-            attach_mtp_layers(model, read_mtp_state(model_dir, model.config, dtype))
+            attach_mtp_layers(model, read_mtp_state(model_dir, model.config, dtype), to_model_layout)
     model = align_glm_moe_dsa(model)
     model.name_or_path = str(model_dir)
     return model.eval()

@@ -20,6 +20,7 @@ lacks them is refused by name like any missing weight. :func:`decoder_layers` is
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,15 +72,18 @@ def _layer_config(config: Any, index: int, state: dict[str, torch.Tensor]) -> An
     return out
 
 
-def attach_mtp_layers(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:
+def attach_mtp_layers(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                      to_model_layout: Callable[[torch.nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+                      = lambda _model, tensors: tensors) -> int:
     """Append ``model.config``'s MTP layers to ``model.model.layers`` and load them from ``state`` (checkpoint
-    names; the rest of ``state`` is ignored). Returns how many were attached (0 when the config declares none).
+    names, turned into the model's layout by ``to_model_layout``, e.g. per-expert tensors stacked: the engine passes
+    ``model.to_model_layout``; the rest of ``state`` is ignored). Returns how many were attached (0 when the config
+    declares none).
 
     Raises ValueError when the config declares MTP layers that ``state`` does not hold."""
     count = mtp_layer_count(model.config)
     if count == 0:
         return 0
-    from .model import to_model_layout
 
     config = model.config
     first = int(config.num_hidden_layers)

@@ -3,7 +3,7 @@
 GLM-5's checkpoint stores its MTP layer after the decoder layers, as ``model.layers.<num_hidden_layers>.*``: a
 decoder layer of the model's kind (MLA, a DSA indexer of its own, MoE) plus ``enorm`` / ``hnorm`` / ``eh_proj`` /
 ``shared_head.norm``, and ``config.num_nextn_predict_layers`` counts them. transformers builds no MTP layer, so
-:func:`save_tiny_glm5_with_mtp` draws the tiny GLM-5 (:mod:`.tiny`) with one layer more, saves it, then gives that
+:func:`save_tiny_glm5_with_mtp` draws the tiny GLM-5 (:mod:`slime_ascend.glm5.tiny`) with one layer more, saves it, then gives that
 last layer the MTP layer's name and extra tensors (norms at one, ``eh_proj`` drawn like a linear) and the config
 its real layer count: the layout slime's GLM-5 converters read (``hf_to_megatron/deepseek.py``: ``mtp.layers.0`` is
 ``model.layers.<num_hidden_layers>``) and the torch engine holds (``rollout.torch_engine.mtp``).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .tiny import NUM_LAYERS, TINY_GLM5_KWARGS
+from ...glm5.tiny import NUM_LAYERS, TINY_GLM5_KWARGS
 
 __all__ = ["save_tiny_glm5_with_mtp"]
 
@@ -25,7 +25,7 @@ def save_tiny_glm5_with_mtp(out_dir: str | Path, seed: int = 0, layers: int = NU
     import torch
     from safetensors.torch import load_file, save_file
 
-    from ..rollout.torch_engine.model import build_byte_tokenizer, load_model, save_model
+    from .model import build_byte_tokenizer, load_model, save_model
 
     out = Path(out_dir)
     if (out / "config.json").is_file():
