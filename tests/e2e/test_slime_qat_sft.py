@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from slime_ascend.demo.slime_job import TINY_QWEN3_ARGS, job_env, make_model, run_slime, slime_src
+from slime_ascend.demo.slime_job import TINY_QWEN3_ARGS, make_model, run_slime
+from test_slime_weight_sync import torch_dist_to_hf
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1200)]
 
@@ -36,30 +37,6 @@ PLUGINS = ("cpu", "qat")
 # the tiny byte tokenizer's chat template (slime's SFT rollout builds tokens and loss masks with it)
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-_CONVERT = """
-import runpy, sys
-import torch.distributed.checkpoint as dcp
-tool_path, iter_dir, out_dir, origin = sys.argv[1:]
-tool = runpy.run_path(tool_path, run_name="slime_convert_torch_dist_to_hf")
-
-class CommonState(dcp.default_planner.DefaultLoadPlanner):
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        for key, value in metadata.state_dict_metadata.items():
-            if key.startswith("common_state"):
-                state_dict[key] = value
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-
-common = {}
-dcp.state_dict_loader._load_state_dict(common, storage_reader=tool["WrappedStorageReader"](iter_dir),
-                                       planner=CommonState(), no_dist=True)
-(entry,) = common.values()
-state_dict = {}
-dcp.state_dict_loader._load_state_dict(state_dict, storage_reader=tool["WrappedStorageReader"](iter_dir),
-                                       planner=tool["EmptyStateDictLoadPlanner"](), no_dist=True)
-state_dict = {k: v for k, v in state_dict.items() if not hasattr(v, "read")}
-tool["save_tensors"](entry[0]["args"], "qwen3", state_dict, out_dir, 5 * 1024**3)
-tool["copy_assets"](origin, out_dir)
-"""
 
 
 def _conversations(path: Path, n: int = NUM_ROLLOUT * BATCH) -> Path:
@@ -113,17 +90,6 @@ def sft_job(tmp_path_factory):
     return work, model, run
 
 
-def _to_hf(iter_dir: Path, origin: Path, out: Path) -> Path:
-    """slime's own converter of one saved iteration (fp32 tensors: the master weights slime trained)."""
-    src = slime_src()
-    proc = subprocess.run([sys.executable, "-c", _CONVERT, str(src / "tools" / "convert_torch_dist_to_hf.py"),
-                           str(iter_dir), str(out), str(origin)],
-                          capture_output=True, text=True, env=job_env(PLUGINS, src=src), cwd=str(out.parent),
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
-
-
 def _int4_export(hf: Path, out: Path) -> Path:
     done = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(hf), str(out), "--format",
                            "int4-group", "--group-size", str(GROUP)], capture_output=True, text=True)
@@ -169,9 +135,7 @@ def test_the_int4_export_of_a_qat_sft_checkpoint_has_the_loss_slime_trained_on(s
             # are computed in its input's dtype: quantising the BF16 originals rounds some differently)
             hf = fp32_copy(model, work / "hf-0")
         else:  # iter_{step - 1}: saved after step - 1, the weights step `step` trained from
-            iter_dir = work / "ckpt" / f"iter_{step - 1:07d}"
-            assert iter_dir.is_dir(), sorted(p.name for p in (work / "ckpt").iterdir())
-            hf = _to_hf(iter_dir, model, work / f"hf-{step}")
+            hf = torch_dist_to_hf(work / "ckpt", model, work / f"hf-{step}", PLUGINS, iteration=step - 1)
         export = _int4_export(hf, work / f"int4-{step}")
         samples = torch.load(work / "dump" / f"train_{step}.pt", weights_only=False)["samples"]
         assert len(samples) == BATCH

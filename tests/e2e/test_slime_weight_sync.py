@@ -137,11 +137,13 @@ tool["copy_assets"](origin, out_dir)
 """
 
 
-def torch_dist_to_hf(ckpt: Path, origin_hf: Path, out: Path, plugins: tuple[str, ...]) -> Path:
-    """slime's own converter (tools/convert_torch_dist_to_hf.py) of the newest Megatron checkpoint slime saved:
-    the BF16 HF weights of that step."""
-    latest = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
+def torch_dist_to_hf(ckpt: Path, origin_hf: Path, out: Path, plugins: tuple[str, ...],
+                     iteration: int | None = None) -> Path:
+    """slime's own converter (tools/convert_torch_dist_to_hf.py) of a Megatron checkpoint slime saved (``iteration``,
+    default the newest): the HF weights of that step, in the dtype slime trained in."""
+    latest = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() if iteration is None else iteration
     iter_dir = ckpt / f"iter_{int(latest):07d}"
+    assert iter_dir.is_dir(), sorted(p.name for p in ckpt.iterdir())
     src = slime_src()
     proc = subprocess.run(
         [sys.executable, "-c", _CONVERT, str(src / "tools" / "convert_torch_dist_to_hf.py"), str(iter_dir), str(out),
