@@ -48,10 +48,10 @@ def fp32_copy(src: Path, out: Path) -> Path:
     return out
 
 
-def quantize(src: Path, out: Path, fmt: str) -> Path:
-    """``slime-ascend quantize SRC OUT --format FMT``, the command a user runs; returns ``out``."""
-    done = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(src), str(out), "--format", fmt],
-                          capture_output=True, text=True)
+def quantize(src: Path, out: Path, fmt: str, *options: str) -> Path:
+    """``slime-ascend quantize SRC OUT --format FMT [OPTIONS]``, the command a user runs; returns ``out``."""
+    done = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(src), str(out), "--format", fmt,
+                           *options], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 

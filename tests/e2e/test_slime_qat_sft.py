@@ -19,8 +19,6 @@ model's. One slime job without engines (``--debug-train-only``), 30 s alone on t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -90,13 +88,6 @@ def sft_job(tmp_path_factory):
     return work, model, run
 
 
-def _int4_export(hf: Path, out: Path) -> Path:
-    done = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(hf), str(out), "--format",
-                           "int4-group", "--group-size", str(GROUP)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return out
-
-
 def _sft_loss(model_dir: Path, samples: list[dict]) -> float:
     """slime's ``sft_loss`` with ``--calculate-per-token-loss`` for one step of one rank: the negative log-likelihood
     of every loss-masked response token, summed over the step's samples, over their number of such tokens."""
@@ -122,7 +113,7 @@ def _sft_loss(model_dir: Path, samples: list[dict]) -> float:
 def test_the_int4_export_of_a_qat_sft_checkpoint_has_the_loss_slime_trained_on(sft_job):
     import torch
 
-    from parallel_evidence import fp32_copy
+    from parallel_evidence import fp32_copy, quantize
 
     work, model, run = sft_job
     assert "qat: fake-quantising" in run.log and "int4-group" in run.log
@@ -136,7 +127,7 @@ def test_the_int4_export_of_a_qat_sft_checkpoint_has_the_loss_slime_trained_on(s
             hf = fp32_copy(model, work / "hf-0")
         else:  # iter_{step - 1}: saved after step - 1, the weights step `step` trained from
             hf = torch_dist_to_hf(work / "ckpt", model, work / f"hf-{step}", PLUGINS, iteration=step - 1)
-        export = _int4_export(hf, work / f"int4-{step}")
+        export = quantize(hf, work / f"int4-{step}", "int4-group", "--group-size", str(GROUP))
         samples = torch.load(work / "dump" / f"train_{step}.pt", weights_only=False)["samples"]
         assert len(samples) == BATCH
         exported, plain = _sft_loss(export, samples), _sft_loss(hf, samples)

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import pytest
 
+from parallel_evidence import quantize
 from slime_ascend.demo.slime_job import (TINY_QWEN3_MOE_ARGS, make_model, make_prompts, run_slime, slime_flags,
                                          start_engine, stop)
 
@@ -87,27 +88,17 @@ def all_moe_model_dir(tmp_path_factory) -> Path:
                       config_overrides={"mlp_only_layers": []})
 
 
-def _quantized(model_dir: Path, out: Path, *options: str) -> Path:
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "slime_ascend.cli", "quantize", str(model_dir), str(out), *options],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return out
-
-
 @pytest.fixture(scope="module")
 def int4_engine_checkpoint(all_moe_model_dir, tmp_path_factory) -> Path:
-    return _quantized(all_moe_model_dir, tmp_path_factory.mktemp("quantized") / "tiny-qwen3-all-moe-int4",
-                      "--format", "int4-group", "--group-size", "32")
+    return quantize(all_moe_model_dir, tmp_path_factory.mktemp("quantized") / "tiny-qwen3-all-moe-int4",
+                    "int4-group", "--group-size", "32")
 
 
 @pytest.fixture(scope="module")
 def fp8_engine_checkpoint(all_moe_model_dir, tmp_path_factory) -> Path:
     """FP8 blocks of 32 x 32 (the tiny model's 64-wide linears hold several: a block boundary inside each)."""
-    return _quantized(all_moe_model_dir, tmp_path_factory.mktemp("quantized") / "tiny-qwen3-all-moe-fp8",
-                      "--format", "fp8-block", "--block-size", "32", "32")
+    return quantize(all_moe_model_dir, tmp_path_factory.mktemp("quantized") / "tiny-qwen3-all-moe-fp8",
+                    "fp8-block", "--block-size", "32", "32")
 
 
 def _run_job(model_dir: Path, engine_checkpoint: Path, work: Path, plugins: tuple[str, ...],

@@ -86,25 +86,19 @@ def without_mtp_kwargs(original):
     return forward
 
 
-def with_slime_tracker_key(original):
+def with_slime_tracker_key(original, tracker: dict):
     """``MTPLossLoggingHelper.save_metrics_to_tracker`` that leaves ``tracker["values"]`` naming the tensor
-    ``tracker["loss_values"]`` is (slime's key for the MTP losses)."""
+    ``tracker["loss_values"]`` is (slime's key for the MTP losses); ``tracker`` is the helper's own dict (Megatron
+    fills and clears it in place)."""
 
     @functools.wraps(original)
     def save_metrics_to_tracker(*args, **kwargs):
         result = original(*args, **kwargs)
-        helper = _helper()
-        if "loss_values" in helper.tracker:
-            helper.tracker["values"] = helper.tracker["loss_values"]
+        if "loss_values" in tracker:
+            tracker["values"] = tracker["loss_values"]
         return result
 
     return staticmethod(save_metrics_to_tracker)
-
-
-def _helper():
-    import importlib
-
-    return importlib.import_module(MTP).MTPLossLoggingHelper
 
 
 class MTPTraining(RuntimePatch):
@@ -135,7 +129,7 @@ class MTPTraining(RuntimePatch):
         self.wrap(modules[GPT].GPTModel, "forward", without_mtp_kwargs)
         helper = modules[MTP].MTPLossLoggingHelper
         self.replace(helper, "save_metrics_to_tracker",
-                     with_slime_tracker_key(helper.__dict__["save_metrics_to_tracker"].__func__))
+                     with_slime_tracker_key(helper.__dict__["save_metrics_to_tracker"].__func__, helper.tracker))
         self.replace(helper, "clean_loss_in_tracker", helper.__dict__["clean_metrics_in_tracker"])
         # slime's patch detaches the MTP layers' inputs from the main model; Megatron's field of that meaning, read
         # from slime's args when the train actor builds its TransformerConfig (after this patch, at the train moment)

@@ -1230,9 +1230,10 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         with self._compute_lock, torch.no_grad():  # the model and its draft at one weight version (a switch locks)
             if self._mtp_draft is not None:
                 assert hiddens is not None and drafted.mtp is not None
-                if k:  # positions 0 .. len(seq) - 2: every fed token's hidden state
-                    tokens = self._mtp_draft.draft(drafted.mtp, torch.cat(hiddens), seq, k,
-                                                   lambda row: choose(row.cpu()))
+                if k:  # positions 0 .. len(seq) - 2: every fed token's hidden state, kept as one tensor (the
+                    # list grows by one piece a forward; joined once here, not again over its whole length each step)
+                    hiddens[:] = [torch.cat(hiddens)]
+                    tokens = self._mtp_draft.draft(drafted.mtp, hiddens[0], seq, k, lambda row: choose(row.cpu()))
             else:
                 feed = seq[drafted.length:]
                 for _ in range(k):

@@ -25,7 +25,7 @@ import torch
 
 from ...files import MAX_JSON_BYTES, check_regular_file, read_json_object, read_regular_file, regular_files  # noqa: F401
 from .glm5 import align_glm_moe_dsa
-from .mtp import attach_mtp_layers, decoder_layers, mtp_layer_count
+from .mtp import attach_mtp_layers, decoder_layers, mtp_layer_count, mtp_prefixes
 
 __all__ = [
     "TINY_QWEN3_KWARGS",
@@ -433,8 +433,7 @@ def read_mtp_state(model_dir: str | Path, config: Any, dtype: torch.dtype) -> di
     safetensors files, in ``dtype`` (floating tensors)."""
     from safetensors import safe_open
 
-    first = int(config.num_hidden_layers)
-    prefixes = tuple(f"model.layers.{first + i}." for i in range(mtp_layer_count(config)))
+    prefixes = mtp_prefixes(config)
     state: dict[str, torch.Tensor] = {}
     for path in _safetensors_files(Path(model_dir)):
         with safe_open(str(path), framework="pt") as f:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attach_mtp_layers", "decoder_layers", "mtp_layer_count", "mtp_layers", "mtp_names"]
+__all__ = ["attach_mtp_layers", "decoder_layers", "mtp_layer_count", "mtp_layers", "mtp_names", "mtp_prefixes"]
 
 _MODULE_EXTRAS = ("enorm", "hnorm", "eh_proj", "shared_head")
 
@@ -47,10 +47,15 @@ def mtp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers[int(model.config.num_hidden_layers):])
 
 
+def mtp_prefixes(config: Any) -> tuple[str, ...]:
+    """The checkpoint name prefixes of ``config``'s MTP layers (``model.layers.<num_hidden_layers + i>.``)."""
+    first = int(config.num_hidden_layers)
+    return tuple(f"model.layers.{first + i}." for i in range(mtp_layer_count(config)))
+
+
 def mtp_names(state: dict[str, Any], config: Any) -> list[str]:
     """The names of ``state`` that belong to ``config``'s MTP layers."""
-    first = int(config.num_hidden_layers)
-    prefixes = tuple(f"model.layers.{first + i}." for i in range(mtp_layer_count(config)))
+    prefixes = mtp_prefixes(config)
     return [name for name in state if prefixes and name.startswith(prefixes)]
 
 
@@ -117,7 +122,7 @@ def attach_mtp_layers(model: torch.nn.Module, state: dict[str, torch.Tensor],
         layers.append(layer.to(device=param.device, dtype=param.dtype))
     own = model.state_dict()
     wanted = mtp_names(own, config)
-    loaded = to_model_layout(model, {n: t for n, t in state.items() if n in set(mtp_names(state, config))})
+    loaded = to_model_layout(model, {n: state[n] for n in mtp_names(state, config)})
     missing = sorted(set(wanted) - set(loaded))
     unexpected = sorted(set(loaded) - set(wanted))
     if missing or unexpected:
