@@ -72,3 +72,63 @@ def test_every_module_that_starts_slime_managed_engines_is_marked_and_in_lane_1(
             elsewhere.append(name)
     assert not unmarked, f"these modules start slime-managed engines: mark them slime_managed_engines: {unmarked}"
     assert not elsewhere, f"add these modules to lane1 in .ci/run (slime-managed engines, one at a time): {elsewhere}"
+
+
+def _command_words(script: str) -> list[tuple[int, str]]:
+    """(line number, first word) of every line of ``script`` on which bash starts a command: not inside a quoted
+    string, not the continuation of a line ending in a backslash, not a comment; leading ``NAME=value``
+    assignments skipped (``X=1 python ...`` runs python)."""
+    words, in_single, in_double, continued = [], False, False, False
+    for number, line in enumerate(script.splitlines(), 1):
+        starts = not (in_single or in_double or continued)
+        escaped, comment = False, False
+        for i, char in enumerate(line):
+            if escaped:
+                escaped = False
+            elif in_single:
+                in_single = char != "'"
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_double = not in_double
+            elif in_double:
+                continue
+            elif char == "'":
+                in_single = True
+            elif char == "#" and (i == 0 or line[i - 1] in " \t;"):
+                comment = True
+                break
+        continued = line.rstrip().endswith("\\") and not comment
+        if not starts:
+            continue
+        tokens = line.split()
+        while len(tokens) > 1 and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=[^\s\"'$(]*", tokens[0]):
+            tokens = tokens[1:]
+        if tokens and not tokens[0].startswith("#") and not re.match(r"[A-Za-z_][A-Za-z0-9_]*\+?=", tokens[0]):
+            words.append((number, tokens[0]))
+    return words
+
+
+def test_every_line_of_ci_run_starts_a_command_bash_has():
+    """A comment line that lost its ``#`` parses, and fails only when CI reaches it ("this: command not found",
+    stop 48, after the four minutes of install). Every line on which .ci/run starts a command starts with a shell
+    keyword or builtin, a function the script defines, a program on PATH, or the venv's ``python``."""
+    import shutil
+    import subprocess
+    import sys
+
+    script = CI.read_text()
+    known = set(subprocess.run(["bash", "-c", "compgen -b; compgen -k"], capture_output=True, text=True,
+                               check=True).stdout.split())
+    known |= set(re.findall(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\(\)\s*\{", script, re.M))
+    known |= {"{", "}", "[", "]]", '"${PYTHON:-python}"', "python"}
+    path = str(Path(sys.executable).parent) + ":" + __import__("os").environ.get("PATH", "")
+    unknown = [(n, w) for n, w in _command_words(script)
+               if w.rstrip(";").removesuffix("()") not in known and not w.startswith("(") and shutil.which(w, path=path) is None]
+    assert not unknown, f".ci/run: these lines start with no command bash knows (a comment without '#'?): {unknown}"
+
+
+def test_the_command_line_check_finds_a_comment_without_its_hash():
+    assert _command_words("# one\nthis round's MTP job, 1.3 min, joined lane 1); lane 2\n# two\n")[0] == (2, "this")
+    script = 'a=$(mktemp -d)\nX=1 Y=2 python -V \\\n  --flag\nl="x\n  y"\nf() {  # f\n  echo "$1"\n}\n'
+    assert _command_words(script) == [(2, "python"), (6, "f()"), (7, "echo"), (8, "}")]
