@@ -124,7 +124,7 @@ def test_every_line_of_ci_run_starts_a_command_bash_has():
     known |= {"{", "}", "[", "]]", '"${PYTHON:-python}"', "python"}
     path = str(Path(sys.executable).parent) + ":" + __import__("os").environ.get("PATH", "")
     unknown = [(n, w) for n, w in _command_words(script)
-               if w.rstrip(";").removesuffix("()") not in known and not w.startswith("(") and shutil.which(w, path=path) is None]
+               if w.rstrip(";").removesuffix("()") not in known and not w.startswith(("(", ")")) and shutil.which(w, path=path) is None]
     assert not unknown, f".ci/run: these lines start with no command bash knows (a comment without '#'?): {unknown}"
 
 
