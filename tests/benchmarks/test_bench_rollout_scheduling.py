@@ -128,6 +128,10 @@ def test_kv_rows_model_both_units_on_the_real_dispatcher():
     rows = {r["name"]: r for r in bench.kv_row(quick=True, seeds=2)}
     requests, kv = rows["rollout_scheduling_kv/requests"], rows["rollout_scheduling_kv/kv_tokens"]
     assert 1.0 <= kv["ratio"] < requests["ratio"], (kv, requests)
+    # the oracle order respects the bound too, and the online dispatch is compared with it
+    offline, over = rows["rollout_scheduling_kv/offline_longest_first"], rows["rollout_scheduling_kv/kv_tokens_over_offline"]
+    assert 1.0 <= offline["ratio"] and over["target"] == 1.1 and over["passed"] == (over["ratio"] <= 1.1)
+    assert over["ratio"] == pytest.approx(kv["ratio"] / offline["ratio"], rel=0.05)  # medians of per-seed ratios
     # one request alone: its duration, whatever the unit; two that do not fit together on one engine run one after
     # the other there, side by side on two
     assert bench.kv_schedule([100], [150], [2.0], "kv_tokens", 1) == 2.0
