@@ -302,23 +302,31 @@ def test_quantised_delta_push_equals_the_full_push(tmp_path):
         assert torch.equal(tensor, want[name]), name
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e5m2,
+                                   torch.float8_e4m3fn])
 def test_all_finite_agrees_with_isfinite(dtype):
-    """The pushed version's NaN/inf check (one aminmax pass, weight_group.all_finite) refuses exactly what
-    ``isfinite(t).all()`` refuses: a NaN, +inf or -inf anywhere (first, last, random places, strided views)."""
-    from slime_ascend.rollout.torch_engine.weight_group import all_finite
+    """The engine's NaN/inf check of every weight it loads (one aminmax pass, model.all_finite; float8 through a
+    float copy) refuses exactly what ``isfinite(t).all()`` refuses: a NaN, +inf or -inf anywhere (first, last,
+    random places, strided views; float8_e4m3fn has no inf)."""
+    from slime_ascend.rollout.torch_engine.model import all_finite
+    from slime_ascend.rollout.torch_engine.weight_group import all_finite as pushed_check
 
+    def reference(t: torch.Tensor) -> bool:
+        return bool(torch.isfinite(t.float()).all())
+
+    assert pushed_check is all_finite
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(4099, generator=gen) * 0.02).to(dtype)
     assert all_finite(x) and all_finite(x[:0]) and all_finite(torch.full((7,), torch.finfo(dtype).max, dtype=dtype))
     places = [0, 4098, *torch.randint(0, 4099, (20,), generator=gen).tolist()]
-    for bad in (float("nan"), float("inf"), -float("inf")):
+    bads = (float("nan"),) if dtype == torch.float8_e4m3fn else (float("nan"), float("inf"), -float("inf"))
+    for bad in bads:
         for at in places:
             y = x.clone()
             y[at] = bad
-            assert all_finite(y) is False and not bool(torch.isfinite(y).all()), (bad, at)
+            assert all_finite(y) is False and not reference(y), (bad, at)
             view = y.view(-1)[: 4096].view(64, 64).t()[:, ::2]  # strided
-            assert all_finite(view) == bool(torch.isfinite(view).all()), (bad, at)
+            assert all_finite(view) == reference(view), (bad, at)
 
 
 def test_weight_group_timeout_zero_or_negative_is_refused_in_one_line(capsys):

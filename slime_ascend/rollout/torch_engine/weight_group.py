@@ -68,6 +68,7 @@ from slime_ascend.weight_sync.update_group import DEFAULT_TIMEOUT_S, join_group
 from slime_ascend.weight_sync.wire import wire_view
 
 from .dump_dir import check_dump_dir, private_subdir, replace_file
+from .model import all_finite
 
 __all__ = ["DEFAULT_TIMEOUT_S", "WIRE_DTYPES", "WeightGroup", "WeightGroupReceiver", "join_group", "wire_view"]
 
@@ -78,16 +79,6 @@ WIRE_DTYPES = {name: getattr(torch, name) for name in (
     "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
     "float8_e4m3fn", "float8_e5m2")}
 SUPPORTED_BACKENDS = ("gloo",)
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether a floating tensor holds no NaN/inf: its min and max are finite (both propagate NaN, an inf is
-    the max or the min). One reduction pass, about 10x faster on this host than ``isfinite(t).all()``, which
-    materialises a bool tensor (measured on 64 MiB: bf16 0.055 vs 0.52 s, fp32 0.028 vs 0.26 s)."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
