@@ -90,6 +90,43 @@ def test_buckets_switch_the_version_once_complete(file_system_sharing):
         assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == "5"
 
 
+def push_list(url: str, named, version: str) -> httpx.Response:
+    """One bucket as a list of (name, tensor) pairs (SGLang's format without load_format), pickled as
+    MultiprocessingSerializer does: torch's ForkingPickler, base64."""
+    import base64
+    import io
+
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reducers with ForkingPickler)
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(list(named))
+    return HTTP.post(f"{url}/update_weights_from_tensor", json={
+        "serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()], "flush_cache": False,
+        "weight_version": version})
+
+
+def test_a_bucket_that_does_not_complete_its_version_is_copied_out_of_the_senders_memory(file_system_sharing):
+    """A bucket in the engine's own dtype is read in place from the sender's shared memory; one that does not
+    complete its version is copied before the call returns, since the sender may reuse the buffer at once (slime's
+    buckets are), and the version that completes holds what each bucket held when it was sent."""
+    engine = TorchEngine()
+    assert engine.dtype == torch.float32
+    sent = {k: (v.detach() + 0.01).share_memory_() for k, v in engine.model.state_dict().items()}
+    want = {k: v.clone() for k, v in sent.items()}
+    names = list(sent)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    with engine.start_in_thread() as url:
+        assert push_list(url, [(n, sent[n]) for n in first], "7").status_code == 200
+        for n in first:
+            sent[n].add_(1.0)  # the sender reuses its buffer for the next bucket
+        r = push_list(url, [(n, sent[n]) for n in second], "7")
+        assert r.status_code == 200 and "weight version 7 loaded" in r.json()["message"], r.text
+    served = engine.model.state_dict()
+    assert all(torch.equal(served[n], want[n]) for n in names)
+
+
 def test_file_descriptor_handles_are_refused_naming_the_strategy():
     import torch.multiprocessing as mp
 

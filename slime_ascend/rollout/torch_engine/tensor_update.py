@@ -15,8 +15,9 @@ gather group holds the same full HF tensors; the others are not opened). Unpickl
 containers (:class:`TensorUnpickler`); sglang's metadata class is read into a stand-in, so the engine
 needs no sglang.
 
-Each bucket is checked (known names, shapes, dtype kind, finite values) and staged in the engine's own
-memory under its version; the version switches, atomically, once its staged tensors cover every
+Each bucket is checked (known names, shapes, dtype kind, finite values) in place in the sender's shared
+memory, and staged in the engine's own memory under its version (a bucket that completes the version is copied
+straight into the model: a whole model in one call costs one copy); the version switches, atomically, once its staged tensors cover every
 weight of the model (slime pushes the full model every update). A bucket of a new version drops what
 was staged for another. So a version serves only when all of it has arrived and been checked, and the
 engine reports it (``/get_weight_version``, each answer's ``meta_info.weight_version``) exactly as after
@@ -144,9 +145,10 @@ def _loads(text: Any) -> Any:
                            "tensor must stay alive on the sender until the call returns") from None
 
 
-def decode_named_tensors(serialized: Any, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+def decode_named_tensors(serialized: Any, load_format: str | None, copy: bool = True
+                         ) -> list[tuple[str, torch.Tensor]]:
     """The ``(name, tensor)`` pairs of the first rank's string of ``serialized_named_tensors``, copied out of the
-    sender's shared memory."""
+    sender's shared memory (``copy=False``: views of it, valid only until the call returns)."""
     if load_format not in LOAD_FORMATS:
         raise RequestError(f"load_format={load_format!r} is not supported by update_weights_from_tensor (use "
                            "'flattened_bucket', as slime sends, or leave it out)")
@@ -176,13 +178,13 @@ def decode_named_tensors(serialized: Any, load_format: str | None) -> list[tuple
             except RuntimeError as exc:
                 raise RequestError(f"{name}: {end - start} bytes are not a {dtype} tensor of shape {shape} ({exc})"
                                    ) from None
-            out.append((name, tensor.clone()))
+            out.append((name, tensor.clone() if copy else tensor))
         return out
     if not isinstance(obj, list | tuple) or not all(
             isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
             for p in obj):
         raise RequestError("a payload without load_format must be a list of (name, tensor) pairs")
-    return [(name, tensor.detach().clone()) for name, tensor in obj]
+    return [(name, tensor.detach().clone() if copy else tensor.detach()) for name, tensor in obj]
 
 
 class TensorUpdate:
@@ -196,8 +198,11 @@ class TensorUpdate:
         check_released = getattr(self, "_check_weights_present", None)
         if check_released is not None:
             check_released("update_weights_from_tensor")
-        named = decode_named_tensors(serialized_named_tensors, load_format)
         quantization = getattr(self, "quantization", None)
+        # unquantised: the bucket is read in place from the sender's shared memory and copied once, into the
+        # model when it completes the version (a whole model in one call: no copy beside the model's), else into
+        # the version's staged tensors; quantised: kept as received (they become /get_weights_by_name's answer)
+        named = decode_named_tensors(serialized_named_tensors, load_format, copy=quantization is not None)
         with self._update_lock:
             staged = self.__dict__.setdefault("_staged_tensors", {})
             key = version if version is not None else "<next>"
@@ -211,9 +216,17 @@ class TensorUpdate:
             if quantization is None:
                 own = self.model.state_dict()
                 self._check_bucket(bucket, own)
-                staged["tensors"].update({n: t.to(self.dtype) if t.is_floating_point() else t
-                                          for n, t in bucket.items()})
-                state, served = self._complete_state(staged["tensors"], own), None
+                converted = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in bucket.items()}
+                staged["tensors"].update(converted)
+                # what stays staged past this call is copied out of the sender's memory
+                shared = {n: t for n, t in converted.items() if t.data_ptr() == bucket[n].data_ptr()}
+                try:
+                    state, served = self._complete_state(staged["tensors"], own), None
+                except BaseException:
+                    staged["tensors"].update({n: t.clone() for n, t in shared.items()})
+                    raise
+                if state is None:
+                    staged["tensors"].update({n: t.clone() for n, t in shared.items()})
             else:
                 self._check_quantised_bucket(bucket)
                 staged["tensors"].update(bucket)  # the bytes as received
