@@ -37,11 +37,14 @@ between them the two ways the ``opd`` plugin can, interleaved:
   cache (``posix_fadvise(DONTNEED)``, no root needed), so the engine reads them from disk as a first switch does;
 * staged push (``ascend_opd_switch_transport: distributed``): the pool stages the next teacher in host memory
   while the resident one scores (real ``/generate`` requests to the engine for the window), then the switch
-  pushes it over the engine's weight-update group; the stall is the time inside ``pool.activate``.
+  pushes it over the engine's weight-update group; the stall is the time inside ``pool.activate``;
+* staged hand-over (``ascend_opd_switch_transport: tensor``, row ``teacher_switch_engine_tensor``): the same, with
+  the teacher staged in shared memory and handed to the engine by ``/update_weights_from_tensor`` (one copy into
+  its weights).
 
-Printed: each switch's seconds, the medians, their ratio (staged push / disk), the pool's peak host bytes and
-the engine's served version after each switch. Goal: <= 0.1 (the push still moves every byte during the
-switch, over loopback gloo here: the staging takes the disk read out of the stall, not the copy).
+Printed: each switch's seconds, the medians, their ratio (staged / disk) per transport, the pool's peak host bytes
+and the engine's served version after each switch. Goal: <= 0.1 (over loopback gloo the push still moves every
+byte through a socket during the switch; in shared memory it is one memory copy).
 """
 
 from __future__ import annotations
@@ -305,49 +308,68 @@ def _score_on_engine(url: str, seconds: float) -> int:
     return n
 
 
-def engine_row(quick: bool = False, repeats: int | None = None, min_score_s: float = 1.0) -> dict:
-    """Staged push vs a disk reload of the same teachers on one torch engine (module docstring)."""
+def engine_rows(quick: bool = False, repeats: int | None = None, min_score_s: float = 1.0) -> list[dict]:
+    """Staged pushes (distributed, tensor) vs a disk reload of the same teachers on one torch engine (module
+    docstring): one row per transport, each over the same disk reloads."""
     from slime_ascend.demo.slime_job import start_engine, stop
     from slime_ascend.opd.pool import TeacherPool
-    from slime_ascend.opd.push_loader import DistributedPushLoader
+    from slime_ascend.opd.push_loader import DistributedPushLoader, TensorPushLoader
 
     repeats = repeats or (2 if quick else 3)
     root = Path(tempfile.mkdtemp(prefix="bench_teacher_switch_engine_", dir=os.environ.get("BENCH_TMPDIR")))
     engine = None
     try:
         specs, size = _write_engine_teachers(root, quick)
-        dirs = [Path(s["checkpoint_dir"]) for s in specs]
-        engine = start_engine(dirs[0], root / "engine.log", timeout=600)
+        names = [s["name"] for s in specs]
+        dirs = {s["name"]: Path(s["checkpoint_dir"]) for s in specs}
+        engine = start_engine(dirs[names[0]], root / "engine.log", timeout=600)
         url = engine.url
+        serving = names[0]
         disk: list[float] = []
-        pushed: list[float] = []
-        versions: list[str] = []
-        with TeacherPool(specs, DistributedPushLoader(url)) as pool:
-            for r in range(repeats):
-                target = dirs[(2 * r + 1) % 3]
-                _drop_page_cache(target)
+        stalls: dict[str, list[float]] = {"distributed": [], "tensor": []}
+        versions: dict[str, list[str]] = {"distributed": [], "tensor": []}
+        pools = {"distributed": TeacherPool(specs, DistributedPushLoader(url)),
+                 "tensor": TeacherPool(specs, TensorPushLoader(url))}
+        resident: dict[str, str | None] = {"distributed": None, "tensor": None}
+        try:
+            for _ in range(repeats):
+                target = next(n for n in names if n != serving)
+                _drop_page_cache(dirs[target])
                 t0 = time.perf_counter()
-                answer = _post(url + "/update_weights_from_disk", {"model_path": str(target)})
+                answer = _post(url + "/update_weights_from_disk", {"model_path": str(dirs[target])})
                 disk.append(time.perf_counter() - t0)
                 assert answer.get("success"), answer
-                name = specs[(2 * r + 2) % 3]["name"]
-                pool.prefetch(name)  # staged in host memory while the resident teacher scores
-                _score_on_engine(url, max(min_score_s, 2 * statistics.median(disk)))
-                info = pool.activate(name)
-                pushed.append(info.stall_s)
-                versions.append(_post(url + "/get_weight_version", None)["weight_version"])
-            m = pool.metrics()
-        disk_med, push_med = statistics.median(disk), statistics.median(pushed)
-        ratio = push_med / disk_med
-        detail = (
-            f"engine switch, teacher={size / 2**30:.2f} GiB fp32 on local disk: disk reload (page cache dropped) "
-            f"{[round(x, 2) for x in disk]} s, median {disk_med:.2f} s; staged push (prefetched while scoring) "
-            f"{[round(x, 2) for x in pushed]} s, median {push_med:.2f} s; versions {versions}; pool peak host "
-            f"{m['peak_host_bytes'] / 2**30:.2f} GiB (one staged teacher: {size / 2**30:.2f}), read "
-            f"{m['read_bytes'] / 2**30:.2f} GiB in {m['stage_s']:.1f} s of staging; staged push / disk {ratio:.3f}"
-        )
-        return {"name": ENGINE_NAME, "ratio": ratio, "target": f"<={TARGET}", "passed": ratio <= TARGET,
-                "detail": detail}
+                serving = target
+                for way, pool in pools.items():
+                    name = next(n for n in names if n not in (serving, resident[way]))
+                    pool.prefetch(name)  # staged in host memory while the resident teacher scores
+                    _score_on_engine(url, max(min_score_s, 2 * statistics.median(disk)))
+                    info = pool.activate(name)
+                    assert info.switched, info
+                    stalls[way].append(info.stall_s)
+                    versions[way].append(_post(url + "/get_weight_version", None)["weight_version"])
+                    serving = resident[way] = name
+            metrics = {way: pool.metrics() for way, pool in pools.items()}
+        finally:
+            for pool in pools.values():
+                pool.close()
+        disk_med = statistics.median(disk)
+        rows = []
+        for way, how in (("distributed", "pushed over the engine's weight-update group (gloo)"),
+                         ("tensor", "handed over in shared memory (/update_weights_from_tensor)")):
+            med = statistics.median(stalls[way])
+            ratio = med / disk_med
+            m = metrics[way]
+            detail = (
+                f"engine switch, teacher={size / 2**30:.2f} GiB fp32 on local disk: disk reload (page cache dropped) "
+                f"{[round(x, 2) for x in disk]} s, median {disk_med:.2f} s; staged push (prefetched while scoring, "
+                f"{how}) {[round(x, 2) for x in stalls[way]]} s, median {med:.2f} s; versions {versions[way]}; pool "
+                f"peak host {m['peak_host_bytes'] / 2**30:.2f} GiB (one staged teacher: {size / 2**30:.2f}), read "
+                f"{m['read_bytes'] / 2**30:.2f} GiB in {m['stage_s']:.1f} s of staging; staged push / disk {ratio:.3f}"
+            )
+            rows.append({"name": ENGINE_NAME if way == "distributed" else f"{ENGINE_NAME}_tensor", "ratio": ratio,
+                         "target": f"<={TARGET}", "passed": ratio <= TARGET, "detail": detail})
+        return rows
     finally:
         if engine is not None:
             stop(engine.proc)
@@ -361,14 +383,14 @@ def main() -> None:
     ap.add_argument("--order-only", action="store_true", help="only the switch-order comparison (no weights)")
     ap.add_argument("--rollouts", type=int, default=None, help="rollouts of the switch-order comparison")
     ap.add_argument("--samples", type=int, default=None, help="samples per rollout of the switch-order comparison")
-    ap.add_argument("--engine", action="store_true", help="also the torch-engine row: staged push vs disk reload "
+    ap.add_argument("--engine", action="store_true", help="also the torch-engine rows: staged pushes vs disk reload "
                     "of 1.1 GB teachers (11 MB with --quick)")
     args = ap.parse_args()
     rows = [order_row(args.quick, args.rollouts, args.samples)]
     if not args.order_only:
         rows += run(quick=args.quick, repeats=args.repeats, order=False)
     if args.engine:
-        rows.append(engine_row(quick=args.quick, repeats=args.repeats))
+        rows += engine_rows(quick=args.quick, repeats=args.repeats)
     for row in rows:
         print(row["detail"])
         print(f"RESULT {row['name']} ratio={row['ratio']:.3f} target={row['target']} {'PASS' if row['passed'] else 'FAIL'}")

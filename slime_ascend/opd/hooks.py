@@ -98,10 +98,11 @@ def _validate_shared_engine(args: Any, settings: Mapping[str, Any], teachers: Se
 
     if not settings["ascend_opd_switch_engine_urls"]:
         return
-    if settings["ascend_opd_switch_transport"] == "distributed" and settings["ascend_opd_stage_dir"]:
+    transport = settings["ascend_opd_switch_transport"]
+    if transport != "disk" and settings["ascend_opd_stage_dir"]:
         raise SettingsError(
             "opd: ascend_opd_stage_dir is the disk transport's copy of each teacher; with "
-            "ascend_opd_switch_transport: distributed the next teacher is staged in host memory. Fix: unset "
+            f"ascend_opd_switch_transport: {transport} the next teacher is staged in host memory. Fix: unset "
             "ascend_opd_stage_dir, or switch over disk")
     switched = switched_teachers(args, teachers)
     why = architecture_mismatch([(t.name, t.checkpoint_dir) for t in switched]) if len(switched) > 1 else None

@@ -89,9 +89,11 @@ SETTINGS = (
                 isinstance(u, str) and u.startswith(("http://", "https://")) for u in v) else "URLs must be http(s)"),
     Setting("ascend_opd_switch_transport", str, "disk",
             "how a switched teacher reaches its engine: 'disk' (/update_weights_from_disk of the checkpoint, or of "
-            "its copy in ascend_opd_stage_dir) or 'distributed' (staged in host memory while the current teacher "
+            "its copy in ascend_opd_stage_dir), 'distributed' (staged in host memory while the current teacher "
             "scores, pushed over the engine's weight-update group: /init_weights_update_group + "
-            "/update_weights_from_distributed, slime's own sync path)", choices=("disk", "distributed")),
+            "/update_weights_from_distributed, slime's own sync path) or 'tensor' (staged in shared memory, handed "
+            "to the engine by /update_weights_from_tensor, slime's colocated path: the engines on the pool's host)",
+            choices=("disk", "distributed", "tensor")),
     Setting("ascend_opd_switch_backend", str, "gloo",
             "distributed transport: the group's backend; gloo broadcasts from host memory, nccl/hccl need the pool's "
             "process on the device", choices=("gloo", "nccl", "hccl")),

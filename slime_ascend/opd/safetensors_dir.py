@@ -67,12 +67,14 @@ def read_safetensors_dir(
     ckpt_dir: Path | str,
     *,
     pin_memory: bool = False,
+    share_memory: bool = False,
     key_map: Callable[[str], str | None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Read every tensor of a checkpoint directory into fresh host memory.
 
     The data is copied out of safetensors' memory map into newly allocated (pinned when
-    ``pin_memory``) tensors, so the returned dict is fully resident and independent of the file.
+    ``pin_memory``; in shared memory, as torch's sharing strategy makes it, when ``share_memory``) tensors, so
+    the returned dict is fully resident and independent of the file.
     ``key_map`` renames keys (return None to skip one). Returns ``(state, total_bytes)``.
     """
     from safetensors import safe_open
@@ -92,6 +94,8 @@ def read_safetensors_dir(
                     raise ValueError(f"duplicate tensor {name!r} in {f}")
                 src = sf.get_tensor(k)  # lazily mmapped; force the read with an explicit copy
                 dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin_memory)
+                if share_memory:
+                    dst.share_memory_()
                 dst.copy_(src)
                 del src
                 state[name] = dst

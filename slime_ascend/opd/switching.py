@@ -180,7 +180,11 @@ class _PoolSwitcher:
 
     def __init__(self, teachers: Sequence[TeacherSpec], settings: Mapping[str, Any], student: Mapping[str, Any]):
         urls = list(settings["ascend_opd_switch_engine_urls"])
-        if settings["ascend_opd_switch_transport"] == "distributed":
+        if settings["ascend_opd_switch_transport"] == "tensor":
+            from .push_loader import TensorPushLoader
+
+            factory = functools.partial(TensorPushLoader, urls)
+        elif settings["ascend_opd_switch_transport"] == "distributed":
             from .push_loader import DistributedPushLoader
 
             factory = functools.partial(

@@ -138,7 +138,7 @@ def torch_engine_process_start() -> None:
     """slime's train actors pickle the colocated push (``update_weights_from_tensor``) with torch's sharing
     strategy; set ``file_system`` there so the torch engine, not a child of theirs, can open the tensors."""
     from .. import _import_hooks
-    from .tensor_sharing import use_file_system_sharing
+    from slime_ascend.weight_sync.tensor_sharing import use_file_system_sharing
 
     _import_hooks.when_imported("slime.backends.megatron_utils.update_weight.update_weight_from_tensor",
                                 use_file_system_sharing)

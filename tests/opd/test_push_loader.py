@@ -1,6 +1,7 @@
-"""Teacher switching over the engine's weight-update group (``ascend_opd_switch_transport: distributed``): the
-pool stages the next teacher in host memory and the switch pushes it to a real torch engine (another process,
-slime's rank layout), which then serves that teacher's weights exactly."""
+"""Teacher switching by pushed weights: over the engine's weight-update group (``ascend_opd_switch_transport:
+distributed``, slime's rank layout) or as shared-memory handles (``tensor``, slime's colocated push): the pool
+stages the next teacher in host memory and the switch pushes it to a real torch engine (another process), which
+then serves that teacher's weights exactly."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 
 from slime_ascend.demo.slime_job import make_model, start_engine, stop
 from slime_ascend.opd.pool import TeacherLoadError, TeacherPool
-from slime_ascend.opd.push_loader import DistributedPushLoader, buckets
+from slime_ascend.opd.push_loader import DistributedPushLoader, TensorPushLoader, buckets
 from slime_ascend.opd.safetensors_dir import read_safetensors_dir
+from slime_ascend.opd.teachers import parse_teachers
 from slime_ascend.rollout.torch_engine.model import load_model, score_tokens
 
 TOKENS = [5, 17, 99, 3, 250, 64, 7, 18]
@@ -44,13 +46,15 @@ def test_buckets_keep_order_and_size():
 
 
 @pytest.mark.slow
-def test_switches_push_each_teacher_into_the_engine_from_host_memory(tmp_path):
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_switches_push_each_teacher_into_the_engine_from_host_memory(tmp_path, transport):
     student = make_model(tmp_path / "student", seed=0)
     teachers = {name: make_model(tmp_path / name, seed=seed) for name, seed in (("math", 1), ("code", 2))}
     other_shape = make_model(tmp_path / "wide", seed=3, config_overrides={"intermediate_size": 96})
     engine = start_engine(student, tmp_path / "engine.log")
     try:
-        loader = DistributedPushLoader(engine.url, bucket_bytes=64 << 10)  # several buckets a teacher
+        loader_class = {"distributed": DistributedPushLoader, "tensor": TensorPushLoader}[transport]
+        loader = loader_class(engine.url, bucket_bytes=64 << 10)  # several buckets a teacher
         specs = [{"name": n, "checkpoint_dir": str(d), "domains": [n]} for n, d in teachers.items()]
         specs.append({"name": "wide", "checkpoint_dir": str(other_shape), "domains": ["wide"]})
         one_teacher = read_safetensors_dir(teachers["math"])[1]
@@ -74,6 +78,12 @@ def test_switches_push_each_teacher_into_the_engine_from_host_memory(tmp_path):
             assert _version(engine.url) == "opd:math:3"
             assert torch.allclose(_served_log_probs(engine.url), score_tokens(load_model(teachers["math"]), TOKENS),
                                   atol=1e-5)
-        assert "switched to weight version opd:code:2 from" in engine.log.read_text()
+        log = engine.log.read_text()
+        if transport == "distributed":
+            assert "switched to weight version opd:code:2 from" in log
+        else:  # the staged teacher sits in shared memory, so the push hands the engine handles, not bytes
+            assert "loaded weight version opd:code:2 from" in log and "update_weights_from_tensor" in log
+            staged = loader.stage(parse_teachers(specs[:1])[0])
+            assert staged.payload and all(t.is_shared() for t in staged.payload.values())
     finally:
         stop(engine.proc)

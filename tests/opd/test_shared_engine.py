@@ -77,10 +77,11 @@ def test_parse_args_refuses_switched_teachers_of_two_architectures_in_one_line(t
     _validate_shared_engine(args, {"ascend_opd_switch_engine_urls": []}, mixed)  # no pool-switched engine
 
 
-def test_a_stage_dir_with_the_distributed_transport_is_refused_in_one_line(teachers, tmp_path):
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_a_stage_dir_with_a_host_memory_transport_is_refused_in_one_line(teachers, tmp_path, transport):
     specs, _, _ = teachers
     settings = {"ascend_opd_switch_engine_urls": ["http://127.0.0.1:30001"], "ascend_opd_switch_transport":
-                "distributed", "ascend_opd_stage_dir": str(tmp_path / "stage")}
+                transport, "ascend_opd_stage_dir": str(tmp_path / "stage")}
     with pytest.raises(SettingsError) as err:
         _validate_shared_engine(types.SimpleNamespace(), settings, parse_teachers(specs))
     assert "\n" not in str(err.value) and "Fix: unset ascend_opd_stage_dir" in str(err.value)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ..sglang_protocol import RequestError, check_weight_version
-from ..tensor_sharing import use_file_system_sharing
+from slime_ascend.weight_sync.tensor_sharing import use_file_system_sharing
 from . import model as reference_model
 
 __all__ = ["TensorUpdate", "TensorUnpickler", "decode_named_tensors", "use_file_system_sharing"]
