@@ -11,7 +11,8 @@ on 127.0.0.1:
 A third job puts three teachers (``math``, ``code``, ``chat``) on the switched engine alone, every rollout needing
 all three, switched over the engine's weight-update group (``ascend_opd_switch_transport: distributed``: staged in
 host memory, pushed with ``/update_weights_from_distributed``): the engine's own log shows each pushed at most once
-a rollout.
+a rollout. The top-k job switches its one switched teacher over ``ascend_opd_switch_transport: tensor`` (staged in
+shared memory, handed over by ``/update_weights_from_tensor``).
 
 Prompts alternate between the ``math`` and ``code`` domains (``metadata.domain``). The task reward is
 slime's own ``--rm-type random`` (through ``ascend_opd_task_rm_path: slime_rule_reward``), so the
@@ -344,26 +345,34 @@ def test_train_py_opd_topk_mode(models, engines, tmp_path):
     """``ascend_opd_mode: topk``: the teacher's top-k ids and log-probs travel from the RolloutManager to the
     train actor in each sample's train_metadata (rollout.forward_metadata), into slime's loss batch
     (train.loss_batch_metadata), and the loss adds coef_t * the top-k corrected reverse KL; the advantage is
-    the task term only. Two teachers on one engine with different coefficients (1.0 and 0.5)."""
+    the task term only. Two teachers of one checkpoint with different coefficients (1.0 and 0.5): ``math`` behind
+    its URL, ``code`` on the switched engine (started on the student's checkpoint), which the pool switches over
+    ``ascend_opd_switch_transport: tensor`` (staged in shared memory, handed over by
+    ``/update_weights_from_tensor``); both engines then serve the same weights, so every top-k is checked against
+    the math engine."""
     import torch
 
     teachers = [
         {"name": "math", "checkpoint_dir": str(models["math"]), "domains": ["math"], "coef": COEFS["math"],
          "url": engines["math"].url},
-        {"name": "code", "checkpoint_dir": str(models["math"]), "domains": ["code"], "coef": COEFS["code"],
-         "url": engines["math"].url},
+        {"name": "code", "checkpoint_dir": str(models["math"]), "domains": ["code"], "coef": COEFS["code"]},
     ]
-    config = _write_config(tmp_path, teachers, engines["switch"].url, tmp_path / "teacher-stage")
+    config = _write_config(tmp_path, teachers, engines["switch"].url, None, transport="tensor")
     import yaml
 
     cfg = yaml.safe_load(config.read_text())
     assert cfg["loss_type"] == "custom_loss" and cfg["custom_loss_function_path"] == "slime_ascend.hooks.loss_function"
-    cfg.update({"ascend_opd_mode": "topk", "ascend_opd_topk": TOPK, "ascend_opd_switch_engine_urls": []})
+    cfg.update({"ascend_opd_mode": "topk", "ascend_opd_topk": TOPK})
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     run, dumps = _run_train_py(models, engines, tmp_path, config)
     print(f"slime train.py with cpu+opd (topk): {run.seconds:.1f} s")
     for patch_id in ("rollout.forward_metadata", "train.rollout_log_metadata", "train.loss_batch_metadata"):
         assert f"applied runtime patch {patch_id}" in run.log, patch_id
+    # the switched engine took the code teacher once, handed over in shared memory, never from disk
+    switch_log = engines["switch"].log.read_text()
+    loads = re.findall(r"loaded weight version (\S+) from ([^\n]*)", switch_log)  # every load, disk ones too
+    assert len(loads) == 1 and loads[0][0] == "opd:code:1", switch_log[-3000:]
+    assert re.match(r"\d+ buckets of update_weights_from_tensor", loads[0][1]), loads
 
     # ---- slime's train dump: each sample's payload is the routed teacher's top-k for exactly its tokens,
     # and the advantage is the GRPO task advantage alone (the teacher signal is in the loss)
