@@ -74,6 +74,7 @@ from slime_ascend.demo.slime_job import (
     make_prompts,
     parse_rollout_metrics,
     plugin_flags,
+    ray_start_timed_out,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -270,6 +271,14 @@ def test_the_rewrites_of_the_docstring_are_the_ones_checked():
 def test_recipe_runs_one_rollout_in_slimes_loop(name, standin_root, tmp_path):
     recipe, done = _run_recipe(name, standin_root, tmp_path)
     log = done.stdout + done.stderr
+    if done.returncode != 0 and ray_start_timed_out(log):
+        # Ray's raylet has a fixed 30 s to register on the job's first Ray call; on a loaded 2-core host it can miss
+        # it before anything of slime's job ran (as slime_job.run_slime does: the recipe once more, from scratch)
+        print(f"{name}: Ray's local cluster did not start within its fixed 30 s (a loaded host); running it again")
+        tmp_path = tmp_path / "again"
+        tmp_path.mkdir()
+        recipe, done = _run_recipe(name, standin_root, tmp_path)
+        log = done.stdout + done.stderr
     assert done.returncode == 0, log[-8000:]
     check_recipe_run(name, recipe, tmp_path, log)
 
