@@ -54,7 +54,26 @@ def test_the_slime_loop_tests_are_slow_and_ci_runs_both_parts():
             assert "mark.slow" in path.read_text(), f"{path.relative_to(TESTS)}: a slime_loop test is slow too"
     ci = CI.read_text()
     assert 'run_part loop1 "slime_loop" $lane1 &' in ci and 'run_part loop2 "slime_loop" "${lane2_args[@]}" &' in ci
-    assert 'run_part rest "not slime_loop" &' in ci and 'lane2_args+=("--ignore=$module")' in ci
+    assert 'run_part rest "not slime_loop" ||' in ci and 'run_part loop3 "slime_loop" $lane3 ||' in ci
+    assert "rest_then_lane3 &" in ci and 'for module in $lane1 $lane3; do lane2_args+=("--ignore=$module"); done' in ci
+    # every part's exit status decides CI's
+    assert '[ "${rcs[0]}" = 0 ] && [ "${rcs[1]}" = 0 ] && [ "${rcs[2]}" = 0 ] && [ "${rcs[3]}" = 0 ]' in ci
+
+
+def _lane(name: str) -> set[str]:
+    match = re.search(rf'^{name}="([^"]*)"', CI.read_text(), re.M)
+    assert match, f".ci/run: no {name}=\"...\" list"
+    return set(match.group(1).split())
+
+
+def test_lane_3_runs_slime_loop_modules_that_start_no_slime_managed_engines():
+    """Lane 3 runs beside lanes 1 and 2, so it holds no module that starts slime-managed engines, and none of lane 1."""
+    root = TESTS.parent
+    lane3 = _lane("lane3")
+    assert lane3 and all((root / m).is_file() for m in lane3), lane3
+    assert not lane3 & _lane("lane1")
+    for module in lane3:
+        assert _marked(root / module) and not _marked(root / module, "slime_managed_engines"), module
 
 
 def test_every_module_that_starts_slime_managed_engines_is_marked_and_in_lane_1():
