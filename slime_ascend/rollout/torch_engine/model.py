@@ -39,6 +39,7 @@ __all__ = [
     "load_tokenizer",
     "read_checkpoint",
     "read_config",
+    "refuse_non_finite",
     "read_regular_file",
     "RouteRecorder",
     "save_model",
@@ -360,13 +361,18 @@ def validate_state_dict(
     if bad_dtypes:
         raise ValueError(f"weights in {source} have wrong dtypes: {'; '.join(bad_dtypes[:5])}")
     if check_finite:
-        for k, tensor in state.items():
-            if tensor.is_floating_point() and not all_finite(tensor):
-                bad = int((~torch.isfinite(tensor)).sum())
-                raise ValueError(
-                    f"weights in {source}: tensor {k!r} has {bad} non-finite (NaN/inf) values in "
-                    f"{str(tensor.dtype).replace('torch.', '')}; refusing to load them"
-                )
+        refuse_non_finite(state, source)
+
+
+def refuse_non_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """ValueError naming the first floating tensor of ``state`` with NaN/inf values (and how many it holds)."""
+    for k, tensor in state.items():
+        if tensor.is_floating_point() and not all_finite(tensor):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(
+                f"weights in {source}: tensor {k!r} has {bad} non-finite (NaN/inf) values in "
+                f"{str(tensor.dtype).replace('torch.', '')}; refusing to load them"
+            )
 
 
 def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:

@@ -68,7 +68,7 @@ from slime_ascend.weight_sync.update_group import DEFAULT_TIMEOUT_S, join_group
 from slime_ascend.weight_sync.wire import wire_view
 
 from .dump_dir import check_dump_dir, private_subdir, replace_file
-from .model import all_finite
+from .model import all_finite, refuse_non_finite  # noqa: F401  (all_finite: this module's name for it)
 
 __all__ = ["DEFAULT_TIMEOUT_S", "WIRE_DTYPES", "WeightGroup", "WeightGroupReceiver", "join_group", "wire_view"]
 
@@ -79,16 +79,6 @@ WIRE_DTYPES = {name: getattr(torch, name) for name in (
     "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
     "float8_e4m3fn", "float8_e5m2")}
 SUPPORTED_BACKENDS = ("gloo",)
-
-
-def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
-    """ValueError naming the first floating tensor of ``state`` with NaN/inf values (the words of
-    ``model.validate_state_dict``'s check, which this replaces for a pushed version)."""
-    for k, tensor in state.items():
-        if tensor.is_floating_point() and not all_finite(tensor):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise ValueError(f"weights in {source}: tensor {k!r} has {bad} non-finite (NaN/inf) values in "
-                             f"{str(tensor.dtype).replace('torch.', '')}; refusing to load them")
 
 
 def _keeps_finite(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -414,8 +404,9 @@ class WeightGroupReceiver:
                          else v for k, v in state.items()}
             from . import model as reference_model
 
+            # finiteness on the tensors as pushed (per expert), not on the model's stacked layout
             reference_model.validate_state_dict(engine.model, state, source=source, check_finite=False)
-            check_finite(state, source)
+            refuse_non_finite(state, source)
             with engine._update_lock:
                 check_released = getattr(engine, "_check_weights_present", None)
                 if check_released is not None:  # the weights were released (--colocate offload): no swap into them
