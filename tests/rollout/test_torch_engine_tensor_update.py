@@ -92,18 +92,11 @@ def test_buckets_switch_the_version_once_complete(file_system_sharing):
 
 def push_list(url: str, named, version: str) -> httpx.Response:
     """One bucket as a list of (name, tensor) pairs (SGLang's format without load_format), pickled as
-    MultiprocessingSerializer does: torch's ForkingPickler, base64."""
-    import base64
-    import io
+    MultiprocessingSerializer does (weight_sync.tensor_sharing.serialize_named_tensors)."""
+    from slime_ascend.weight_sync.tensor_sharing import serialize_named_tensors
 
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reducers with ForkingPickler)
-
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(list(named))
     return HTTP.post(f"{url}/update_weights_from_tensor", json={
-        "serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()], "flush_cache": False,
+        "serialized_named_tensors": [serialize_named_tensors(named)], "flush_cache": False,
         "weight_version": version})
 
 
