@@ -32,7 +32,7 @@ reproduce, from slime's own output:
   them; the engine loaded every push in fp8-block.
 
 CI runs the one-rank run and TP 2 x EP 2 (:data:`CI_LAYOUTS`); EP 2 alone passed the same checks (numbers below) and
-runs with ``SLIME_ASCEND_ALL_LAYOUTS=1``: the four-rank layout runs expert parallelism 2 too, and CI's time is
+runs with ``SLIME_ASCEND_ALL_CASES=1``: the four-rank layout runs expert parallelism 2 too, and CI's time is
 spent where the evidence is new.
 
 The experts live on two EP ranks and Megatron's all-to-all dispatcher moves the tokens over gloo; at TP 2 x EP 2 the
@@ -326,8 +326,8 @@ LAYOUTS = {
 
 
 # CI runs the four-rank layout, which runs EP 2 too (EP 2 carved out of DP 2, TP 2 beside it); EP 2 alone (two ranks)
-# passed the same checks (module docstring) and runs with SLIME_ASCEND_ALL_LAYOUTS=1 (CI time: 71 s a run)
-CI_LAYOUTS = list(LAYOUTS) if os.environ.get("SLIME_ASCEND_ALL_LAYOUTS") == "1" else ["tp2-ep2"]
+# passed the same checks (module docstring) and runs with SLIME_ASCEND_ALL_CASES=1 (CI time: 71 s a run)
+CI_LAYOUTS = list(LAYOUTS) if os.environ.get("SLIME_ASCEND_ALL_CASES") == "1" else ["tp2-ep2"]
 
 
 @pytest.mark.parametrize("layout", CI_LAYOUTS)

@@ -32,8 +32,10 @@ SCRIPT = textwrap.dedent("""
     from slime_ascend.rollout.torch_engine.tensor_update import decode_named_tensors
 
     iterator = importlib.import_module(MODULE)
+    # what the sync plugins push: bf16, int8 (int8-sync) and float8 (fp8-sync) weights with float32 scales
     named = [("a.weight", torch.randn(4, 3).to(torch.bfloat16)), ("a.weight_scale", torch.rand(4, 1)),
-             ("b.weight", torch.randint(-127, 128, (2, 8), dtype=torch.int8))]
+             ("b.weight", torch.randint(-127, 128, (2, 8), dtype=torch.int8)),
+             ("c.weight", (torch.randn(3, 8) * 100).to(torch.float8_e4m3fn)), ("c.weight_scale_inv", torch.rand(1, 1))]
 
     def serialize():
         bucket = FlattenedTensorBucket(named_tensors=named)
@@ -76,7 +78,8 @@ def test_slime_colocated_bucket_serialises_after_sglangs_reducer():
     assert out["plain"] is True
     assert out["unpatched"] == "IndexError: tuple index out of range", out  # the blocker on the host
     assert out["verify"] == []
-    assert out["names"] == ["a.weight", "a.weight_scale", "b.weight"] and out["same_bytes"] is True, out
+    assert out["names"] == ["a.weight", "a.weight_scale", "b.weight", "c.weight", "c.weight_scale_inv"], out
+    assert out["same_bytes"] is True, out
     assert out["cuda_goes_to_sglang"] is True and out["wrapped_once"] is True, out
 
 
