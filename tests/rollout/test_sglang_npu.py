@@ -206,3 +206,72 @@ def test_rollout_routing_replay_behind_the_pypi_router_is_refused_at_validation(
                                       "0.3.2") and "\n" not in str(info.value), str(info.value)
     monkeypatch.setattr("slime_ascend.rollout.replay_routes.router_version", lambda: "0.3.2+slime")
     sglang_npu.validate_plugin(args, None)
+
+
+def test_installed_sglang_has_the_speculative_rules_sglang_npu_stands_for():
+    assert sglang_npu.check_speculative_rules() == []
+
+
+def test_speculative_rules_check_can_fail(monkeypatch):
+    real = sglang_npu._module_source
+    monkeypatch.setattr(sglang_npu, "_module_source", lambda name: (
+        real(name).replace("_PAGE_TREE_SPEC_BACKENDS = (", "_PAGE_TREE_SPEC_BACKENDS = (\"ascend\", ")
+        if name == "sglang.srt.arg_groups.speculative_hook" else real(name)))
+    problems = sglang_npu.check_speculative_rules()
+    assert len(problems) == 1 and problems[0].startswith("a draft tree with pages needs flashinfer"), problems
+
+
+def _speculative_args(**flags):
+    base = {"use_rollout_routing_replay": False, "rollout_external_engine_addrs": None,
+            "sglang_speculative_algorithm": None, "sglang_speculative_eagle_topk": None, "sglang_page_size": None}
+    return argparse.Namespace(**{**base, **flags})
+
+
+@pytest.mark.parametrize("flags", [
+    {},  # no speculation
+    # slime's scripts/run-glm5-744B-A40B.sh: EAGLE over the model's MTP layer, a chain of drafts (top-k 1)
+    {"sglang_speculative_algorithm": "EAGLE", "sglang_speculative_eagle_topk": 1},
+    {"sglang_speculative_algorithm": "NEXTN", "sglang_speculative_eagle_topk": None},  # SGLang picks the shape
+    {"sglang_speculative_algorithm": "EAGLE", "sglang_speculative_eagle_topk": 4, "sglang_page_size": 1},
+])
+def test_speculative_flags_sglang_runs_on_ascend_pass(flags):
+    sglang_npu.validate_plugin(_speculative_args(**flags), None)
+
+
+@pytest.mark.parametrize("flags, start", [
+    ({"sglang_speculative_algorithm": "EAGLE", "sglang_speculative_eagle_topk": 2},
+     "sglang-npu: --sglang-speculative-eagle-topk 2: on Ascend SGLang attends with its 'ascend' backend at page size "
+     "128 (SGLang's NPU default)"),
+    ({"sglang_speculative_algorithm": "EAGLE3", "sglang_speculative_eagle_topk": 8, "sglang_page_size": 16},
+     "sglang-npu: --sglang-speculative-eagle-topk 8: on Ascend SGLang attends with its 'ascend' backend at page size "
+     "16 (--sglang-page-size)"),
+    ({"sglang_speculative_algorithm": "NGRAM"}, "sglang-npu: --sglang-speculative-algorithm NGRAM: SGLang runs n-gram"),
+])
+def test_speculative_flags_sglang_refuses_on_ascend_are_one_line_before_ray(flags, start):
+    """What SGLang on Ascend raises at the engine's start (SPECULATIVE_RULES, read from its source above) is one line
+    naming the flag and the fix at parse_args."""
+    from slime_ascend.plugins.settings import SettingsError
+
+    with pytest.raises(SettingsError) as info:
+        sglang_npu.validate_plugin(_speculative_args(**flags), None)
+    line = str(info.value)
+    assert line.startswith(start) and "\n" not in line and "Fix: " in line, line
+
+
+@pytest.mark.slime
+def test_slimes_parse_args_refuses_a_draft_tree_on_ascend_in_one_line(tmp_path):
+    """slime's own parse_args, with the npu and sglang-npu plugins and the speculative flags of slime's GLM-5 script
+    but a draft tree (top-k 2): one line and exit 2 before Ray starts; top-k 1, as the script has it, parses."""
+    import slime_parse_args
+
+    release = ("--release-train", "--update-weight-transport", "disk", "--update-weight-disk-dir",
+               str(tmp_path / "sync"), "--save", str(tmp_path / "ckpt"))
+    speculative = ("--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
+                   "--sglang-speculative-num-draft-tokens", "4", "--sglang-speculative-eagle-topk")
+    proc = slime_parse_args.parse_args(tmp_path, ["npu", "sglang-npu"], *release, *speculative, "2")
+    lines = slime_parse_args.error_lines(proc)
+    assert proc.returncode == 2 and "PARSED" not in proc.stdout and len(lines) == 1, (lines, proc.stderr[-3000:])
+    assert lines[0].startswith("slime-ascend: error: sglang-npu: --sglang-speculative-eagle-topk 2: on Ascend "), lines
+    assert "Traceback" not in proc.stderr
+    proc = slime_parse_args.parse_args(tmp_path, ["npu", "sglang-npu"], *release, *speculative, "1")
+    assert proc.returncode == 0 and "PARSED" in proc.stdout, proc.stderr[-3000:]

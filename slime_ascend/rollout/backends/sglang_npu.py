@@ -15,7 +15,8 @@ Both reach the engine through the runtime patch ``engine.sglang_npu_launch`` (in
 process start by this plugin); the HCCL port ranges also reach the train actors (``train.hccl_port_env``, as
 each starts), since CANN wants every card of a communicator to set them if one does. :func:`validate_server_args` checks produced arguments against the
 installed SGLang; :func:`check_sglang_fixes` checks that the installed SGLang contains the
-engine fixes slime's NPU fork had to patch in (``docker/npu_patch/sglang.patch``).
+engine fixes slime's NPU fork had to patch in (``docker/npu_patch/sglang.patch``); :func:`speculative_problem` refuses,
+at ``parse_args``, the speculative flags SGLang on Ascend would refuse at the engine's start.
 """
 
 from __future__ import annotations
@@ -344,6 +345,62 @@ def check_sglang_fixes() -> list[str]:
     return problems
 
 
+# -- speculative decoding on Ascend ---------------------------------------------------------------
+# SGLang's own rules, read from the installed SGLang (0.5.15.post1): on ``device=npu`` it pins the attention backends to
+# ``ascend`` and the page size to 128 unless one is given (``_handle_npu_backends`` -> ``set_default_server_args``,
+# before the speculative hook runs), then refuses a draft tree (``--speculative-eagle-topk`` above 1) with pages above
+# one token on any backend but flashinfer / fa3 / triton, and n-gram speculation off CUDA. Each refusal is a
+# ValueError at the engine's start, after Ray, the train actors and the engines' placement; here it is one line in
+# ``parse_args``. (module, snippet that must be in its source) for each rule, checked by
+# :func:`check_speculative_rules` against the installed SGLang.
+NPU_DEFAULT_PAGE_SIZE = 128
+SPECULATIVE_RULES: tuple[tuple[str, str, str], ...] = (
+    ("NPU pins the attention backend to ascend", "sglang.srt.hardware_backend.npu.utils",
+     'args.attention_backend = "ascend"'),
+    ("NPU's default page size", "sglang.srt.hardware_backend.npu.utils",
+     f"args.page_size = {NPU_DEFAULT_PAGE_SIZE}"),
+    ("a draft tree with pages needs flashinfer, fa3 or triton", "sglang.srt.arg_groups.speculative_hook",
+     '_PAGE_TREE_SPEC_BACKENDS = ("flashinfer", "fa3", "triton")'),
+    ("n-gram speculation is CUDA-only", "sglang.srt.arg_groups.speculative_hook",
+     'raise ValueError("Ngram speculative decoding only supports CUDA device.")'),
+)
+
+
+def check_speculative_rules() -> list[str]:
+    """The rules :func:`speculative_problem` stands for that the installed SGLang no longer has (read from source)."""
+    problems: list[str] = []
+    for what, module_name, snippet in SPECULATIVE_RULES:
+        source = _module_source(module_name)
+        if source is None:
+            problems.append(f"{what}: {module_name} not found in the installed sglang")
+        elif snippet not in source:
+            problems.append(f"{what}: {module_name} lacks {snippet!r} (re-read SGLang's rule and update sglang-npu)")
+    return problems
+
+
+def speculative_problem(args: Any) -> str | None:
+    """What SGLang on Ascend would refuse at the engine's start of slime's ``--sglang-speculative-*`` flags
+    (:data:`SPECULATIVE_RULES`), as one line with its fix; None when nothing. Reads slime's command line (not a
+    per-group ``--sglang-config`` override)."""
+    algorithm = getattr(args, "sglang_speculative_algorithm", None)
+    if not algorithm:
+        return None
+    if str(algorithm).upper() == "NGRAM":
+        return ("--sglang-speculative-algorithm NGRAM: SGLang runs n-gram speculation on CUDA only (it refuses it at "
+                "the engine's start on device npu). Fix: --sglang-speculative-algorithm EAGLE (or NEXTN) with the "
+                "model's MTP layer, as slime's GLM-5 scripts pass, or drop the flag")
+    topk = getattr(args, "sglang_speculative_eagle_topk", None)
+    page_size = getattr(args, "sglang_page_size", None)
+    page_size = NPU_DEFAULT_PAGE_SIZE if page_size is None else int(page_size)
+    if topk is not None and int(topk) > 1 and page_size > 1:
+        given = "--sglang-page-size" if getattr(args, "sglang_page_size", None) is not None else "SGLang's NPU default"
+        return (f"--sglang-speculative-eagle-topk {topk}: on Ascend SGLang attends with its 'ascend' backend at page "
+                f"size {page_size} ({given}), and a draft tree (top-k above 1) with pages above one token needs "
+                "flashinfer, fa3 or triton: SGLang would refuse it at the engine's start. Fix: "
+                "--sglang-speculative-eagle-topk 1 (what slime's GLM-5 scripts pass)")
+    return None
+
+
 # -- plugin hooks -----------------------------------------------------------------------------
 def validate_plugin(args: Any, settings: Any) -> None:
     """Plugin-level check at first use (RolloutManager, train actors)."""
@@ -364,5 +421,8 @@ def validate_plugin(args: Any, settings: Any) -> None:
     hccl = hccl_problem(args, runtime.environ())
     if hccl:
         problems.append(hccl.removeprefix("sglang-npu: "))
+    speculative = speculative_problem(args)
+    if speculative:
+        problems.append(speculative)
     if problems:
         raise SettingsError("sglang-npu: " + "; ".join(problems))
