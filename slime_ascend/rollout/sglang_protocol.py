@@ -7,7 +7,8 @@ serves it. Endpoints (the ones slime's rollout, external-engine discovery and we
 
 * ``POST /generate``; ``GET|POST /health``, ``/health_generate``
 * ``GET /server_info``, ``/get_server_info``, ``/get_model_info``, ``/model_info``, ``/get_weight_version``,
-  ``/v1/loads``
+  ``/v1/loads``; ``/get_load`` (SGLang's legacy projection of ``/v1/loads``, :func:`legacy_load`, which
+  sglang-router's ``power_of_two`` policy polls) for an engine with a ``get_load`` method (the torch engine)
 * ``POST /update_weights_from_disk``, ``/pause_generation``, ``/continue_generation``, ``/abort_request``
 * ``GET|POST /flush_cache``; ``POST /release_memory_occupation``, ``/resume_memory_occupation`` (a no-op
   for an engine without them), ``/post_process_weights`` (a no-op)
@@ -33,11 +34,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 __all__ = ["HeldAnswer", "ONE_SERVER_INFO", "RequestError", "SGLangEngine", "WORK_PATHS", "abort_matches",
-           "check_generate_keys", "check_positive_ints", "check_weight_version", "next_weight_version", "routes"]
+           "check_generate_keys", "check_positive_ints", "check_weight_version", "legacy_load", "next_weight_version",
+           "routes"]
 
 # the routes that start engine work (a server keeps a reserve of connections for the others: control calls)
 WORK_PATHS = frozenset({"/generate", "/classify"})
@@ -181,6 +184,19 @@ def check_generate_keys(payload: Any, supported: set[str] | frozenset[str], engi
             )
 
 
+
+def legacy_load(loads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``/v1/loads``' per-DP-rank entries as SGLang 0.5.15's legacy ``/get_load`` projects them
+    (``sglang/srt/entrypoints/http_server.py`` ``get_load``): ``num_reqs`` running plus waiting, ``num_tokens`` the
+    KV tokens used plus pending (``num_total_tokens``), ``num_pending_tokens`` the pending ones, ``ts_tic`` a
+    ``perf_counter`` stamp. sglang-router's load monitor polls it for ``power_of_two`` and reads ``num_tokens``."""
+    ts = time.perf_counter()
+    return [{"dp_rank": load["dp_rank"], "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+             "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["num_total_tokens"],
+             "num_pending_tokens": load["num_total_tokens"] - load["num_used_tokens"], "ts_tic": ts}
+            for load in loads]
+
+
 def routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[int, Any]]]:
     """``(method, path) -> handler(body) -> (status, answer)`` for ``engine``; a handler with ``needs_client``
     also takes the server's disconnect probe."""
@@ -272,6 +288,9 @@ def routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[in
         group_call = getattr(engine, path[1:], None)  # the torch engine (torch_engine/weight_group.py): the body
         if group_call is not None:
             table[("POST", path)] = lambda body, call=group_call: ok(call(body))
+    get_load = getattr(engine, "get_load", None)
+    if get_load is not None:
+        table[("GET", "/get_load")] = lambda body: ok(get_load())
     read_weights = getattr(engine, "get_weights_by_name", None)
     if read_weights is not None:  # the torch engine (torch_engine/weight_read.py); SGLang serves GET and POST
         for method in ("GET", "POST"):

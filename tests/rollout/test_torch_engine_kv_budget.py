@@ -61,3 +61,48 @@ def test_a_request_above_the_whole_budget_runs_alone():
 def test_the_budget_must_be_positive():
     with pytest.raises(ValueError, match="max_total_tokens"):
         TorchEngine(max_total_tokens=0)
+
+
+def test_loads_report_reserved_and_waiting_tokens_without_a_budget_and_get_load_projects_them():
+    """Without --max-total-tokens nothing waits for room, but /v1/loads still counts the running requests' reservations
+    (num_used_tokens) and, with the waiting ones', num_total_tokens; /get_load is SGLang's projection of it."""
+    engine = TorchEngine()
+    seen = []
+    engine_forward = engine._forward
+
+    def watched(*a, **k):
+        if not seen:
+            seen.append((engine.loads()["loads"][0], engine.get_load()[0]))
+        return engine_forward(*a, **k)
+
+    engine._forward = watched
+    engine.generate({"input_ids": list(range(3, 13)), "sampling_params": {"max_new_tokens": 7, "ignore_eos": True}})
+    (load, legacy), = seen
+    assert load["num_used_tokens"] == load["num_total_tokens"] == 17 and "max_total_num_tokens" not in load, load
+    assert {k: v for k, v in legacy.items() if k != "ts_tic"} == {
+        "dp_rank": 0, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 17, "num_pending_tokens": 0}, legacy
+    assert engine.loads()["loads"][0]["num_used_tokens"] == 0 and engine.get_load()[0]["num_tokens"] == 0
+
+
+def test_get_load_counts_a_waiting_request_as_pending():
+    engine = TorchEngine(max_total_tokens=100)
+    engine_forward = engine._forward
+    seen = []
+
+    def watched(*a, **k):  # a runs (90 reserved); b waits for room (60 pending)
+        with engine._state:
+            waiting = len(engine._live) - len(engine._running)
+        if waiting and not seen:
+            seen.append(engine.get_load()[0])
+        return engine_forward(*a, **k)
+
+    engine._forward = watched
+    out = {}
+    threads = [_generate_in_thread(engine, list(range(3, 13)), 80, out, "a")]
+    time.sleep(0.05)
+    threads.append(_generate_in_thread(engine, list(range(3, 14)), 49, out, "b"))
+    for t in threads:
+        t.join(120)
+    (legacy,) = seen
+    assert legacy["num_reqs"] == 2 and legacy["num_waiting_reqs"] == 1, legacy
+    assert legacy["num_tokens"] == 150 and legacy["num_pending_tokens"] == 60, legacy

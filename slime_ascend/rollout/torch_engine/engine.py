@@ -89,6 +89,7 @@ from slime_ascend.rollout.torch_engine.weight_read import (DEFAULT_MAX_WEIGHT_AN
                                                            DEFAULT_MAX_WEIGHT_VALUES, WeightRead)
 from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
+                                                  legacy_load,
                                                   check_positive_ints, check_weight_version, next_weight_version)
 from slime_ascend.rollout.speculative import categorical, keep_mask, sampling_distribution, verify
 from slime_ascend.rollout.torch_engine.mtp import MTPDraft, MTPDraftState
@@ -661,16 +662,25 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
     def loads(self) -> dict[str, Any]:
+        """SGLang's ``/v1/loads`` (GetLoadsReqOutput's fields this engine has): requests, and KV tokens as
+        reservations (a running request's prompt plus its ``max_new_tokens``): ``num_used_tokens`` the running
+        requests', ``num_total_tokens`` those plus the waiting requests' (SGLang: used plus pending); the budget
+        (``max_total_num_tokens``, ``token_usage``) under ``--max-total-tokens``."""
         with self._state:
             running, waiting = len(self._running), len(self._live) - len(self._running)
+            used = self._kv_reserved
+            pending = sum(self._kv_cost(req) for key, req in self._live.items() if key not in self._running)
         load: dict[str, Any] = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                                "num_total_reqs": running + waiting}
-        if self.max_total_tokens is not None:  # SGLang's KV fields (GetLoadsReqOutput), of the reservations
-            with self._state:
-                used = self._kv_reserved
-            load.update(max_total_num_tokens=self.max_total_tokens, num_used_tokens=used,
-                        token_usage=used / self.max_total_tokens)
+                                "num_total_reqs": running + waiting, "num_used_tokens": used,
+                                "num_total_tokens": used + pending}
+        if self.max_total_tokens is not None:
+            load.update(max_total_num_tokens=self.max_total_tokens, token_usage=used / self.max_total_tokens)
         return {"loads": [load]}
+
+    def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's legacy ``/get_load``, which sglang-router's load monitor polls for its ``power_of_two`` policy
+        (it reads ``num_tokens``): :meth:`loads` projected as SGLang projects its own."""
+        return legacy_load(self.loads()["loads"])
 
     # ------------------------------------------------------------------ control
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
@@ -964,7 +974,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
 
     @contextlib.contextmanager
     def _admitted(self, req: _Request) -> Iterator[None]:
-        cost = self._kv_cost(req) if self.max_total_tokens is not None else 0
+        cost = self._kv_cost(req)  # reserved whether or not a budget holds requests back: /v1/loads reports it
         with self._state:
             self._check_weights_present("generate")
             if self.max_total_tokens is not None:
