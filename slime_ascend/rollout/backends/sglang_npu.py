@@ -333,16 +333,22 @@ def _module_source(module_name: str) -> str | None:
     return None if path is None else path.read_text(errors="replace")
 
 
-def check_sglang_fixes() -> list[str]:
-    """Fixes from slime's NPU fork missing in the installed SGLang (read from source; imports nothing)."""
+def missing_snippets(expected: tuple[tuple[str, str, str], ...], fix: str) -> list[str]:
+    """Each (what, module, snippet) of ``expected`` whose module the installed SGLang lacks, or whose source lacks
+    the snippet, as one line (``fix`` says what to do about a missing snippet). Reads source; imports nothing."""
     problems: list[str] = []
-    for what, module_name, snippet in SGLANG_FIXES:
+    for what, module_name, snippet in expected:
         source = _module_source(module_name)
         if source is None:
             problems.append(f"{what}: {module_name} not found in the installed sglang")
         elif snippet not in source:
-            problems.append(f"{what}: {module_name} lacks {snippet!r} (apply slime's docker/npu_patch/sglang.patch)")
+            problems.append(f"{what}: {module_name} lacks {snippet!r} ({fix})")
     return problems
+
+
+def check_sglang_fixes() -> list[str]:
+    """Fixes from slime's NPU fork missing in the installed SGLang (read from source; imports nothing)."""
+    return missing_snippets(SGLANG_FIXES, "apply slime's docker/npu_patch/sglang.patch")
 
 
 # -- speculative decoding on Ascend ---------------------------------------------------------------
@@ -368,14 +374,7 @@ SPECULATIVE_RULES: tuple[tuple[str, str, str], ...] = (
 
 def check_speculative_rules() -> list[str]:
     """The rules :func:`speculative_problem` stands for that the installed SGLang no longer has (read from source)."""
-    problems: list[str] = []
-    for what, module_name, snippet in SPECULATIVE_RULES:
-        source = _module_source(module_name)
-        if source is None:
-            problems.append(f"{what}: {module_name} not found in the installed sglang")
-        elif snippet not in source:
-            problems.append(f"{what}: {module_name} lacks {snippet!r} (re-read SGLang's rule and update sglang-npu)")
-    return problems
+    return missing_snippets(SPECULATIVE_RULES, "re-read SGLang's rule and update sglang-npu")
 
 
 def speculative_problem(args: Any) -> str | None:
