@@ -103,10 +103,17 @@ def test_call_within_returns_the_value_or_the_error_and_a_real_ctrl_c_still_stop
     assert isinstance(call_within(lambda: sys.exit(2), None).error, SystemExit)
     assert not call_within(lambda: time.sleep(2), 0.05).finished
     import _thread
+    import signal
 
-    threading.Timer(0.2, _thread.interrupt_main).start()  # the user's Ctrl-C reaches the waiting thread
-    with pytest.raises(KeyboardInterrupt):
-        call_within(lambda: time.sleep(3), 10.0)
+    # Python's own Ctrl-C handler, as in a terminal: a pytest started as a background job of a non-interactive shell
+    # inherits SIGINT ignored, and interrupt_main then does nothing
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, _thread.interrupt_main).start()  # the user's Ctrl-C reaches the waiting thread
+        with pytest.raises(KeyboardInterrupt):
+            call_within(lambda: time.sleep(3), 10.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @given(oracle=st.floats(allow_nan=True, allow_infinity=True), empty=st.floats(allow_nan=True, allow_infinity=True))
