@@ -68,7 +68,7 @@ from slime_ascend.weight_sync.update_group import DEFAULT_TIMEOUT_S, join_group
 from slime_ascend.weight_sync.wire import wire_view
 
 from .dump_dir import check_dump_dir, private_subdir, replace_file
-from .model import all_finite, refuse_non_finite  # noqa: F401  (all_finite: this module's name for it)
+from .model import refuse_non_finite
 
 __all__ = ["DEFAULT_TIMEOUT_S", "WIRE_DTYPES", "WeightGroup", "WeightGroupReceiver", "join_group", "wire_view"]
 
