@@ -39,10 +39,9 @@ from ci_net import (  # noqa: F401  (pytest hooks: no slime/slow test may skip o
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-
 # minutes per test module in the summary when --durations is given (CI passes it)
 pytest_plugins = ("module_minutes",)
+
 
 def slime_src() -> Path | None:
     """The slime source tree the tests use: the one ``import slime`` finds (``.ci/run`` puts

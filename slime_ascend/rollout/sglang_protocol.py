@@ -184,7 +184,6 @@ def check_generate_keys(payload: Any, supported: set[str] | frozenset[str], engi
             )
 
 
-
 def legacy_load(loads: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``/v1/loads``' per-DP-rank entries as SGLang 0.5.15's legacy ``/get_load`` projects them
     (``sglang/srt/entrypoints/http_server.py`` ``get_load``): ``num_reqs`` running plus waiting, ``num_tokens`` the

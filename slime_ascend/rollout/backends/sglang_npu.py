@@ -389,10 +389,10 @@ def speculative_problem(args: Any) -> str | None:
                 "the engine's start on device npu). Fix: --sglang-speculative-algorithm EAGLE (or NEXTN) with the "
                 "model's MTP layer, as slime's GLM-5 scripts pass, or drop the flag")
     topk = getattr(args, "sglang_speculative_eagle_topk", None)
-    page_size = getattr(args, "sglang_page_size", None)
-    page_size = NPU_DEFAULT_PAGE_SIZE if page_size is None else int(page_size)
+    given = getattr(args, "sglang_page_size", None)
+    page_size = NPU_DEFAULT_PAGE_SIZE if given is None else int(given)
     if topk is not None and int(topk) > 1 and page_size > 1:
-        given = "--sglang-page-size" if getattr(args, "sglang_page_size", None) is not None else "SGLang's NPU default"
+        given = "SGLang's NPU default" if given is None else "--sglang-page-size"
         return (f"--sglang-speculative-eagle-topk {topk}: on Ascend SGLang attends with its 'ascend' backend at page "
                 f"size {page_size} ({given}), and a draft tree (top-k above 1) with pages above one token needs "
                 "flashinfer, fa3 or triton: SGLang would refuse it at the engine's start. Fix: "

@@ -89,8 +89,8 @@ from slime_ascend.rollout.torch_engine.weight_read import (DEFAULT_MAX_WEIGHT_AN
                                                            DEFAULT_MAX_WEIGHT_VALUES, WeightRead)
 from slime_ascend.rollout.http_server import make_server
 from slime_ascend.rollout.sglang_protocol import (ONE_SERVER_INFO, RequestError, abort_matches, check_generate_keys,
-                                                  legacy_load,
-                                                  check_positive_ints, check_weight_version, next_weight_version)
+                                                  check_positive_ints, check_weight_version, legacy_load,
+                                                  next_weight_version)
 from slime_ascend.rollout.speculative import categorical, keep_mask, sampling_distribution, verify
 from slime_ascend.rollout.torch_engine.mtp import MTPDraft, MTPDraftState
 
