@@ -51,6 +51,13 @@ without sequence parallelism (the vocabulary-parallel logits their log-probs com
 and quantises), and TP 2 without it is checked against the one-rank run in slime's loop by the ``opd`` runs of
 ``test_slime_parallel_families_cpu.py`` (CI time: 1.9-2.8 min a run on 2 busy cores).
 
+Context parallelism in slime's zig-zag split (``cp2``) passed the same checks and runs with
+``SLIME_ASCEND_ALL_CASES=1``; CI runs ``cp2-allgather`` in its place: in both, slime hands these plugins' hooks the
+same zig-zag shards (``--allgather-cp`` only adds slime's own re-slicing of what it computed contiguously), so their
+CP code (DIS's CP-local decisions with the check that has teeth, staleness, tito, reward-mix, int8-sync's gathered
+push) runs the same; and the zig-zag split itself, with the cpu spec's zig-zag attention, is checked against the
+one-rank run in slime's loop by ``test_slime_parallel_families_cpu.py``'s two CP 2 runs (CI time: 2 min a run).
+
 The refusal of an unsupported layout at slime's ``parse_args`` is unit-tested flag by flag in
 ``tests/cpu/test_cpu_layouts*.py``; its slime-loop run (about a minute) was dropped from this module to pay for
 the family runs.
@@ -279,8 +286,9 @@ LAYOUTS = {
 DATA_PARALLEL = {"tp2": 1, "tp2-sp": 1, "pp2": 1, "dp2": 2, "cp2": 1, "cp2-allgather": 1}
 
 
-# CI: every layout but tp2 (module docstring); SLIME_ASCEND_ALL_CASES=1 runs them all
-CI_LAYOUTS = [name for name in LAYOUTS if name != "tp2" or os.environ.get("SLIME_ASCEND_ALL_CASES") == "1"]
+# CI: every layout but tp2 and cp2 (module docstring); SLIME_ASCEND_ALL_CASES=1 runs them all
+CI_LAYOUTS = [name for name in LAYOUTS
+              if name not in ("tp2", "cp2") or os.environ.get("SLIME_ASCEND_ALL_CASES") == "1"]
 
 
 @pytest.mark.parametrize("layout", CI_LAYOUTS)

@@ -30,8 +30,11 @@ checks. Each response lies across both CP ranks (IcePop's are 16 tokens long for
 Why one layout per family: CI time (each slime-loop run costs 1.5-4 min on 2 cores) does not allow a cross
 product of families and layouts; a family runs at the layout its contract is about (``opd`` top-k: TP, where
 the vocabulary is split), and families that compose share a pair of runs where their evidence stays separable
-(``test_slime_parallel_cpu.py``). ``opd`` in sampled mode runs at TP 2 too: its per-token teacher term reads
-the student's log-probs, reduced over the vocabulary-parallel logits.
+(``test_slime_parallel_cpu.py``). ``opd`` in sampled mode at TP 2 passed the same kind of checks and runs with
+``SLIME_ASCEND_ALL_CASES=1`` (marked ``all_cases``; CI time: two runs, 4 min on 2 busy cores): its per-token teacher
+term is arithmetic on the student's log-probs slime already computed from the vocabulary-parallel logits, and those
+log-probs at TP 2 are compared with the one-rank run's in CI by the top-k run here and by
+``test_slime_parallel_cpu.py``'s ``tp2-sp``; the term itself runs in slime's loop in ``test_slime_opd.py``.
 
 Every run trains in fp32 (``bf16: false``: see ``test_slime_parallel_cpu.py``), samples with per-sample seeds
 (``--sglang-enable-deterministic-inference``) and rewards with ``parity_reward.reward`` (a function of the
@@ -203,6 +206,7 @@ def test_opd_topk_at_tp2_matches_the_one_rank_run(model_dir, tmp_path_factory):
         assert 0 < m["train/opd_topk_loss"] < m["train/opd_topk_kl"] and m["train/grad_norm"] > 0, m
 
 
+@pytest.mark.all_cases
 def test_opd_sampled_at_tp2_matches_the_one_rank_run(model_dir, tmp_path_factory):
     """``opd`` in sampled mode (the default): the same two teachers; each response token's advantage carries the
     routed teacher's coefficient times (teacher - student) log-prob of the sampled token, the student's taken from
