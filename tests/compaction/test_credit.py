@@ -274,9 +274,9 @@ def test_segments_split_across_dp_ranks_equal_single_rank(tmp_path):
     for p in parts:
         d, _ = make_rollout_data([segments[i] for i in p], values=[values[i] for i in p], rewards=rewards)
         shards.append(d)
-    import torch.multiprocessing as mp
+    import zygote
 
-    mp.spawn(_dp_worker, args=(world, _free_port(), shards, str(tmp_path)), nprocs=world, join=True)
+    zygote.spawn(_dp_worker, args=(world, _free_port(), shards, str(tmp_path)), nprocs=world)
     for r, p in enumerate(parts):
         got = torch.load(tmp_path / f"{r}.pt")
         for k, i in enumerate(p):

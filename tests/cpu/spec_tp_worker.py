@@ -1,19 +1,17 @@
 """One tensor-parallel run of slime_ascend.cpu.spec, for tests/cpu/test_spec_tensor_parallel.py.
 
-``python spec_tp_worker.py MODEL_DIR GRADS_DIR TP SP OUT`` spawns TP gloo processes that each build the tiny
-Qwen3 as slime's model provider does (the cpu spec, vocab-parallel output), load MODEL_DIR with slime's own
-``load_hf_weights``, run the packed batch of ``BATCH`` forward and backward through Megatron's DDP, slime's
-vocab-parallel log-probs and Megatron's ``finalize_model_grads`` (the TP all-reduce of the norms' gradients
-under sequence parallelism and of the q/k norms'), and write ``OUT.{rank}.pt``: the log-probs, each local
-gradient, and the expected local gradient: GRADS_DIR (transformers' gradients of the same loss, saved as an
-HF checkpoint) loaded by the same ``load_hf_weights`` into a second model, i.e. converted and sharded
-exactly as the weights were.
+``run`` is one of TP gloo processes (the test forks them with ``zygote.spawn``, under the cpu plugin) that
+each build the tiny Qwen3 as slime's model provider does (the cpu spec, vocab-parallel output), load MODEL_DIR
+with slime's own ``load_hf_weights``, run the packed batch of ``BATCH`` forward and backward through Megatron's
+DDP, slime's vocab-parallel log-probs and Megatron's ``finalize_model_grads`` (the TP all-reduce of the norms'
+gradients under sequence parallelism and of the q/k norms'), and write ``OUT.{rank}.pt``: the log-probs, each
+local gradient, and the expected local gradient: GRADS_DIR (transformers' gradients of the same loss, saved as
+an HF checkpoint) loaded by the same ``load_hf_weights`` into a second model, i.e. converted and sharded exactly
+as the weights were.
 """
 
 from __future__ import annotations
 
-import socket
-import sys
 import types
 
 import torch
@@ -130,15 +128,3 @@ def run(rank: int, world: int, port: int, model_dir: str, grads_dir: str, sp: bo
         "expected": {name: wanted[name].detach().clone() for name, _ in model.named_parameters()},
     }, f"{out}.{rank}.pt")
     dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> None:
-    model_dir, grads_dir, tp, sp, out = argv
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(run, args=(int(tp), port, model_dir, grads_dir, sp == "1", out), nprocs=int(tp))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

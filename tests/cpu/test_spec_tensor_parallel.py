@@ -6,12 +6,12 @@ vocab-parallel logits, and every parameter's gradient after Megatron's ``finaliz
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import zygote
 
 from conftest import need
 
@@ -21,7 +21,7 @@ need("megatron.core")
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from spec_tp_worker import batch_log_probs, tiny_model  # noqa: E402
+from spec_tp_worker import batch_log_probs, run, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +44,8 @@ def checkpoint(tmp_path_factory):
 
 def _run(root: Path, tp: int, sp: bool) -> list[dict]:
     out = root / f"tp{tp}-sp{int(sp)}"
-    proc = subprocess.run([sys.executable, str(HERE / "spec_tp_worker.py"), str(root / "model"), str(root / "grads"),
-                           str(tp), str(int(sp)), str(out)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "SLIME_ASCEND_PLUGINS": "cpu", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    zygote.spawn(run, args=(tp, zygote.free_port(), str(root / "model"), str(root / "grads"), sp, str(out)), nprocs=tp,
+                 env={**os.environ, "SLIME_ASCEND_PLUGINS": "cpu", "OMP_NUM_THREADS": "1"}, timeout=600)
     return [torch.load(f"{out}.{rank}.pt") for rank in range(tp)]
 
 

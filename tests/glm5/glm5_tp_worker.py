@@ -1,19 +1,18 @@
 """One run of slime's own GLM-5 spec at a tensor-parallel size, for tests/glm5/test_glm5_tensor_parallel.py.
 
-``python glm5_tp_worker.py MODEL_DIR TP SP OUT`` spawns TP gloo processes that each build the tiny GLM-5 with
-slime's ``get_glm5_spec`` under the cpu plugin's torch patches and the glm5 patches (as the cpu plugin installs
-them in a train actor), load MODEL_DIR with slime's ``load_hf_weights``, run the packed batch of ``BATCH``
-forward and backward through Megatron's DDP, slime's vocab-parallel log-probs and Megatron's
+``run`` is one of TP gloo processes (the test forks them with ``zygote.spawn``, under the cpu plugin) that each
+build the tiny GLM-5 with slime's ``get_glm5_spec`` under the cpu plugin's torch patches and the glm5 patches (as
+the cpu plugin installs them in a train actor), load MODEL_DIR with slime's ``load_hf_weights``, run the packed
+batch of ``BATCH`` forward and backward through Megatron's DDP, slime's vocab-parallel log-probs and Megatron's
 ``finalize_model_grads``, and write ``OUT.{rank}.pt``: the log-probs, and every gradient as the HF tensor slime's
-weight push would make of it (the gradients copied into the parameters, then slime's own ``all_gather_param``
-and ``convert_to_hf``: TP shards gathered, names and layouts the checkpoint's), so runs at different TP sizes
-compare name by name. Expert TP 1 and EP 1, as the cpu plugin runs MoE (the experts replicated over expert
-data parallelism TP).
+weight push would make of it (the gradients copied into the parameters, then slime's own ``all_gather_param`` and
+``convert_to_hf``: TP shards gathered, names and layouts the checkpoint's), so runs at different TP sizes compare
+name by name. Expert TP 1 and EP 1, as the cpu plugin runs MoE (the experts replicated over expert data parallelism
+TP).
 """
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -110,15 +109,3 @@ def run(rank: int, world: int, port: int, model_dir: str, sp: bool, out: str) ->
                 grads[hf_name] = tensor.detach().clone()
     torch.save({"log_probs": log_probs[keep].detach(), "grads": grads, "untrained": untrained}, f"{out}.{rank}.pt")
     dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> None:
-    model_dir, tp, sp, out = argv
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(run, args=(int(tp), port, model_dir, sp == "1", out), nprocs=int(tp))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

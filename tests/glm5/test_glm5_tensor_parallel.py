@@ -16,12 +16,11 @@ and the log-probs right). Measured with it: log-probs 4.8e-7, gradients 1.3e-6 o
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import zygote
 
 from conftest import need
 
@@ -30,7 +29,6 @@ pytestmark = pytest.mark.slime
 need("megatron.core")
 need("slime.backends.megatron_utils.hf_to_megatron")
 
-HERE = Path(__file__).parent
 LOGPROB_ATOL = 2e-5
 GRAD_RTOL = 1e-4
 INDEXER = ("indexer.",)  # slime's spec trains no indexer weight (no indexer loss): their gradients are zero
@@ -55,18 +53,18 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def _start(model: Path, tp: int, sp: bool) -> tuple[subprocess.Popen, Path]:
+def _start(model: Path, tp: int, sp: bool):
+    from glm5_tp_worker import run
+
     out = model.parent / f"tp{tp}-sp{int(sp)}"
-    with Path(f"{out}.log").open("w") as log:  # a file, not a pipe: the two runs go side by side
-        proc = subprocess.Popen([sys.executable, str(HERE / "glm5_tp_worker.py"), str(model), str(tp), str(int(sp)),
-                                 str(out)], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "SLIME_ASCEND_PLUGINS": "cpu", "OMP_NUM_THREADS": "1"})
-    return proc, out
+    context = zygote.spawn(run, args=(tp, zygote.free_port(), str(model), sp, str(out)), nprocs=tp, join=False,
+                           env={**os.environ, "SLIME_ASCEND_PLUGINS": "cpu", "OMP_NUM_THREADS": "1"})
+    return context, out
 
 
-def _results(started: tuple[subprocess.Popen, Path], tp: int) -> list[dict]:
-    proc, out = started
-    assert proc.wait(timeout=900) == 0, Path(f"{out}.log").read_text()[-6000:]
+def _results(started, tp: int) -> list[dict]:
+    context, out = started
+    zygote.wait(context, timeout=900)
     return [torch.load(f"{out}.{rank}.pt") for rank in range(tp)]
 
 

@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+import zygote
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plugin_args import plugin_args
@@ -218,7 +218,7 @@ def _cp_worker(rank, world, port, out_dir):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_dis_under_cp_matches_no_cp(tmp_path, world):
-    mp.spawn(_cp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    zygote.spawn(_cp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world)
     pg, old, rollout, masks, tl, rl = batch(11, lengths=[1, 7, 12, 3])
     tl = [r + p for r, p in zip(rl, [9, 2, 5, 1])]
     loss, new_masks, metrics = dis_apply(pg, old, rollout, masks, tl, rl, eps_low=0.2, eps_high=0.28, cp=CPContext())

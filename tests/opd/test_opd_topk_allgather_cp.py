@@ -110,7 +110,7 @@ def _worker(rank, port, out):
 
 @pytest.mark.slime
 def test_two_allgather_cp_ranks_give_the_one_rank_term_and_gradient(fresh_runtime, tmp_path, monkeypatch):
-    import torch.multiprocessing as mp
+    import zygote
 
     monkeypatch.delenv("SLIME_ASCEND_PLUGINS", raising=False)
     from megatron.core import mpu
@@ -127,7 +127,7 @@ def test_two_allgather_cp_ranks_give_the_one_rank_term_and_gradient(fresh_runtim
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path / "out.json")), nprocs=CP, join=True)
+    zygote.spawn(_worker, args=(port, str(tmp_path / "out.json")), nprocs=CP)
     got = json.loads((tmp_path / "out.json").read_text())
     torch.testing.assert_close(torch.tensor(got["vals"]), torch.stack([term.detach(), metrics["opd_topk_kl"]]),
                                rtol=1e-6, atol=1e-7)

@@ -1,9 +1,9 @@
 """One tensor-parallel QAT run of the tiny Qwen3, for tests/qat/test_qat_tensor_parallel.py.
 
-``python qat_tp_worker.py MODEL_DIR TP GROUP OUT`` spawns TP gloo processes that each build the tiny Qwen3 as slime's
-model provider does (``tests/cpu/spec_tp_worker.py``'s model: the cpu spec, vocab-parallel output), load MODEL_DIR
-with slime's ``load_hf_weights``, wrap it in Megatron's DDP, install the qat hooks (int4-group, GROUP) as the plugin
-does, and write ``OUT.{rank}.pt``:
+``run`` is one of TP gloo processes (the test forks them with ``zygote.spawn``, under the cpu plugin) that each
+build the tiny Qwen3 as slime's model provider does (``tests/cpu/spec_tp_worker.py``'s model: the cpu spec,
+vocab-parallel output), load MODEL_DIR with slime's ``load_hf_weights``, wrap it in Megatron's DDP, install the qat
+hooks (int4-group, GROUP) as the plugin does, and write ``OUT.{rank}.pt``:
 
 * ``exporter``: per hooked weight, whether the TP-gathered fake quant this rank's hook computes (gathered by slime's
   own ``all_gather_param``) converted to HF is, bit for bit, ``dequantize(quantize(...))`` of the gathered master
@@ -16,7 +16,6 @@ does, and write ``OUT.{rank}.pt``:
 
 from __future__ import annotations
 
-import socket
 import sys
 import types
 from pathlib import Path
@@ -114,15 +113,3 @@ def run(rank: int, world: int, port: int, model_dir: str, group: int, out: str) 
         "hooked": sorted(e.name for h in hooks for e in h.plan.values()),
     }, f"{out}.{rank}.pt")
     dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> None:
-    model_dir, tp, group, out = argv
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(run, args=(int(tp), port, model_dir, int(group), out), nprocs=int(tp))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote
 
 from conftest import need
 
@@ -35,10 +36,10 @@ def tp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("qat-tp")
     tiny_model().save_pretrained(str(root / "model"), safe_serialization=True)
     out = root / "tp2"
-    proc = subprocess.run([sys.executable, str(HERE / "qat_tp_worker.py"), str(root / "model"), "2", str(GROUP),
-                           str(out)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "SLIME_ASCEND_PLUGINS": "cpu", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    from qat_tp_worker import run
+
+    zygote.spawn(run, args=(2, zygote.free_port(), str(root / "model"), GROUP, str(out)), nprocs=2,
+                 env={**os.environ, "SLIME_ASCEND_PLUGINS": "cpu", "OMP_NUM_THREADS": "1"}, timeout=600)
     return root, [torch.load(f"{out}.{rank}.pt") for rank in range(2)]
 
 

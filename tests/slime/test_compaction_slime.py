@@ -153,9 +153,9 @@ def test_dp_split_spreads_segments_and_gathered_credit_matches_one_rank(fresh_ru
     for fn in (credit.prepare_segments, credit.base_advantages, credit.decay_advantages):
         fn(args, whole)
 
-    import torch.multiprocessing as mp
+    import zygote
 
-    mp.spawn(_dp_worker, args=(2, _free_port(), shards, args, str(tmp_path)), nprocs=2, join=True)
+    zygote.spawn(_dp_worker, args=(2, _free_port(), shards, args, str(tmp_path)), nprocs=2)
     for r, d in enumerate(shards):
         got = torch.load(tmp_path / f"{r}.pt")
         for j, pos in enumerate(d["partition"]):

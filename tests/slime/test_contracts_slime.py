@@ -13,7 +13,7 @@ import pytest
 
 from conftest import single_process_megatron
 import torch
-import torch.multiprocessing as mp
+import zygote
 
 from slime_ascend.algorithms.cp import cp_slice
 from slime_ascend.algorithms.masks import DIS_PRESETS, dis_policy_loss
@@ -230,7 +230,7 @@ def test_cp2_emulation_gives_the_same_loss_metrics_and_gradient(mpu_state, tmp_p
     loss, metrics = loss_mod.policy_loss_function(args, batch, logits, reducer)
     loss.backward()
 
-    mp.spawn(_cp_worker, args=(2, _free_port(), plugin, str(tmp_path), mask_sums), nprocs=2, join=True)
+    zygote.spawn(_cp_worker, args=(2, _free_port(), plugin, str(tmp_path), mask_sums), nprocs=2)
     got = json.loads((tmp_path / "out.json").read_text())
     assert got["keys"] == sorted(metrics)
     expect = torch.stack([loss.detach()] + [metrics[k] for k in sorted(metrics)])
