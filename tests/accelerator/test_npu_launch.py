@@ -19,27 +19,41 @@ RELEASE = ("--release-train", "--update-weight-transport", "disk", "--update-wei
 SPLIT = ("--rollout-num-gpus", "1")  # replaces --colocate: the engine on an NPU of its own
 
 
-@pytest.fixture
-def parse(monkeypatch):
-    """slime's parse_args on the tiny command of ``slime_parse_args`` (which colocates), in a subprocess:
-    ``parse(dir, plugins, *argv, colocate=True, yaml_text=None, env=None)``."""
+PPO = (*SPLIT, "--advantage-estimator", "ppo", "--save", "CKPT", "--save-interval", "10")
+ALLOC_CONF = {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}
+# this module's command lines for slime's parse_args (npu plugin) after the tiny command of ``slime_parse_args``:
+# name -> (argv, keep its --colocate, the plugin's YAML (else without offload_train), the job's environment)
+CASES = {
+    "colocate": ((), True, True, {}),
+    "release": (RELEASE, True, True, {}),
+    "split": (SPLIT, False, True, {}),
+    "yaml-without-offload": ((), True, False, {}),
+    "ppo-yaml-without-offload": (PPO, False, False, {}),
+    "ppo": (PPO, False, True, {}),
+    "alloc-job": (RELEASE, True, True, {**ALLOC_CONF, "PYTORCH_ALLOC_CONF": ""}),
+    "alloc-train-env-vars": ((*RELEASE, "--train-env-vars", '{"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}'), True,
+                             True, ALLOC_CONF),
+}
+
+
+@pytest.fixture(scope="module")
+def parsed(tmp_path_factory):
+    """name -> slime's parse_args on ``CASES[name]``, each in a folder of its own, all at once
+    (:func:`slime_parse_args.parse_args_each`: a process per case, the imports shared)."""
     import slime_parse_args
 
-    def run(where, plugins, *argv, colocate=True, yaml_text=None, env=None):
-        where.mkdir(parents=True, exist_ok=True)
+    root = tmp_path_factory.mktemp("npu-launch")
+    assert "--colocate" in slime_parse_args.TINY_FLAGS
+    cases = []
+    for name, (argv, colocate, plugin_yaml, env) in CASES.items():
+        where = root / name
+        where.mkdir()
+        if not plugin_yaml:
+            (where / "ascend.yaml").write_text(_yaml_without_offload(["npu"]))
+        flags = [w for w in slime_parse_args.TINY_FLAGS if colocate or w != "--colocate"]
         argv = [str(where / w) if w in ("SYNC", "CKPT") else w for w in argv]
-        if yaml_text is not None:
-            (where / "ascend.yaml").write_text(yaml_text)
-        with monkeypatch.context() as m:
-            assert "--colocate" in slime_parse_args.TINY_FLAGS
-            if not colocate:
-                m.setattr(slime_parse_args, "TINY_FLAGS", tuple(w for w in slime_parse_args.TINY_FLAGS
-                                                                if w != "--colocate"))
-            for name, value in (env or {}).items():
-                m.setenv(name, value)
-            return slime_parse_args.parse_args(where, plugins, *argv)
-
-    return run
+        cases.append(slime_parse_args.Case(argv, where, flags, env))
+    return dict(zip(CASES, slime_parse_args.parse_args_each(root, ["npu"], cases)))
 
 
 def _refusal(proc) -> str:
@@ -67,19 +81,19 @@ def test_the_npu_yaml_turns_train_offload_off():
 
 
 @pytest.mark.slime
-def test_colocate_without_release_train_is_refused_and_release_train_parses(tmp_path, parse):
-    line = _refusal(parse(tmp_path, ["npu"]))
+def test_colocate_without_release_train_is_refused_and_release_train_parses(parsed):
+    line = _refusal(parsed["colocate"])
     assert line.startswith("slime-ascend: error: npu: --colocate without --release-train")
     assert "torch_memory_saver's NPU build has no preload hook" in line
     assert "Fix: add --release-train --update-weight-transport disk --update-weight-disk-dir DIR" in line
-    _parsed(parse(tmp_path, ["npu"], *RELEASE))  # the first fix the line names
-    _parsed(parse(tmp_path, ["npu"], *SPLIT, colocate=False))  # the second
+    _parsed(parsed["release"])  # the first fix the line names
+    _parsed(parsed["split"])  # the second
 
 
 @pytest.mark.slime
-def test_offload_train_left_on_by_a_yaml_without_it_is_refused(tmp_path, parse):
+def test_offload_train_left_on_by_a_yaml_without_it_is_refused(parsed):
     """What slime would do without the plugin's YAML: preload torch_memory_saver into the train actors."""
-    line = _refusal(parse(tmp_path, ["npu"], yaml_text=_yaml_without_offload(["npu"])))
+    line = _refusal(parsed["yaml-without-offload"])
     assert "npu: offload_train is on (--colocate turns it on)" in line
     assert "LD_PRELOAD torch_memory_saver's preload hook" in line and "NPU build does not support" in line
     assert "Fix: offload_train: false in the YAML given to --custom-config-path" in line
@@ -87,25 +101,18 @@ def test_offload_train_left_on_by_a_yaml_without_it_is_refused(tmp_path, parse):
 
 
 @pytest.mark.slime
-def test_ppo_critic_offload_is_mapped_by_the_yaml(tmp_path, parse):
+def test_ppo_critic_offload_is_mapped_by_the_yaml(parsed):
     """slime forces offload_train for PPO's critic whatever the flags: only the YAML turns it off."""
-    argv = (*SPLIT, "--advantage-estimator", "ppo", "--save", "CKPT", "--save-interval", "10")
-    line = _refusal(parse(tmp_path / "bare", ["npu"], *argv, colocate=False, yaml_text=_yaml_without_offload(["npu"])))
+    line = _refusal(parsed["ppo-yaml-without-offload"])
     assert "npu: offload_train is on (slime forces it for PPO's critic (--advantage-estimator ppo))" in line
     assert "with --release-train" not in line  # not colocated
-    _parsed(parse(tmp_path / "yaml", ["npu"], *argv, colocate=False))
+    _parsed(parsed["ppo"])
 
 
 @pytest.mark.slime
 @pytest.mark.parametrize("where", ["job", "train-env-vars"])
-def test_both_allocator_variables_are_refused(tmp_path, where, parse):
-    if where == "job":
-        proc = parse(tmp_path, ["npu"], *RELEASE, env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False",
-                                                        "PYTORCH_ALLOC_CONF": ""})
-    else:
-        proc = parse(tmp_path, ["npu"], *RELEASE, "--train-env-vars", '{"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}',
-                      env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"})
-    line = _refusal(proc)
+def test_both_allocator_variables_are_refused(where, parsed):
+    line = _refusal(parsed[f"alloc-{where}"])
     assert line.startswith("slime-ascend: error: npu: both allocator variables are set for the train actors")
     assert "Fix: unset PYTORCH_ALLOC_CONF before `ray start`" in line
     if where == "train-env-vars":

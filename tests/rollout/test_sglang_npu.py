@@ -268,10 +268,10 @@ def test_slimes_parse_args_refuses_a_draft_tree_on_ascend_in_one_line(tmp_path):
                str(tmp_path / "sync"), "--save", str(tmp_path / "ckpt"))
     speculative = ("--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
                    "--sglang-speculative-num-draft-tokens", "4", "--sglang-speculative-eagle-topk")
-    proc = slime_parse_args.parse_args(tmp_path, ["npu", "sglang-npu"], *release, *speculative, "2")
+    proc, as_scripted = slime_parse_args.parse_args_each(tmp_path, ["npu", "sglang-npu"],
+                                                         [(*release, *speculative, "2"), (*release, *speculative, "1")])
     lines = slime_parse_args.error_lines(proc)
     assert proc.returncode == 2 and "PARSED" not in proc.stdout and len(lines) == 1, (lines, proc.stderr[-3000:])
     assert lines[0].startswith("slime-ascend: error: sglang-npu: --sglang-speculative-eagle-topk 2: on Ascend "), lines
     assert "Traceback" not in proc.stderr
-    proc = slime_parse_args.parse_args(tmp_path, ["npu", "sglang-npu"], *release, *speculative, "1")
-    assert proc.returncode == 0 and "PARSED" in proc.stdout, proc.stderr[-3000:]
+    assert as_scripted.returncode == 0 and "PARSED" in as_scripted.stdout, as_scripted.stderr[-3000:]
