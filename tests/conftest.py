@@ -39,6 +39,14 @@ from ci_net import (  # noqa: F401  (pytest hooks: no slime/slow test may skip o
 
 REPO = Path(__file__).resolve().parents[1]
 
+# hypothesis: no per-example deadline anywhere (the tests check properties, never time; on CI's two cores busy with
+# slime jobs one example of tests/verifiers/test_verifier_gate.py once took 19.8 s and hypothesis failed it for that)
+with contextlib.suppress(ImportError):
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("slime-ascend", deadline=None)
+    _hypothesis_settings.load_profile("slime-ascend")
+
 # minutes per test module in the summary when --durations is given (CI passes it)
 pytest_plugins = ("module_minutes",)
 

@@ -50,10 +50,14 @@ def test_paced_engines_serve_both_ways(tmp_path):
         for engine in engines:
             stop(engine.proc)
     assert long["paced_steps"] == 29 and short["paced_steps"] == 4
-    # 20 ms a step (the pace's clock starts 1 ms or less before the engine's e2e_latency does; a loaded host may
-    # overrun a few steps: an overrun only adds time)
-    assert 29 * 0.02 - 1e-3 <= long["e2e_latency"] < 29 * 0.02 * 1.5 + 0.2, long
-    assert 4 * 0.02 - 1e-3 <= short["e2e_latency"] < 4 * 0.02 * 1.5 + 0.2, short
+    # 20 ms a step (the pace's clock starts 1 ms or less before the engine's e2e_latency does). A step that overran
+    # (a forward, or a sleep that woke late, past its due time: counted by the engine) only adds time, by as much as
+    # the host was busy: the upper bound holds for a request none of whose steps overran (a CI host running two slime
+    # jobs beside this test once took 1.25 s for the 29 steps)
+    for answer, steps in ((long, 29), (short, 4)):
+        assert steps * 0.02 - 1e-3 <= answer["e2e_latency"], answer
+        if answer["paced_overran"] == 0:
+            assert answer["e2e_latency"] < steps * 0.02 * 1.5 + 0.2, answer
     for way, r in ways.items():
         assert r["steps"] == sum(n - 1 for n in lengths), (way, r)
         assert r["makespan"] >= r["ideal"] >= 23 * 0.02 and r["modelled"] >= r["ideal"] - 1e-9, (way, r)
