@@ -8,9 +8,11 @@ it would in a spawned worker, before the preloads. There is one server per envir
 aside) and preload list, the last ``KEEP`` used kept running. Each worker checks that its server had one thread
 when it forked and was started with the environment asked for.
 
-Still spawned: tests/startup (interpreter start-up is what they test), the npu emulation's workers
-(tests/npu_emulation, tests/rollout/sglang_npu_hccl_workers.py: each rank installs the emulated device in a process
-of its own) and the process Megatron's dist_checkpointing starts (tests/patch/test_distrib_optimizer_step.py).
+The emulated-NPU hccl workers (tests/npu_emulation/emulated_hccl_workers.py, tests/rollout/sglang_npu_hccl_workers.py)
+come from here too: the server imports torch but never installs the emulation (torch names its PrivateUse1 backend
+once a process), each worker installs it in its own process. Still spawned: tests/startup (interpreter start-up is
+what they test), the emulated checks files (tests/npu_emulation/emulated_process.py) and the process Megatron's
+dist_checkpointing starts (tests/patch/test_distrib_optimizer_step.py).
 """
 
 from __future__ import annotations

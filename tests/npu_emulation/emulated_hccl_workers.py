@@ -1,11 +1,9 @@
-"""Two processes on the emulated device talking over the emulated ``hccl`` backend (test_emulated_hccl.py runs
-``python emulated_hccl_workers.py <scenario> <port> <dir>``). Each worker writes ``<dir>/<rank>.json``."""
+"""Two processes on the emulated device talking over the emulated ``hccl`` backend: test_emulated_hccl.py starts two
+:func:`worker` processes through ``tests/zygote.py`` (forked from a server that has imported torch, not installed the
+emulation: each worker installs it in its own process). Each worker writes ``<dir>/<rank>.json``."""
 
 import json
 import os
-import sys
-
-import torch.multiprocessing as mp
 
 
 def collectives(rank: int, port: int) -> dict:
@@ -73,7 +71,3 @@ def worker(rank: int, scenario: str, port: int, out: str) -> None:
     result = globals()[scenario](rank, port)
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(result, f)
-
-
-if __name__ == "__main__":
-    mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2]), sys.argv[3]), nprocs=2)

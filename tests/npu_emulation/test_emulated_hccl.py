@@ -5,29 +5,19 @@ would (timeouts, port ranges, the all-cards rule of HCCL_NPU_SOCKET_PORT_RANGE).
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from emulated_process import REPO, environment
+import emulated_hccl_workers
+import zygote
+from emulated_process import environment
 from slime_ascend.npu_emulation import hccl
-
-WORKERS = Path(__file__).with_name("emulated_hccl_workers.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_ranks(scenario: str, out: Path, env: dict | None = None) -> dict[int, dict]:
-    proc = subprocess.run([sys.executable, str(WORKERS), scenario, str(free_port()), str(out)], env=environment(env),
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    zygote.spawn(emulated_hccl_workers.worker, args=(scenario, zygote.free_port(), str(out)), nprocs=2,
+                 env=environment(env), timeout=300)
     return {rank: json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1)}
 
 

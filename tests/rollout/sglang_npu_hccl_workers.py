@@ -1,14 +1,12 @@
 """Two processes of one HCCL communicator on the emulated Ascend device (slime_ascend.npu_emulation): rank 0 an
-engine with the sglang-npu launch bridge's environment, rank 1 a train actor as it starts (``python
-sglang_npu_hccl_workers.py <scenario> <port> <out dir>``; one ``rank<N>.json`` each in the out dir). The emulated hccl backend
+engine with the sglang-npu launch bridge's environment, rank 1 a train actor as it starts (two :func:`worker`
+processes, started by test_sglang_npu_hccl.py through ``tests/zygote.py``: forked from a server that has imported
+torch, each installs the emulation in its own process; one ``rank<N>.json`` each in the out dir). The emulated hccl backend
 fails a group whose ranks disagree on setting HCCL_NPU_SOCKET_PORT_RANGE, as CANN documents."""
 
 import json
 import os
-import sys
 import types
-
-import torch.multiprocessing as mp
 
 PORT_ENVS = ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE")
 
@@ -41,7 +39,3 @@ def worker(rank: int, scenario: str, port: int, out: str) -> None:
         result["error"] = f"{type(exc).__name__}: {exc}"
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-
-
-if __name__ == "__main__":
-    mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2]), sys.argv[3]), nprocs=2)

@@ -116,24 +116,19 @@ def _emulated_group(scenario: str, out: "Path") -> dict[int, dict]:
     """The two ranks of :mod:`sglang_npu_hccl_workers` (an engine and a train actor) forming an hccl group on the
     emulated Ascend device."""
     import json
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+
+    import sglang_npu_hccl_workers
+    import zygote
 
     if importlib.util.find_spec("slime_ascend.npu_emulation") is None:
         pytest.skip("slime_ascend.npu_emulation is not in this checkout")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("SLIME_ASCEND_PLUGINS", *sglang_npu.HCCL_PORT_ENVS)}
-    workers = Path(__file__).with_name("sglang_npu_hccl_workers.py")
     out.mkdir()
-    proc = subprocess.run([sys.executable, str(workers), scenario, str(port), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    zygote.spawn(sglang_npu_hccl_workers.worker, args=(scenario, zygote.free_port(), str(out)), nprocs=2, env=env,
+                 timeout=300)
     # one file per rank: two ranks' lines on one stdout can interleave
     results = {int(f.stem.removeprefix("rank")): json.loads(f.read_text()) for f in out.glob("rank*.json")}
-    assert set(results) == {0, 1}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert set(results) == {0, 1}, sorted(out.iterdir())
     return results
 
 
