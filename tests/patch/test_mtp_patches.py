@@ -1,6 +1,7 @@
 """``train.mtp_layer_name`` and ``train.mtp_training``: slime's MTP training on a stock Megatron-core 0.19 (the
 wheel CI installs). Their targets look as the patches expect; the name walk gives slime's spelling; the forward
-accepts slime's ``mtp_kwargs`` only when its labels are the input ids; the tracker answers under slime's key. The
+accepts slime's ``mtp_kwargs`` only when its labels are the input ids; the MTP loss counts the positions slime's
+loss mask means (Megatron's own ``process_mtp_loss`` run on a sample); the tracker answers under slime's key. The
 whole path runs in slime's loop in ``tests/e2e/test_slime_glm5_mtp_cpu.py``."""
 
 from __future__ import annotations
@@ -81,9 +82,11 @@ def test_the_tracker_answers_under_slimes_key_and_cleans_with_slimes_name():
     mtp = importlib.import_module(mtp_training.MTP)
     helper = mtp.MTPLossLoggingHelper
     args = types.SimpleNamespace(enable_mtp_training=True)
+    gpt = importlib.import_module(mtp_training.GPT)
     patch.install(args)
     try:
         assert args.mtp_detach_heads is True
+        assert gpt.process_mtp_loss is not mtp.process_mtp_loss  # the labels derived before Megatron's call
         helper.tracker.clear()
         for key in ("loss_values", "correct_values", "total_values"):  # made on the CUDA device otherwise
             helper.tracker[key] = torch.zeros(2)
@@ -97,3 +100,46 @@ def test_the_tracker_answers_under_slimes_key_and_cleans_with_slimes_name():
         patch.remove()
         helper.tracker.clear()
     assert not hasattr(helper, "clean_loss_in_tracker")  # removed whole
+    assert gpt.process_mtp_loss is mtp.process_mtp_loss
+
+
+def _counted_positions(process_mtp_loss, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> list[int]:
+    """The positions whose MTP loss Megatron's ``process_mtp_loss`` (one MTP layer, called as ``GPTModel`` calls it in
+    slime's RL forward: ``labels`` None) counts, read from the gradient each position's loss gets; and the labels it
+    scored them against."""
+    seq = input_ids.shape[-1]
+    hidden = torch.zeros(2 * seq, 1, 1, requires_grad=True)  # [main | MTP layer] rows, as Megatron concatenates them
+    per_token = torch.zeros(1, seq, requires_grad=True)
+    seen = {}
+
+    def compute_language_model_loss(labels, logits):
+        seen["labels"] = labels.clone()
+        return per_token
+
+    config = types.SimpleNamespace(mtp_num_layers=1, mtp_detach_heads=False, mtp_loss_scaling_factor=1.0,
+                                   calculate_per_token_loss=False)
+    out = process_mtp_loss(hidden_states=hidden, labels=None, loss_mask=loss_mask, output_layer=lambda h, **_: (h, None),
+                           output_weight=None, runtime_gather_output=None, is_training=False,
+                           compute_language_model_loss=compute_language_model_loss, config=config,
+                           input_ids=input_ids)
+    out.sum().backward()
+    return torch.nonzero(per_token.grad[0]).flatten().tolist(), seen["labels"]
+
+
+def test_the_mtp_loss_counts_the_positions_whose_token_after_next_is_a_response_token():
+    """slime's loss mask is aligned with the labels (one where token t + 1 is a response token:
+    ``megatron_utils/data.py`` pads the prompt's length less one on the left, one on the right); Megatron's labels
+    from input_ids roll it once too often: the MTP loss counts the position that predicts the prompt's last token and
+    drops the one that predicts the response's last token. Through the patch: exactly the positions t whose token
+    t + 2 is a response token, scored against token t + 2."""
+    mtp = importlib.import_module(mtp_training.MTP)
+    prompt, response = 4, 5
+    tokens = torch.arange(10, 10 + prompt + response).unsqueeze(0)
+    mask = torch.tensor([[0] * (prompt - 1) + [1] * response + [0]])  # slime's full_loss_masks of one sample
+    want = [t for t in range(prompt + response - 2) if t + 2 >= prompt]  # token t + 2 in the response
+    stock, _ = _counted_positions(mtp.process_mtp_loss, tokens, mask)
+    assert stock == [t - 1 for t in want]  # one off: predicts token 3 (the prompt's), never token 8
+    patched = mtp_training.with_labels_from_input_ids(mtp.process_mtp_loss, mtp.roll_tensor)
+    counted, labels = _counted_positions(patched, tokens, mask)
+    assert counted == want
+    assert [int(labels[0, t]) for t in counted] == [int(tokens[0, t + 2]) for t in want]

@@ -22,6 +22,18 @@ forward without it; and it sets ``mtp_detach_heads`` on the train actor's args b
 (Megatron's ``core_transformer_config_from_args`` copies it into the ``TransformerConfig``). One difference stays: Megatron also clips the MTP layers' gradients as a group of their own
 (``grad_norm_group = 'mtp'``), which slime's patch does not.
 
+**The loss mask.** slime's ``loss_mask`` (``batch["full_loss_masks"]``, ``megatron_utils/data.py``) is aligned with
+the labels, not the tokens: it is one at position ``t`` where token ``t + 1`` is a response token (the prompt's
+length less one zeros on the left, one on the right). Megatron's derivation of the labels from ``input_ids`` (and
+slime's own Megatron patch alike) rolls the loss mask one to the left "in lockstep" with that derivation, as for a
+mask aligned with the tokens, then once more per MTP layer: the first MTP layer's loss then counts the position
+that predicts the prompt's last token and drops the one that predicts the response's last token (one position off
+in every sample; measured on the tiny GLM-5: slime's logged MTP loss 1.3136, the twice-rolled positions' mean
+cross-entropy recomputed from the same samples 1.3138, the intended positions' 0.373). The patch derives the labels
+itself, with Megatron's own ``roll_tensor`` (packed sequences and context parallelism as Megatron rolls them), so
+that Megatron takes them as given (its SFT convention, to which slime's mask is aligned) and rolls the mask once per
+MTP layer only: the loss counts exactly the positions whose token after next is a response token.
+
 **The tracker.** slime's ``train`` reads the MTP losses of a step from ``MTPLossLoggingHelper.tracker["values"]``
 and clears them with ``MTPLossLoggingHelper.clean_loss_in_tracker()``; Megatron-core 0.19 keeps them in
 ``tracker["loss_values"]`` (beside the MTP head's correct / total next-token counts) and clears them with
@@ -86,6 +98,26 @@ def without_mtp_kwargs(original):
     return forward
 
 
+def with_labels_from_input_ids(original, roll_tensor):
+    """``process_mtp_loss`` that, called without ``labels`` (slime's RL forward), derives them from ``input_ids``
+    itself (``label[i] = input_id[i + 1]``, rolled by Megatron's ``roll_tensor``) and passes them, so that Megatron
+    does not roll slime's label-aligned loss mask an extra time (the module docstring)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def process_mtp_loss(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        if arguments.get("labels") is None and arguments.get("input_ids") is not None:
+            arguments["labels"], _ = roll_tensor(arguments["input_ids"], shifts=-1, dims=-1,
+                                                 cp_group=arguments.get("cp_group"),
+                                                 packed_seq_params=arguments.get("packed_seq_params"))
+        return original(*bound.args, **bound.kwargs)
+
+    return process_mtp_loss
+
+
 def with_slime_tracker_key(original, tracker: dict):
     """``MTPLossLoggingHelper.save_metrics_to_tracker`` that leaves ``tracker["values"]`` naming the tensor
     ``tracker["loss_values"]`` is (slime's key for the MTP losses); ``tracker`` is the helper's own dict (Megatron
@@ -106,7 +138,7 @@ class MTPTraining(RuntimePatch):
         gpt, mtp = modules.get(GPT), modules.get(MTP)
         problems: list[str] = []
         if gpt is not None:
-            problems += missing_attrs(gpt, ["GPTModel.forward"])
+            problems += missing_attrs(gpt, ["GPTModel.forward", "process_mtp_loss"])
             if not problems and forward_takes_mtp_kwargs(modules):
                 problems.append("GPTModel.forward already takes mtp_kwargs (slime's Megatron patch is applied): "
                                 "drop this patch")
@@ -116,7 +148,13 @@ class MTPTraining(RuntimePatch):
             problems += found
             if not found:  # what this patch leaves to Megatron: labels from input_ids, detached heads
                 problems += missing_source(mtp.process_mtp_loss, ["if labels is None:", "input_ids",
-                                                                  "config.mtp_detach_heads"], "process_mtp_loss")
+                                                                  "config.mtp_detach_heads",
+                                                                  "if derived_labels_from_input_ids:"],
+                                           "process_mtp_loss")
+                problems += missing_attrs(mtp, ["roll_tensor"])
+                params = inspect.signature(mtp.process_mtp_loss).parameters
+                problems += [f"process_mtp_loss has no parameter {name!r}" for name in
+                             ("labels", "input_ids", "cp_group", "packed_seq_params") if name not in params]
                 helper = mtp.MTPLossLoggingHelper
                 problems += missing_source(helper.save_metrics_to_tracker, ['tracker["loss_values"]'],
                                            "MTPLossLoggingHelper.save_metrics_to_tracker")
@@ -127,6 +165,9 @@ class MTPTraining(RuntimePatch):
 
     def apply(self, modules: dict[str, ModuleType], args: Any = None) -> None:
         self.wrap(modules[GPT].GPTModel, "forward", without_mtp_kwargs)
+        # GPTModel._postprocess calls the name gpt_model imported
+        self.wrap(modules[GPT], "process_mtp_loss",
+                  functools.partial(with_labels_from_input_ids, roll_tensor=modules[MTP].roll_tensor))
         helper = modules[MTP].MTPLossLoggingHelper
         self.replace(helper, "save_metrics_to_tracker",
                      with_slime_tracker_key(helper.__dict__["save_metrics_to_tracker"].__func__, helper.tracker))
@@ -139,13 +180,17 @@ class MTPTraining(RuntimePatch):
 
 PATCH = MTPTraining(
     id="train.mtp_training",
-    targets=(f"{GPT}:GPTModel.forward", f"{MTP}:process_mtp_loss", f"{MTP}:MTPLossLoggingHelper"),
+    targets=(f"{GPT}:GPTModel.forward", f"{GPT}:process_mtp_loss", f"{MTP}:process_mtp_loss",
+             f"{MTP}:MTPLossLoggingHelper"),
     why="slime's forward step passes mtp_kwargs (its MTP labels) to GPTModel.forward, a keyword only slime's "
         "Megatron patch adds, and reads the MTP losses under the tracker's older names: --enable-mtp-training "
-        "stops with a TypeError (then an UnboundLocalError) on a stock Megatron-core 0.19.",
+        "stops with a TypeError (then an UnboundLocalError) on a stock Megatron-core 0.19; and Megatron's labels "
+        "from input_ids roll slime's label-aligned loss mask once too often (the MTP loss one position off).",
     how="Wrap GPTModel.forward: accept mtp_kwargs, check its labels are the input_ids (from which Megatron-core "
-        "0.19 derives the MTP labels itself when labels is None) and drop it; args.mtp_detach_heads set (slime's "
-        "patch detaches the MTP layers' inputs); MTPLossLoggingHelper keeps tracker['values'] as its loss_values and "
+        "0.19 derives the MTP labels itself when labels is None) and drop it; process_mtp_loss gets those labels "
+        "derived before the call (Megatron's roll_tensor), so that slime's label-aligned loss mask is not rolled an "
+        "extra time (one position off per sample otherwise, as with slime's own Megatron patch); "
+        "args.mtp_detach_heads set (slime's patch detaches the MTP layers' inputs); MTPLossLoggingHelper keeps tracker['values'] as its loss_values and "
         "gets clean_loss_in_tracker (its clean_metrics_in_tracker).",
     upstream="patches/megatron/megatron-mtp-training.md",
     checked_on=("0.3.1",),
