@@ -171,3 +171,39 @@ def test_the_cached_draft_equals_the_uncached_reference_row_by_row(ckpt):
             assert got == want
             assert state.rows == len(seq) - 1 and state.cache.get_seq_length() == len(seq) - 1
             seq = seq + got[:2]  # two drafts kept, as a verifying forward might
+
+
+def test_a_confident_model_and_its_agreeing_mtp_layer_meet_slimes_ci_bounds(tmp_path):
+    """``make_next_token_confident`` (the model slime's ``--ci-test`` job trains, tests/e2e/test_slime_glm5_mtp_cpu.py):
+    sampled at temperature 1, a token's mean log-prob in (-1, 0) and the mean entropy in (0, 1) (slime's rollout
+    bounds); the MTP layer's loss on the sampled continuations below slime's 1.0; speculation accepts most drafts; and
+    the MTP layer as drawn (``mtp_agrees=False``) does not agree, so the agreement is the rewrite's."""
+    from slime_ascend.rollout.torch_engine.mtp import MTPDraft
+    from slime_ascend.rollout.torch_engine.tiny_mtp import make_next_token_confident
+
+    def measure(agrees: bool):
+        checkpoint = make_next_token_confident(save_tiny_glm5_with_mtp(tmp_path / f"agrees-{agrees}"), mtp_agrees=agrees)
+        engine = TorchEngine(model_path=checkpoint, speculative_algorithm="NEXTN", speculative_num_steps=3)
+        draft = MTPDraft(engine.model)
+        lps, entropies, losses, accepts = [], [], [], []
+        for seed in range(4):
+            prompt = [3 + (11 * seed + 5 * j) % 250 for j in range(12)]
+            answer = engine.generate({"input_ids": prompt, "return_logprob": True, "sampling_params": {
+                "max_new_tokens": 20, "ignore_eos": True, "temperature": 1.0, "sampling_seed": seed}})
+            ids, start = prompt + answer["output_ids"], len(prompt) - 1
+            lps += [x[0] for x in answer["meta_info"]["output_token_logprobs"]]
+            accepts.append(answer["meta_info"]["spec_accept_length"])
+            with torch.no_grad():
+                logp = engine.model(input_ids=torch.tensor([ids[:-1]])).logits[0, start:].float().log_softmax(-1)
+                entropies += (-(logp.exp() * logp).sum(-1)).tolist()
+                hidden = engine.model.model(input_ids=torch.tensor([ids[:-1]])).last_hidden_state[0]
+                rows = draft.logits(draft.rows(hidden[start:-1], ids[start + 1:-1]))
+                losses.append(float(torch.nn.functional.cross_entropy(rows, torch.tensor(ids[start + 2:]))))
+        return sum(lps) / len(lps), sum(entropies) / len(entropies), sum(losses) / len(losses), min(accepts)
+
+    lp, entropy, loss, accept = measure(True)
+    print(f"confident: mean log-prob {lp:.3f}, entropy {entropy:.3f}, MTP loss {loss:.3f}, accept length >= {accept:.2f}")
+    assert -1 < lp < 0 and 0 < entropy < 1 and loss < 1.0 and accept > 2.5
+    _, _, drawn_loss, _ = measure(False)
+    print(f"MTP layer as drawn: loss {drawn_loss:.3f}")
+    assert drawn_loss > 3.0
