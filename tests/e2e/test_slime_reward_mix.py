@@ -61,7 +61,8 @@ def _run_and_check(model_dir, engine, tmp_path, rm_url, judge_url):
                                         "kwargs": {"url": rm_url}},
                                        {"name": "judge", "path": "slime_ascend.reward_mix.judge.verdict",
                                         "weight": 0.25, "kwargs": {"url": judge_url, "template": "{prompt}{response}",
-                                                                   "verdicts": {"Y": 1.0, "N": 0.0}}},
+                                                                   "verdicts": {"Y": 1.0, "N": 0.0},
+                                                                   "max_new_tokens": 1}},  # tiny_judge's one token
                                        {"name": "flaky", "path": "reward_terms.flaky", "weight": 0.5}]
     cfg["ascend_reward_penalties"] = [{"name": "length", "path": "slime_ascend.reward_mix.terms.response_length",
                                        "lambda": 0.25, "kwargs": {"budget": 4}}]

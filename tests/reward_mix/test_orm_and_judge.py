@@ -23,7 +23,8 @@ from torch_engine_fixtures import served
 
 SAMPLES = [SimpleNamespace(prompt=p, response=r, label="4")
            for p, r in (("What is 2+2? ", "4"), ("What is 2+2? ", "five"), ("Name a colour: ", "blue!"),
-                        ("Name a colour: ", "red"), ("Say hi ", ""))]
+                        ("Name a colour: ", "red"), ("Say hi ", ""),
+                        ("Yes or no? ", "Y"), ("Yes or no? ", "N"))]  # ending in a verdict word
 
 
 
@@ -91,10 +92,11 @@ def test_judge_verdicts_are_the_served_models_own(tmp_path):
     directory = tiny_judge.build(tmp_path / "judge")
     tok = build_byte_tokenizer()
     with served(TorchEngine(model_path=directory)) as url:
-        got = [run(judge.verdict(None, s, url=url, template=tiny_judge.TEMPLATE, verdicts=tiny_judge.VERDICTS))
-               for s in SAMPLES]
+        got = [run(judge.verdict(None, s, url=url, template=tiny_judge.TEMPLATE, verdicts=tiny_judge.VERDICTS,
+                                 max_new_tokens=tiny_judge.MAX_NEW_TOKENS)) for s in SAMPLES]
         with pytest.raises(judge.JudgeError, match="no verdict"):  # verdict words the judge never says
-            run(judge.verdict(None, SAMPLES[0], url=url, template=tiny_judge.TEMPLATE))
+            run(judge.verdict(None, SAMPLES[0], url=url, template=tiny_judge.TEMPLATE,
+                              max_new_tokens=tiny_judge.MAX_NEW_TOKENS))
     want = [tiny_judge.expected_verdict(tok, s.prompt + s.response) for s in SAMPLES]
     assert got == want and set(want) == {0.0, 1.0}  # both verdicts occur
 
