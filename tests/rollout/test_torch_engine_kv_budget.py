@@ -12,6 +12,17 @@ import pytest
 from slime_ascend.rollout.torch_engine.engine import TorchEngine
 
 
+def _wait_until(engine, predicate, timeout_s: float = 60.0) -> None:
+    """Poll ``predicate(engine)`` under the engine's state lock until it holds (no sleeps that a busy host outruns)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with engine._state:
+            if predicate(engine):
+                return
+        time.sleep(0.005)
+    raise AssertionError("the engine did not reach the state the test waits for")
+
+
 def _generate_in_thread(engine, ids, new, out, name):
     def run():
         out[name] = (time.monotonic(), engine.generate({"input_ids": ids, "sampling_params": {
@@ -37,9 +48,9 @@ def test_requests_wait_for_kv_room_in_arrival_order_and_loads_report_it():
     engine._forward = watched
     out = {}
     threads = [_generate_in_thread(engine, list(range(3, 13)), 80, out, "a")]  # 10 + 80 = 90 reserved
-    time.sleep(0.05)
+    _wait_until(engine, lambda e: e._running)  # each arrives after the one before (arrival order is the point)
     threads.append(_generate_in_thread(engine, list(range(3, 14)), 49, out, "b"))  # 11 + 49 = 60: waits for a
-    time.sleep(0.05)
+    _wait_until(engine, lambda e: any(len(r.input_ids) == 11 for r in e._live.values()))  # b has arrived
     threads.append(_generate_in_thread(engine, list(range(3, 8)), 5, out, "c"))  # 10 fits beside a; b is first
     for t in threads:
         t.join(120)
@@ -89,17 +100,21 @@ def test_get_load_counts_a_waiting_request_as_pending():
     engine_forward = engine._forward
     seen = []
 
-    def watched(*a, **k):  # a runs (90 reserved); b waits for room (60 pending)
-        with engine._state:
-            waiting = len(engine._live) - len(engine._running)
-        if waiting and not seen:
-            seen.append(engine.get_load()[0])
+    def watched(*a, **k):  # a runs (90 reserved); its first forward waits until b waits for room (60 pending)
+        deadline = time.monotonic() + 60
+        while not seen and time.monotonic() < deadline:  # no timing: on a busy host a could finish before b came
+            with engine._state:
+                waiting = len(engine._live) - len(engine._running)
+            if waiting:
+                seen.append(engine.get_load()[0])
+            else:
+                time.sleep(0.005)
         return engine_forward(*a, **k)
 
     engine._forward = watched
     out = {}
     threads = [_generate_in_thread(engine, list(range(3, 13)), 80, out, "a")]
-    time.sleep(0.05)
+    _wait_until(engine, lambda e: e._running)  # a holds its reservation before b arrives
     threads.append(_generate_in_thread(engine, list(range(3, 14)), 49, out, "b"))
     for t in threads:
         t.join(120)
