@@ -62,23 +62,18 @@ def make_checkpoint(out: Path, layers: int, residual_scale: float, margin: float
     (attention's ``o_proj``, the MLPs' and experts' down projections) scaled by ``residual_scale``: a model whose next
     token leans on the current one, as a trained LM's often does, which an MTP layer can learn to predict; deeper
     layers make the served model costlier per token, as GLM-5's 78 are against its one MTP layer."""
-    import json
-
     from safetensors.torch import load_file, save_file
 
-    from slime_ascend.rollout.torch_engine.tiny_mtp import make_next_token_confident, save_tiny_glm5_with_mtp
+    from slime_ascend.rollout.torch_engine.tiny_mtp import (make_next_token_confident, save_tiny_glm5_with_mtp,
+                                                            writes_to_residual)
 
     checkpoint = save_tiny_glm5_with_mtp(out, layers=layers)
     if margin > 0:  # a confident next token (the MTP layer left as drawn: distillation trains it)
         return make_next_token_confident(checkpoint, margin=margin, residual_scale=residual_scale, mtp_agrees=False)
-    config = json.loads((checkpoint / "config.json").read_text())
-    first = int(config["num_hidden_layers"])
     for path in checkpoint.glob("*.safetensors"):
         state = load_file(str(path))
         for name in list(state):
-            parts = name.split(".")
-            if (len(parts) > 2 and parts[1] == "layers" and int(parts[2]) < first
-                    and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight"))):
+            if writes_to_residual(name, layers - 1):  # the decoder layers, not the MTP layer (model.layers.<layers>)
                 state[name] = state[name] * residual_scale
         save_file(state, str(path), metadata={"format": "pt"})
     return checkpoint

@@ -4,7 +4,7 @@ the same job (issue 43), on this CPU with slime's own GLM-5 spec.
 The model: the tiny GLM-5 with one MTP layer (:func:`slime_ascend.rollout.torch_engine.tiny_mtp.save_tiny_glm5_with_mtp`:
 ``model.layers.4.*``, ``num_nextn_predict_layers: 1``), made confident with an MTP layer that agrees
 (:func:`~slime_ascend.rollout.torch_engine.tiny_mtp.make_next_token_confident`: each token's successor scores a
-logit margin of 12, the layers' residual writes scaled by 0.05), as a trained GLM-5 and its trained MTP layer are:
+logit margin of 14, the layers' residual writes scaled by 0.02), as a trained GLM-5 and its trained MTP layer are:
 slime's ``--ci-test`` bounds presuppose one (a rollout's mean log-prob in (-1, 0), its entropy in (0, 1), the MTP
 loss below 1.0), which the random tiny GLM-5, about ln 1024 nats a token, cannot meet. slime loads it with
 ``--mtp-num-layers 1`` through its own GLM-5 converters and trains it with ``--enable-mtp-training`` (MTP loss scale

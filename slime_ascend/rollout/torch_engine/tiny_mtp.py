@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ...glm5.tiny import NUM_LAYERS, TINY_GLM5_KWARGS
 
-__all__ = ["make_next_token_confident", "save_tiny_glm5_with_mtp"]
+__all__ = ["make_next_token_confident", "save_tiny_glm5_with_mtp", "writes_to_residual"]
 
 
 def save_tiny_glm5_with_mtp(out_dir: str | Path, seed: int = 0, layers: int = NUM_LAYERS) -> Path:
@@ -62,6 +62,14 @@ def save_tiny_glm5_with_mtp(out_dir: str | Path, seed: int = 0, layers: int = NU
     return out
 
 
+def writes_to_residual(name: str, last_layer: int) -> bool:
+    """Whether checkpoint tensor ``name`` writes to the residual stream (attention's ``o_proj``, the MLPs' and experts'
+    ``down_proj``) in a layer up to ``last_layer`` (``model.layers.<i>.*``, ``i <= last_layer``)."""
+    parts = name.split(".")
+    return (len(parts) > 3 and parts[1] == "layers" and int(parts[2]) <= last_layer
+            and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")))
+
+
 def make_next_token_confident(checkpoint: str | Path, margin: float = 14.0, residual_scale: float = 0.02,
                               seed: int = 0, mtp_agrees: bool = True) -> Path:
     """Rewrite the MTP checkpoint ``checkpoint`` (from :func:`save_tiny_glm5_with_mtp`, in place) so that the model
@@ -92,10 +100,8 @@ def make_next_token_confident(checkpoint: str | Path, margin: float = 14.0, resi
     if int(config.get("num_nextn_predict_layers") or 0) != 1:
         raise ValueError(f"{out}: num_nextn_predict_layers is not 1; make it with save_tiny_glm5_with_mtp first")
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
-    files = sorted(out.glob("*.safetensors"))
-    states = {path: load_file(str(path)) for path in files}
-    merged = {name: tensor for state in states.values() for name, tensor in state.items()}
-    embed = merged["model.embed_tokens.weight"].float()
+    states = {path: load_file(str(path)) for path in sorted(out.glob("*.safetensors"))}
+    embed = next(state[name] for state in states.values() if (name := "model.embed_tokens.weight") in state).float()
     successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 104729))
     # final norm (weight one) of e is e / rms(e) = sqrt(hidden) * unit(e): a row unit(e) * margin / sqrt(hidden)
     # scores it margin
@@ -105,16 +111,13 @@ def make_next_token_confident(checkpoint: str | Path, margin: float = 14.0, resi
     prefix = f"model.layers.{layers}."
     for path, state in states.items():
         for name in list(state):
-            parts = name.split(".")
             if name == "lm_head.weight":
                 state[name] = head.to(state[name].dtype)
             elif name == prefix + "eh_proj.weight" and mtp_agrees:
                 through = torch.zeros(hidden, 2 * hidden)
                 through[:, :hidden] = torch.eye(hidden)  # [enorm(embedding of the next token) | hnorm(hidden)]
                 state[name] = through.to(state[name].dtype)
-            elif (len(parts) > 3 and parts[1] == "layers" and int(parts[2]) <= (layers if mtp_agrees else layers - 1)
-                  and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
-                       or name.endswith("down_proj"))):
+            elif writes_to_residual(name, layers if mtp_agrees else layers - 1):
                 state[name] = state[name] * residual_scale
         save_file(state, str(path), metadata={"format": "pt"})
     return out
