@@ -101,14 +101,9 @@ def test_get_load_counts_a_waiting_request_as_pending():
     seen = []
 
     def watched(*a, **k):  # a runs (90 reserved); its first forward waits until b waits for room (60 pending)
-        deadline = time.monotonic() + 60
-        while not seen and time.monotonic() < deadline:  # no timing: on a busy host a could finish before b came
-            with engine._state:
-                waiting = len(engine._live) - len(engine._running)
-            if waiting:
-                seen.append(engine.get_load()[0])
-            else:
-                time.sleep(0.005)
+        if not seen:  # no timing: on a busy host a could finish before b came
+            _wait_until(engine, lambda e: len(e._live) > len(e._running))
+            seen.append(engine.get_load()[0])
         return engine_forward(*a, **k)
 
     engine._forward = watched
