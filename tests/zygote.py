@@ -18,11 +18,12 @@ dist_checkpointing starts (tests/patch/test_distrib_optimizer_step.py).
 from __future__ import annotations
 
 import os
-import socket
 import time
 from multiprocessing import forkserver
 
 import torch.multiprocessing as mp
+
+from slime_ascend.demo.slime_job import free_port  # noqa: F401  (the workers' rendezvous port: zygote.free_port)
 
 PRELOAD = ("torch.distributed", "megatron.core.parallel_state")  # a preload that fails to import is skipped
 VOLATILE = "PYTEST_CURRENT_TEST"  # pytest's, different in every test: set in the worker instead
@@ -95,9 +96,3 @@ def wait(context, timeout=None) -> None:
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"the workers were still running after {timeout} s")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

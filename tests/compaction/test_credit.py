@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -230,12 +229,6 @@ def test_segment_layout_rejects_duplicates_and_non_integer_ids():
 # ----------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dp_worker(rank, world, port, shards, out_dir):
     import torch.distributed as dist
 
@@ -276,7 +269,7 @@ def test_segments_split_across_dp_ranks_equal_single_rank(tmp_path):
         shards.append(d)
     import zygote
 
-    zygote.spawn(_dp_worker, args=(world, _free_port(), shards, str(tmp_path)), nprocs=world)
+    zygote.spawn(_dp_worker, args=(world, zygote.free_port(), shards, str(tmp_path)), nprocs=world)
     for r, p in enumerate(parts):
         got = torch.load(tmp_path / f"{r}.pt")
         for k, i in enumerate(p):

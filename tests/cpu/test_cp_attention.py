@@ -168,15 +168,10 @@ def _worker(rank, layout, bounds, port, path):
 
 @pytest.mark.parametrize("layout", ["zigzag", "allgather"])
 def test_two_gloo_processes_match_the_reference(layout, tmp_path):
-    import socket
-
     import zygote
 
     bounds = _bounds(lengths_for(layout, [5, 2, 7]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    zygote.spawn(_worker, args=(layout, bounds, port, str(tmp_path / "r")), nprocs=CP)
+    zygote.spawn(_worker, args=(layout, bounds, zygote.free_port(), str(tmp_path / "r")), nprocs=CP)
     q, k, v = _leaves(bounds[-1], 4, 2, 8, 11)
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     ref = dense_reference(q, k, v, bounds)

@@ -44,12 +44,12 @@ Evidence, all from slime's own log (the engine's output is forwarded into it), i
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 
+from conftest import all_cases
 from slime_ascend.demo.slime_job import make_model, make_prompts, run_slime, slime_flags
 from test_slime_weight_sync import _cli, assert_same_tensors, quantize, slime_managed, tensors, torch_dist_to_hf
 
@@ -91,7 +91,7 @@ def served_bytes(model_dir: Path, qdir: Path) -> int:
 
 
 # CI: the fp8-sync job (module docstring); SLIME_ASCEND_ALL_CASES=1 runs both
-CI_SYNCS = sorted(SYNCS) if os.environ.get("SLIME_ASCEND_ALL_CASES") == "1" else ["fp8-sync"]
+CI_SYNCS = sorted(SYNCS) if all_cases() else ["fp8-sync"]
 
 
 @pytest.mark.parametrize("plugin", CI_SYNCS)

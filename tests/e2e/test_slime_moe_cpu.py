@@ -66,7 +66,6 @@ are 3.5e-3 from the fp32 trainer's on average): DIS with a band that masks is ch
 from __future__ import annotations
 
 import math
-import os
 import re
 import shlex
 from pathlib import Path
@@ -75,6 +74,7 @@ import pytest
 
 from e2e_fixtures import moe_model_dir  # noqa: F401  (pytest fixture)
 from parallel_evidence import megatron_args as _megatron_args, pushes as _pushes, train_ranks as _ranks
+from conftest import all_cases
 from slime_ascend.demo.slime_job import TINY_QWEN3_MOE_ARGS, make_prompts, run_slime, slime_flags, start_engine, stop
 from slime_ascend.parallel_layout import Layout
 
@@ -327,7 +327,7 @@ LAYOUTS = {
 
 # CI runs the four-rank layout, which runs EP 2 too (EP 2 carved out of DP 2, TP 2 beside it); EP 2 alone (two ranks)
 # passed the same checks (module docstring) and runs with SLIME_ASCEND_ALL_CASES=1 (CI time: 71 s a run)
-CI_LAYOUTS = list(LAYOUTS) if os.environ.get("SLIME_ASCEND_ALL_CASES") == "1" else ["tp2-ep2"]
+CI_LAYOUTS = list(LAYOUTS) if all_cases() else ["tp2-ep2"]
 
 
 @pytest.mark.parametrize("layout", CI_LAYOUTS)

@@ -66,7 +66,6 @@ the family runs.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +73,7 @@ from pathlib import Path
 import pytest
 
 from parallel_evidence import train_ranks as _ranks
+from conftest import all_cases
 from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags, start_engine, stop
 from e2e_fixtures import model_dir  # noqa: F401  (pytest fixtures)
 
@@ -288,7 +288,7 @@ DATA_PARALLEL = {"tp2": 1, "tp2-sp": 1, "pp2": 1, "dp2": 2, "cp2": 1, "cp2-allga
 
 # CI: every layout but tp2 and cp2 (module docstring); SLIME_ASCEND_ALL_CASES=1 runs them all
 CI_LAYOUTS = [name for name in LAYOUTS
-              if name not in ("tp2", "cp2") or os.environ.get("SLIME_ASCEND_ALL_CASES") == "1"]
+              if name not in ("tp2", "cp2") or all_cases()]
 
 
 @pytest.mark.parametrize("layout", CI_LAYOUTS)

@@ -9,11 +9,11 @@ with ``SLIME_ASCEND_ALL_CASES=1``.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
+from conftest import all_cases
 from slime_ascend.memory.measure import HEADER, LARGER, SMALL, compare, cpu_name
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1800),
@@ -26,7 +26,7 @@ TOKENS = [2048, 8192]
 
 # CI: the larger model (its activations, not fixed costs, make the step); the tiny one passed the same checks and runs
 # with SLIME_ASCEND_ALL_CASES=1 (CI time: about a minute a job on 2 busy cores)
-MODELS = [SMALL, LARGER] if os.environ.get("SLIME_ASCEND_ALL_CASES") == "1" else [LARGER]
+MODELS = [SMALL, LARGER] if all_cases() else [LARGER]
 
 
 @pytest.fixture(scope="module", params=MODELS)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import types
 
 import pytest
@@ -188,12 +187,6 @@ def test_validation_errors_name_the_fix(fresh_runtime):
 
 
 # ---------------------------------------------------------------------------------------------- CP (gloo)
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _cp_worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
@@ -218,7 +211,7 @@ def _cp_worker(rank, world, port, out_dir):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_dis_under_cp_matches_no_cp(tmp_path, world):
-    zygote.spawn(_cp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world)
+    zygote.spawn(_cp_worker, args=(world, zygote.free_port(), str(tmp_path)), nprocs=world)
     pg, old, rollout, masks, tl, rl = batch(11, lengths=[1, 7, 12, 3])
     tl = [r + p for r, p in zip(rl, [9, 2, 5, 1])]
     loss, new_masks, metrics = dis_apply(pg, old, rollout, masks, tl, rl, eps_low=0.2, eps_high=0.28, cp=CPContext())
