@@ -138,9 +138,8 @@ def check_run(run, model_dir: Path, qdir: Path, tmp_path: Path, plugin: str) -> 
 
     # every push arrived over update_weights_from_tensor, in several buckets, quantised, and was read back
     n_tensors = len(tensors(qdir))
-    loaded = [re.search(r"loaded weight version (\d+) from (\d+) buckets of update_weights_from_tensor "
-                        r"\((\d+) tensors, ([\w-]+)\)$", line) for line in lines]
-    loaded = [m.groups() for m in loaded if m]
+    loaded = [m.groups() for m in re.finditer(r"loaded weight version (\d+) from (\d+) buckets of "
+                                              r"update_weights_from_tensor \((\d+) tensors, ([\w-]+)\)", log)]
     assert [int(v) for v, *_ in loaded] == versions, loaded
     assert all(int(b) > 1 and int(n) == n_tensors and got == fmt for _, b, n, got in loaded), loaded
     assert len({b for _, b, _, _ in loaded}) == 1, loaded  # the same buckets every version
@@ -148,16 +147,22 @@ def check_run(run, model_dir: Path, qdir: Path, tmp_path: Path, plugin: str) -> 
         assert f"weight version {v} acknowledged by every engine (1) after the push" in log, v
 
     # memory: released before each step (and once at start-up, as slime does), resumed before each push
+    # read from the whole log, not line by line: slime's driver prints each of the engine's lines as two writes (Ray's
+    # print_worker_logs: print(), the text then its newline) while its own threads log, so a line can end in another's
+    # text. CI (stop 51) lost the start-up release so; a replica's log here shows the same line ending in
+    # "(resident 747.9 -> 746.0 MB)[2026-12-07 23:17:53] base.py:219 - applied runtime patch train.validate_at_actor_init"
+    memory_event = re.compile(
+        r"(released) memory occupation: (\d+) bytes of weights spilled to \S+ \(resident ([\d.]+) -> ([\d.]+) MB"
+        r"|(resumed) memory occupation: (\d+) bytes of weights restored \(resident ([\d.]+) -> ([\d.]+) MB"
+        r"|loaded weight version (\d+) from \d+ buckets of update_weights_from_tensor")
     events = []
-    for line in lines:
-        if m := re.search(r"released memory occupation: (\d+) bytes of weights spilled to \S+ "
-                          r"\(resident ([\d.]+) -> ([\d.]+) MB\)$", line):
-            events.append(("release", int(m[1]), float(m[2]), float(m[3])))
-        elif m := re.search(r"resumed memory occupation: (\d+) bytes of weights restored "
-                            r"\(resident ([\d.]+) -> ([\d.]+) MB\)$", line):
-            events.append(("resume", int(m[1]), float(m[2]), float(m[3])))
-        elif m := re.search(r"loaded weight version (\d+) from \d+ buckets of update_weights_from_tensor", line):
-            events.append(("push", int(m[1])))
+    for m in memory_event.finditer(log):
+        if m[1]:
+            events.append(("release", int(m[2]), float(m[3]), float(m[4])))
+        elif m[5]:
+            events.append(("resume", int(m[6]), float(m[7]), float(m[8])))
+        else:
+            events.append(("push", int(m[9])))
     print("engine memory events:", events)
     assert [e[0] if e[0] != "push" else f"push{e[1]}" for e in events] == [
         "release", "resume", "push1", "release", "resume", "push2", "release", "resume", "push3"], events
