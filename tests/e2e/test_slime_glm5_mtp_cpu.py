@@ -43,10 +43,12 @@ Measured 2026-12-07 on the 2-core Xeon host, alone: slime's gap 1.6e-7 and 1.2e-
 loss 0.0038 (slime's bound 1.0), 23 and 24 MTP parameters with a gradient and none other, accept length 4.0 of 4 in
 both rollouts (the MTP layer agrees by construction), 29 of the MTP layer's 35 tensors moved; 0.55 min for the job.
 
-slime's rollout routing replay is off here: its ``fill_routing_replay`` records the engine's routes into every
-router Megatron built, the MTP layer's too, for which the engine returns none (slime's own assertion stops the
-step); the engine-side contract (a speculative answer's routes are those of its kept tokens) is unit-tested in
-``tests/rollout/test_torch_engine_mtp.py``.
+slime's rollout routing replay is on (``--use-rollout-routing-replay``, the engine started with
+``--enable-return-routed-experts``): every speculative answer carries the routes of its kept tokens, and the train
+side replays them in the decoder's MoE layers while the MTP layer's router routes by its own logits
+(``train.routing_replay``: slime's ``fill_routing_replay`` fills the decoder's layers only and asserts they are
+every replay registered, which a replay for the MTP router broke at the first step). The engine-side contract is
+unit-tested in ``tests/rollout/test_torch_engine_mtp.py``.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ import pytest
 
 from slime_ascend.demo.slime_job import make_prompts, run_slime, slime_flags, start_engine, stop
 from slime_ascend.rollout.torch_engine.tiny_mtp import make_next_token_confident, save_tiny_glm5_with_mtp
-from test_slime_glm5_cpu import HERE, _config, _glm5_flags
+from test_slime_glm5_cpu import HERE, _assert_routes_replayed, _config, _glm5_flags
 
 pytestmark = [pytest.mark.slime, pytest.mark.slow, pytest.mark.slime_loop, pytest.mark.timeout(1800)]
 
@@ -82,7 +84,8 @@ def mtp_job(tmp_path_factory):
     model = make_next_token_confident(save_tiny_glm5_with_mtp(work / "tiny-glm5-mtp"))
     prompts = make_prompts(work / "prompts.jsonl")
     engine = start_engine(model, work / "engine.log", ready=False,
-                          engine_args=("--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(STEPS)))
+                          engine_args=("--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(STEPS),
+                                       "--enable-return-routed-experts"))
     flags = _glm5_flags(slime_flags(model, prompts, [engine], work, num_rollout=NUM_ROLLOUT, batch=BATCH,
                                     n_samples=N_SAMPLES, max_response=MAX_RESPONSE, save=False))
     at = flags.index("--rm-type")
@@ -92,7 +95,7 @@ def mtp_job(tmp_path_factory):
               "--save-debug-train-data", str(work / "dump" / "train_{rollout_id}.pt"),
               "--save-debug-rollout-data", str(work / "dump" / "rollout_{rollout_id}.pt"),
               "--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.1",
-              *SPECULATIVE]
+              "--use-rollout-routing-replay", *SPECULATIVE]
     try:
         run = run_slime("train.py", flags, work, PLUGINS, custom_config=_config(work, PLUGINS, {}), timeout=1500,
                         extra_env={"PYTHONPATH": str(HERE)})
@@ -116,8 +119,9 @@ def test_train_py_trains_glm5s_mtp_layer_and_rolls_out_speculatively_with_it(mtp
     import torch
 
     work, run, engine_log = mtp_job
-    for patch_id in ("train.mtp_layer_name", "train.mtp_training"):
+    for patch_id in ("train.mtp_layer_name", "train.mtp_training", "train.routing_replay"):
         assert f"applied runtime patch {patch_id}" in run.log, patch_id
+    _assert_routes_replayed(work, run)  # the engine's routes of every speculative sample, replayed by slime
     steps = [m for m in run.metrics() if "train/step" in m]
     assert [m["train/step"] for m in steps] == list(range(NUM_ROLLOUT)), steps
     # slime's MTP loss, every step, under slime's own bound (which --ci-test asserted too); slime's MTP scenario checked

@@ -3,7 +3,8 @@ slime's own Megatron patch wires it. In a process with the cpu plugin (its accel
 routes to ``current_device()``), Megatron's own TopKRouter, built and run here, registers one slime RoutingReplay
 and routes by slime's stage: record (Megatron's top-k, recorded), replay_forward / replay_backward (the recorded
 routes, whatever the logits say; the weights softmax over the replayed experts' logits, as slime's patched
-Megatron gives them) and fallthrough; without the patch the same stages route by the logits."""
+Megatron gives them) and fallthrough; without the patch the same stages route by the logits. An MTP layer's router
+registers no replay and routes by its own logits while the decoder replays."""
 
 import json
 import os
@@ -75,6 +76,21 @@ out["fallthrough"] = route("fallthrough")[0]
 out["weights"] = weights
 out["expected_weights"] = [[round(float(w), 6) for w in torch.softmax(logits[t, sorted(row)], dim=0)]
                            for t, row in enumerate(forced.tolist())]
+
+# an MTP layer's router (GLM-5's MTP layer is MoE): no replay of its own; while the decoder's replay is current in
+# replay_forward, it routes by its own logits and consumes none of the decoder's routes
+mtp = TopKRouter(config, ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=True)
+out["replays_with_mtp"] = len(RoutingReplay.all_routing_replays)
+mtp_logits = torch.nn.functional.linear(x.view(5, 8), mtp.weight).float()
+out["mtp_natural"] = [sorted(r) for r in mtp_logits.topk(2, dim=1).indices.tolist()]
+if keep:
+    replay.clear()
+    replay.record(forced)
+os.environ["ROUTING_REPLAY_STAGE"] = "replay_forward"
+router(x)  # the decoder's router: its replay becomes slime's current one, its one recorded route consumed
+out["mtp_replay_forward"] = [sorted(torch.nonzero(row).flatten().tolist()) for row in mtp(x)[1]]
+if keep:
+    out["decoder_consumed"] = replay.forward_index
 print(json.dumps(out), flush=True)
 import os
 os._exit(0)  # no interpreter teardown: the gloo group's destructor can abort the process at exit (SIGABRT)
@@ -100,6 +116,11 @@ def test_megatrons_router_replays_slimes_routes(tmp_path):
     assert out["replay_forward"] == out["replay_backward"] == forced
     assert out["weights"] == out["expected_weights"]  # softmax over the replayed experts' logits
     assert out["fallthrough"] == out["natural"]
+    # the MTP layer's router: no replay registered (slime's fill_routing_replay fills the decoder's MoE layers and
+    # asserts they are all), its own routes while the decoder replays, nothing of the decoder's replay taken
+    assert out["replays_with_mtp"] == 1
+    assert out["mtp_natural"] != forced and out["mtp_replay_forward"] == out["mtp_natural"]
+    assert out["decoder_consumed"] == 1
 
 
 def test_without_the_patch_megatron_routes_by_its_logits(tmp_path):

@@ -15,7 +15,15 @@ This patch makes the same two changes at run time, device-neutral (nothing here 
   ``get_routing_replay_compute_topk(<Megatron's compute_topk>)``: slime's function around exactly what
   Megatron's ``compute_topk`` does (its ``_compute_topk``, or a ``RouterReplay`` of Megatron's own when
   ``moe_enable_routing_replay`` set one), where slime's patch puts it;
-* ``TopKRouter.__init__`` calls ``register_routing_replay(self)`` after the original.
+* ``TopKRouter.__init__`` calls ``register_routing_replay(self)`` after the original, for the decoder's routers.
+
+A router of a multi-token-prediction layer (``is_mtp_layer``: GLM-5's MTP layer is MoE) gets no ``RoutingReplay``
+and chooses its experts itself in every stage: no engine returns routes for it (SGLang's routed experts cover the
+decoder's layers; the MTP layer only drafts), and slime's ``fill_routing_replay`` fills one replay per MoE layer of
+the decoder, asserting that this is every replay registered, so a replay for the MTP router stops training at the
+first step (slime's own Megatron patch registers it too: upstream proposal 0020 carries the fix). While an MTP
+router runs, the adapter calls Megatron's top-k directly, so slime's current replay (a decoder layer's) is neither
+consumed nor recorded by it.
 """
 
 from __future__ import annotations
@@ -33,10 +41,25 @@ SLIME_REPLAY = "slime.utils.routing_replay"
 NAME = "topk_routing_with_score_function"
 
 
+class _MtpRouterRunning:
+    """Whether an MTP layer's router is inside its forward (set by its pre-hook, cleared by its hook; one thread
+    runs a train actor's forwards)."""
+
+    depth = 0
+
+
+def _enter_mtp_router(module, args):
+    _MtpRouterRunning.depth += 1
+
+
+def _leave_mtp_router(module, args, output):
+    _MtpRouterRunning.depth -= 1
+
+
 class SlimeReplayTopk:
     """What Megatron's ``compute_topk`` calls as ``router_replay.get_replay_topk(scores, topk, num_groups,
     group_topk, _compute_topk)``: slime's replay around Megatron's own choice (``inner``: the caller's
-    ``router_replay``, None when it passed none)."""
+    ``router_replay``, None when it passed none); Megatron's choice alone while an MTP layer's router runs."""
 
     def __init__(self, inner: Any, wrap_compute_topk):
         self.inner = inner
@@ -50,6 +73,8 @@ class SlimeReplayTopk:
                 return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             return inner.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
 
+        if _MtpRouterRunning.depth:
+            return megatron_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         return self._wrap(megatron_compute_topk)(scores, topk, num_groups=num_groups, group_topk=group_topk)
 
 
@@ -67,12 +92,18 @@ def with_slime_replay(original, wrap_compute_topk):
 
 
 def registering_init(original, register):
-    """``TopKRouter.__init__`` that ends with slime's ``register_routing_replay(self)``, as slime's patch does."""
+    """``TopKRouter.__init__`` that ends with slime's ``register_routing_replay(self)``, as slime's patch does, for a
+    decoder layer's router; an MTP layer's router instead marks its forwards, in which the top-k is Megatron's own
+    (module docstring)."""
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        register(self)
+        if getattr(self, "is_mtp_layer", False):
+            self.register_forward_pre_hook(_enter_mtp_router)
+            self.register_forward_hook(_leave_mtp_router, always_call=True)
+        else:
+            register(self)
 
     return __init__
 
@@ -133,6 +164,9 @@ class RoutingReplayHooks(RuntimePatch):
         if inspect.unwrap(getattr(router, NAME)) is not function:
             problems.append(f"{ROUTER}.{NAME} is not {MOE_UTILS}.{NAME} (no longer imported by name)")
         problems += missing_source(router.TopKRouter.routing, [f"{NAME}(", "router_replay=self.router_replay"])
+        if "is_mtp_layer" not in inspect.signature(router.TopKRouter.__init__).parameters:
+            problems.append(f"{ROUTER}.TopKRouter.__init__ has no is_mtp_layer parameter (an MTP layer's router, "
+                            "which must not replay, can no longer be told apart)")
         problems += param_mismatch(slime.get_routing_replay_compute_topk, ["old_compute_topk"])
         problems += param_mismatch(slime.register_routing_replay, ["module"])
         return problems
@@ -157,7 +191,9 @@ PATCH = RoutingReplayHooks(
     how="Wrap topk_routing_with_score_function (moe_utils and router's by-name import) to pass, as Megatron's own "
     "router_replay hook, an adapter that runs get_routing_replay_compute_topk around Megatron's compute_topk "
     "(its _compute_topk, or the caller's RouterReplay); wrap TopKRouter.__init__ to end with "
-    "register_routing_replay(self). Installed in each train actor when --use-routing-replay is set (slime sets "
+    "register_routing_replay(self), except for an MTP layer's router (is_mtp_layer), which gets forward hooks "
+    "under which the adapter uses Megatron's top-k alone: no engine returns its routes and slime's "
+    "fill_routing_replay fills the decoder's MoE layers only. Installed in each train actor when --use-routing-replay is set (slime sets "
     "it for --use-rollout-routing-replay), the installed Megatron lacks slime's patch and slime does not wire replay "
     "itself (patches/0020); refused where either does (each route would be recorded twice).",
     upstream="patches/0020-routing-replay-through-megatron-router-replay.patch",
