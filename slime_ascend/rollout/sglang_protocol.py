@@ -279,7 +279,8 @@ def routes(engine: SGLangEngine) -> dict[tuple[str, str], Callable[..., tuple[in
         def update_from_tensor(body: dict) -> tuple[int, Any]:
             if "serialized_named_tensors" not in body:
                 raise RequestError("update_weights_from_tensor needs 'serialized_named_tensors'")
-            extra = {k: body[k] for k in ("load_format", "flush_cache", "weight_version") if k in body}
+            extra = {k: body[k] for k in ("load_format", "flush_cache", "weight_version", "donate_tensors")
+                     if k in body}
             return ok(from_tensor(body["serialized_named_tensors"], **extra))
 
         table[("POST", "/update_weights_from_tensor")] = update_from_tensor

@@ -373,6 +373,7 @@ def test_train_py_opd_topk_mode(models, engines, tmp_path):
     loads = re.findall(r"loaded weight version (\S+) from ([^\n]*)", switch_log)  # every load, disk ones too
     assert len(loads) == 1 and loads[0][0] == "opd:code:1", switch_log[-3000:]
     assert re.match(r"\d+ buckets of update_weights_from_tensor", loads[0][1]), loads
+    assert re.search(r"; donated: [1-9]\d* bytes adopted as the model's weights, not copied", loads[0][1]), loads
 
     # ---- slime's train dump: each sample's payload is the routed teacher's top-k for exactly its tokens,
     # and the advantage is the GRPO task advantage alone (the teacher signal is in the loss)

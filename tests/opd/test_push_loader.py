@@ -45,6 +45,26 @@ def test_buckets_keep_order_and_size():
     assert [n for b in buckets(state, 1) for n in b] == list(state)
 
 
+def test_only_the_torch_engine_is_sent_donate_tensors(tmp_path):
+    """The staged teacher is handed over (``donate_tensors``) to engines whose server info says they take it (the
+    torch engine); an SGLang engine (no such field) gets SGLang's request, without it."""
+    teacher = make_model(tmp_path / "math", seed=1)
+    sent = []
+
+    def post(url, payload, timeout_s):
+        if url.endswith("/get_server_info"):
+            return {"tp_size": 1, **({"donate_tensors": True} if "torch" in url else {})}
+        sent.append((url, sorted(payload)))
+        return {"success": True, "message": "ok"}
+
+    loader = TensorPushLoader(["http://torch:1", "http://sglang:2"], post=post)
+    spec = parse_teachers([{"name": "math", "checkpoint_dir": str(teacher), "domains": ["math"]}])[0]
+    loader.activate(spec, loader.stage(spec))
+    base = ["flush_cache", "serialized_named_tensors", "weight_version"]
+    assert sorted(sent) == [("http://sglang:2/update_weights_from_tensor", base),
+                            ("http://torch:1/update_weights_from_tensor", sorted([*base, "donate_tensors"]))]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["distributed", "tensor"])
 def test_switches_push_each_teacher_into_the_engine_from_host_memory(tmp_path, transport):
@@ -83,6 +103,10 @@ def test_switches_push_each_teacher_into_the_engine_from_host_memory(tmp_path, t
             assert "switched to weight version opd:code:2 from" in log
         else:  # the staged teacher sits in shared memory, so the push hands the engine handles, not bytes
             assert "loaded weight version opd:code:2 from" in log and "update_weights_from_tensor" in log
+            # handed over: the engine keeps what it received as its weights instead of copying it into them (these
+            # teachers are bf16 on disk and the engine fp32: it adopts its own conversion; for an fp32 teacher the
+            # staged shared memory itself, test_torch_engine_tensor_update.py)
+            assert f"; donated: {2 * one_teacher} bytes adopted as the model's weights, not copied" in log
             staged = loader.stage(parse_teachers(specs[:1])[0])
             assert staged.payload and all(t.is_shared() for t in staged.payload.values())
     finally:

@@ -11,6 +11,7 @@ import torch
 
 from slime_ascend.rollout.torch_engine.engine import TorchEngine
 from slime_ascend.rollout.torch_engine.tensor_update import use_file_system_sharing
+from slime_ascend.weight_sync.tensor_sharing import serialize_named_tensors
 
 from conftest import need
 
@@ -118,6 +119,49 @@ def test_a_bucket_that_does_not_complete_its_version_is_copied_out_of_the_sender
         assert r.status_code == 200 and "weight version 7 loaded" in r.json()["message"], r.text
     served = engine.model.state_dict()
     assert all(torch.equal(served[n], want[n]) for n in names)
+
+
+def test_donated_tensors_serve_in_place_and_others_are_copied(file_system_sharing):
+    """``donate_tensors: true`` (the opd pool's staged teacher): a whole fp32 version in one call becomes the model's
+    weights without a copy, its storage the sender's shared memory (what the sender writes afterwards is served:
+    shown here by breaking the contract once); a tensor of another dtype is converted and copied as always; without
+    the field every tensor is copied; a field that is not a bool is refused naming it."""
+    engine = TorchEngine()
+    own = engine.model.state_dict()
+    sent = {k: (v.detach() + 0.01).share_memory_() for k, v in own.items()}
+    names = list(sent)
+    bf16 = names[0]
+    sent[bf16] = sent[bf16].to(torch.bfloat16).share_memory_()  # converted on arrival: copied
+    want = {k: v.float().clone() for k, v in sent.items()}
+    params = dict(engine.model.named_parameters(remove_duplicate=False))
+    with engine.start_in_thread() as url:
+        r = HTTP.post(f"{url}/update_weights_from_tensor", json={
+            "serialized_named_tensors": [serialize_named_tensors([(n, sent[n]) for n in names])],
+            "weight_version": "8", "donate_tensors": True})
+        assert r.status_code == 200 and "weight version 8 loaded" in r.json()["message"], r.text
+        served = engine.model.state_dict()
+        assert all(torch.equal(served[n], want[n]) for n in names)
+        shared = {n for n in names if params[n].is_shared()}
+        assert shared == set(names) - {bf16}, set(names) - shared
+        donated = names[1]
+        sent[donated].mul_(0.0)  # the contract broken on purpose: the engine serves the sender's memory
+        assert not torch.equal(want[donated], sent[donated])
+        assert torch.equal(engine.model.state_dict()[donated], sent[donated])
+
+        # the same push without the field: every tensor copied (into the storage the model holds now), so what
+        # the sender writes afterwards is not served
+        again = {k: v.clone().share_memory_() for k, v in want.items()}
+        r = push_list(url, [(n, again[n]) for n in names], "9")
+        assert r.status_code == 200, r.text
+        for tensor in again.values():
+            tensor.add_(1.0)
+        assert all(torch.equal(engine.model.state_dict()[n], want[n]) for n in names)
+
+        r = HTTP.post(f"{url}/update_weights_from_tensor", json={
+            "serialized_named_tensors": [serialize_named_tensors([(names[1], again[names[1]])])],
+            "weight_version": "10", "donate_tensors": "yes"})
+        assert r.status_code == 400 and "donate_tensors must be true or false" in r.json()["error"], r.text
+        assert HTTP.get(f"{url}/get_weight_version").json()["weight_version"] == "9"
 
 
 def test_file_descriptor_handles_are_refused_naming_the_strategy():

@@ -571,6 +571,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             "max_top_logprobs": self.max_top_logprobs,
             "max_weight_values": self.max_weight_values,
             "max_total_num_tokens": self.max_total_tokens,  # the KV budget (--max-total-tokens; None: none)
+            "donate_tensors": True,  # /update_weights_from_tensor takes donated tensors (tensor_update.py)
             **self.weight_read_info(),  # weight_read.py: the answer limits and the bytes of answers in flight
             "enable_return_routed_experts": self.enable_return_routed_experts,  # slime checks it under replay
             "routed_experts_in_every_answer": self.enable_return_routed_experts,  # rollout.replay_routes reads it
@@ -767,10 +768,11 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
                         quantization or "unquantised")
         return {"success": True, "message": f"loaded weights from {model_path}", "num_paused_requests": 0}
 
-    def _switch_to(self, state: dict, version: str | None, source: str, **fields: Any) -> None:
+    def _switch_to(self, state: dict, version: str | None, source: str, adopt: bool = False, **fields: Any) -> int:
         """The one weight swap of every transport (disk, tensor, distributed): like SGLang, wait until in-flight
         requests drained (parked ones count as drained), then apply ``state``, set ``fields`` (e.g. the served
-        ``model_path``) and the next weight version under the compute lock."""
+        ``model_path``) and the next weight version under the compute lock. ``adopt``: ``state``'s tensors were
+        handed over (:func:`~slime_ascend.rollout.torch_engine.model.apply_state_dict`); returns the bytes adopted."""
         with self._state:
             self._updating = True
             try:
@@ -783,7 +785,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             with self._compute_lock:
                 old = self.weight_version
                 try:
-                    reference_model.apply_state_dict(self.model, state, source=source)
+                    adopted = reference_model.apply_state_dict(self.model, state, source=source, adopt=adopt)
                     for name, value in fields.items():
                         setattr(self, name, value)
                     self.weight_version = next_weight_version(self.weight_version, version)
@@ -801,6 +803,7 @@ class TorchEngine(MemoryOccupation, TensorUpdate, WeightGroup, WeightRead):
             with self._state:
                 self._updating = False
                 self._state.notify_all()
+        return adopted
 
     # ------------------------------------------------------------------ generate
     def generate(

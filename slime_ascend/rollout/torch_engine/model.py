@@ -375,15 +375,32 @@ def refuse_non_finite(state: dict[str, torch.Tensor], source: str) -> None:
             )
 
 
-def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint",
+                     adopt: bool = False) -> int:
     """Copy ``state`` into ``model`` in place; names, shapes and dtype kinds must match exactly (tied
-    weights may be absent). Nothing is copied unless everything matches."""
+    weights may be absent). Nothing is copied unless everything matches.
+
+    ``adopt``: the caller hands ``state``'s tensors over (it keeps no reference it will write): a tensor already
+    on the parameter's device, of its dtype and shape and contiguous becomes the parameter's storage instead of
+    being copied into it (a teacher staged in this host's shared memory: the switch then costs no copy). Returns
+    the bytes adopted (0 without ``adopt``)."""
     validate_state_dict(model, state, source, check_finite=False)
     state = to_model_layout(model, state)
     own = model.state_dict()
+    holders = dict(model.named_parameters(remove_duplicate=False)) if adopt else {}
+    if adopt:
+        holders.update(model.named_buffers(remove_duplicate=False))
+    adopted = 0
     with torch.no_grad():
         for name, tensor in state.items():
-            own[name].copy_(tensor)  # copy_ converts the dtype itself (same rounding), without a temporary
+            holder = holders.get(name)
+            if (holder is not None and tensor.device == holder.device and tensor.dtype == holder.dtype
+                    and tensor.shape == holder.shape and tensor.is_contiguous()):
+                holder.data = tensor
+                adopted += tensor.numel() * tensor.element_size()
+            else:
+                own[name].copy_(tensor)  # copy_ converts the dtype itself (same rounding), without a temporary
+    return adopted
 
 
 def load_model(model_dir: str | Path | None = None, dtype: torch.dtype | str = torch.float32, seed: int = 0,

@@ -29,6 +29,12 @@ served checkpoint's safetensors, each tensor's shape and dtype must be the one t
 (the bytes are kept as received, no cast), and the complete version is dequantised with the checkpoint's scheme
 and checked like the disk path's; its tensors as received become what ``/get_weights_by_name`` answers
 (:mod:`.weight_read`), as on the distributed path.
+
+``donate_tensors: true`` (this engine's field; SGLang's request has none and ignores it) says the sender hands the
+tensors over: it keeps no reference it will write (the ``opd`` pool's staged teacher, dropped once pushed). An
+unquantised version's tensors that have the parameter's device, dtype and shape then become the model's weights in
+place of a copy (:func:`~slime_ascend.rollout.torch_engine.model.apply_state_dict`): the sender's shared memory
+itself, or the engine's own conversion of a tensor of another dtype; still checked like any other. slime's own colocated push never sets it: its buckets are the train side's memory.
 """
 
 from __future__ import annotations
@@ -193,8 +199,12 @@ class TensorUpdate:
     quantised checkpoint its ``quantization``, ``model_path`` and ``_served_checkpoint``."""
 
     def update_weights_from_tensor(self, serialized_named_tensors: Any, load_format: str | None = None,
-                                   flush_cache: bool = False, weight_version: Any = None, **_: Any) -> dict[str, Any]:
+                                   flush_cache: bool = False, weight_version: Any = None,
+                                   donate_tensors: Any = False, **_: Any) -> dict[str, Any]:
         version = check_weight_version(weight_version)
+        if not isinstance(donate_tensors, bool):
+            raise RequestError(f"update_weights_from_tensor: donate_tensors must be true or false, got "
+                               f"{donate_tensors!r}")
         check_released = getattr(self, "_check_weights_present", None)
         if check_released is not None:
             check_released("update_weights_from_tensor")
@@ -218,8 +228,9 @@ class TensorUpdate:
                 self._check_bucket(bucket, own)
                 converted = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in bucket.items()}
                 staged["tensors"].update(converted)
-                # what stays staged past this call is copied out of the sender's memory
-                shared = {n: t for n, t in converted.items() if t.data_ptr() == bucket[n].data_ptr()}
+                # what stays staged past this call is copied out of the sender's memory, unless it was donated
+                shared = {} if donate_tensors else {
+                    n: t for n, t in converted.items() if t.data_ptr() == bucket[n].data_ptr()}
                 try:
                     state, served = self._complete_state(staged["tensors"], own), None
                 except BaseException:
@@ -240,10 +251,12 @@ class TensorUpdate:
             staged.clear()
             # unquantised: the model's own tensors are what serve now; quantised: the tensors as received
             # (/get_weights_by_name, weight_read.py)
-            self._switch_to(state, version, source="update_weights_from_tensor", _served_checkpoint=served)
-        logger.info("loaded weight version %s from %d buckets of update_weights_from_tensor (%d tensors, %s)",
+            adopted = self._switch_to(state, version, source="update_weights_from_tensor",
+                                      adopt=donate_tensors and quantization is None, _served_checkpoint=served)
+        logger.info("loaded weight version %s from %d buckets of update_weights_from_tensor (%d tensors, %s)%s",
                     self.weight_version, buckets, len(served if served is not None else state),
-                    quantization or "unquantised")
+                    quantization or "unquantised",
+                    f"; donated: {adopted} bytes adopted as the model's weights, not copied" if donate_tensors else "")
         return {"success": True, "message": f"weight version {self.weight_version} loaded from tensors",
                 "num_paused_requests": 0}
 
