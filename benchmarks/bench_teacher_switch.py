@@ -31,7 +31,7 @@ bytes counter (resident + prefetched teacher tensors).
 
 Engine (row ``teacher_switch_engine``, ``--engine``; 1.1 GB fp32 Qwen3 teachers, 11 MB with --quick): three
 teacher checkpoints on local disk, one torch engine (``slime-ascend serve-torch``, another process) switched
-between them the two ways the ``opd`` plugin can, interleaved:
+between them the ways the ``opd`` plugin can, interleaved:
 
 * disk: ``/update_weights_from_disk`` of the next teacher's checkpoint, its files first dropped from the page
   cache (``posix_fadvise(DONTNEED)``, no root needed), so the engine reads them from disk as a first switch does;
@@ -40,7 +40,8 @@ between them the two ways the ``opd`` plugin can, interleaved:
   pushes it over the engine's weight-update group; the stall is the time inside ``pool.activate``;
 * staged hand-over (``ascend_opd_switch_transport: tensor``, row ``teacher_switch_engine_tensor``): the same, with
   the teacher staged in shared memory and handed to the engine by ``/update_weights_from_tensor`` with
-  ``donate_tensors`` (the engine serves the shared memory as its weights, no copy).
+  ``donate_tensors`` (the engine serves the shared memory as its weights, no copy); and the same without the field
+  (row ``teacher_switch_engine_tensor_copied``: the engine copies the teacher into its weights, as SGLang does).
 
 Printed: each switch's seconds, the medians, their ratio (staged / disk) per transport, the pool's peak host bytes,
 the engine's served version after each switch and the seconds of a scoring request right after each switch (beside
@@ -343,12 +344,14 @@ def engine_rows(quick: bool = False, repeats: int | None = None, min_score_s: fl
         url = engine.url
         serving = names[0]
         disk: list[float] = []
-        stalls: dict[str, list[float]] = {"distributed": [], "tensor": []}
-        scores: dict[str, list[float]] = {"disk": [], "distributed": [], "tensor": []}
-        versions: dict[str, list[str]] = {"distributed": [], "tensor": []}
+        ways = ("distributed", "tensor", "tensor_copied")
+        stalls: dict[str, list[float]] = {way: [] for way in ways}
+        scores: dict[str, list[float]] = {way: [] for way in ("disk", *ways)}
+        versions: dict[str, list[str]] = {way: [] for way in ways}
         pools = {"distributed": TeacherPool(specs, DistributedPushLoader(url)),
-                 "tensor": TeacherPool(specs, TensorPushLoader(url))}
-        resident: dict[str, str | None] = {"distributed": None, "tensor": None}
+                 "tensor": TeacherPool(specs, TensorPushLoader(url)),
+                 "tensor_copied": TeacherPool(specs, TensorPushLoader(url, donate=False))}
+        resident: dict[str, str | None] = {way: None for way in ways}
         try:
             for _ in range(repeats):
                 target = next(n for n in names if n != serving)
@@ -376,7 +379,9 @@ def engine_rows(quick: bool = False, repeats: int | None = None, min_score_s: fl
         disk_med = statistics.median(disk)
         rows = []
         for way, how in (("distributed", "pushed over the engine's weight-update group (gloo)"),
-                         ("tensor", "handed over in shared memory (/update_weights_from_tensor)")):
+                         ("tensor", "handed over in shared memory (/update_weights_from_tensor, donated)"),
+                         ("tensor_copied", "handed over in shared memory and copied (/update_weights_from_tensor "
+                                           "without donate_tensors, as SGLang takes it)")):
             med = statistics.median(stalls[way])
             ratio = med / disk_med
             m = metrics[way]
@@ -389,7 +394,7 @@ def engine_rows(quick: bool = False, repeats: int | None = None, min_score_s: fl
                 f"switch {statistics.median(scores[way]) * 1e3:.0f} ms (after a disk reload "
                 f"{statistics.median(scores['disk']) * 1e3:.0f} ms); staged push / disk {ratio:.3f}"
             )
-            rows.append({"name": ENGINE_NAME if way == "distributed" else f"{ENGINE_NAME}_tensor", "ratio": ratio,
+            rows.append({"name": ENGINE_NAME if way == "distributed" else f"{ENGINE_NAME}_{way}", "ratio": ratio,
                          "target": f"<={TARGET}", "passed": ratio <= TARGET, "detail": detail})
         return rows
     finally:

@@ -223,8 +223,10 @@ class TensorPushLoader(_PushLoader):
         bucket_bytes: int = 1 << 62,
         timeout_s: float = 1800.0,
         post: Callable[[str, dict[str, Any], float], Mapping[str, Any]] | None = None,
+        donate: bool = True,
     ) -> None:
         super().__init__(engine_urls, bucket_bytes, timeout_s, post)
+        self.donate = donate  # False: every engine copies the teacher, as SGLang does (bench_teacher_switch's control)
         self._ranks: list[int] | None = None  # each engine's tensor-parallel ranks: one string each
         self._donates: list[bool] = []  # each engine's: whether it takes donated tensors (the torch engine)
         self._serving: dict[str, torch.Tensor] | None = None  # the teacher the engines adopted, while they serve it
@@ -248,7 +250,7 @@ class TensorPushLoader(_PushLoader):
                 # the staged teacher is never written again once pushed: an engine that says it takes donated
                 # tensors (the torch engine, tensor_update.py) may serve it in place of a copy; SGLang copies it, and
                 # gets no such field
-                self._donates.append(isinstance(info, Mapping) and info.get("donate_tensors") is True)
+                self._donates.append(self.donate and isinstance(info, Mapping) and info.get("donate_tensors") is True)
             self._ranks = ranks
         return self._ranks
 

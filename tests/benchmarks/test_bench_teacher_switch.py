@@ -32,19 +32,22 @@ def test_bench_prints_switches_per_rollout_for_both_orders():
 
 
 @pytest.mark.slow
-def test_bench_engine_rows_switch_a_torch_engine_three_ways_and_print_the_ratios():
+def test_bench_engine_rows_switch_a_torch_engine_four_ways_and_print_the_ratios():
     r = subprocess.run([sys.executable, str(BENCH), "--order-only", "--engine", "--quick"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     disks = set()
-    for row, how, versions in (("teacher_switch_engine", "weight-update group", "'opd:teacher0:1', 'opd:teacher1:2'"),
-                               ("teacher_switch_engine_tensor", "shared memory", "'opd:teacher1:1', 'opd:teacher0:2'")):
+    for row, how, versions in (("teacher_switch_engine", "weight-update group", "'opd:teacher0:1', 'opd:teacher2:2'"),
+                               ("teacher_switch_engine_tensor", "shared memory (/update_weights_from_tensor, donated",
+                                "'opd:teacher1:1', 'opd:teacher0:2'"),
+                               ("teacher_switch_engine_tensor_copied", "shared memory and copied",
+                                "'opd:teacher0:1', 'opd:teacher1:2'")):
         m = re.search(r"disk reload \(page cache dropped\) \[([\d., ]+)\] s.*staged push \(prefetched while scoring, "
-                      rf"[^)]*{how}[^)]*\)+ \[([\d., ]+)\] s.*versions \[([^\]]*)\]", out)
+                      rf"[^)]*{re.escape(how)}[^)]*\)+ \[([\d., ]+)\] s.*versions \[([^\]]*)\]", out)
         assert m, out
         disks.add(m.group(1))
         assert len(m.group(1).split(",")) == len(m.group(2).split(",")) == 2  # two switches each way, interleaved
         assert m.group(3) == versions, out  # the engine served each pushed teacher
         assert re.search(rf"^RESULT {row} ratio=[\d.]+ target=<=0.1 (PASS|FAIL)$", out, re.M), out
-    assert len(disks) == 1  # both rows over the same disk reloads
+    assert len(disks) == 1  # every row over the same disk reloads
