@@ -279,6 +279,6 @@ class TensorPushLoader(_PushLoader):
         # held here until they switched away from it, so that their switch only unmaps its pages (0.02 s for
         # 1 GiB on this host) and the freeing of them (0.12-0.2 s) falls to the pool's background thread
         held, self._serving = self._serving, (state if any(self._donates) else None)
-        self._garbage = [held, None if self._serving is not None else state]
+        self._garbage = [held] if self._serving is not None else [held, state]
         staged.payload = None
         return 0  # what the pool holds of the served teacher is the engines' own memory

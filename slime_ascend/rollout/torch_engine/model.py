@@ -387,9 +387,8 @@ def apply_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     validate_state_dict(model, state, source, check_finite=False)
     state = to_model_layout(model, state)
     own = model.state_dict()
-    holders = dict(model.named_parameters(remove_duplicate=False)) if adopt else {}
-    if adopt:
-        holders.update(model.named_buffers(remove_duplicate=False))
+    holders = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))} if adopt else {}
     adopted = 0
     with torch.no_grad():
         for name, tensor in state.items():
